@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Install sgl-loopkv with real SGLang 0.5.23 (CPU) into ./.venv. Idempotent: a second run with
+# unchanged requirements does nothing. Usage: ./install.sh [--test]   (--test adds test tools)
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${SGL_LOOPKV_VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "install.sh: Python >= 3.11 is required (set PYTHON=...)" >&2; exit 1; }
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip install --disable-pip-version-check -q -c requirements/constraints.txt)
+
+reqs=(-r requirements/cpu.txt)
+[ "${1:-}" = "--test" ] && reqs+=(-r requirements/test.txt)
+stamp="$VENV/.sgl-loopkv-$(cat install.sh requirements/*.txt | sha256sum | cut -c1-16)${1:-}"
+if [ ! -f "$stamp" ]; then
+  start=$(date +%s)
+  echo "install.sh: installing torch, SGLang and dependencies into $VENV (about 2 minutes) ..." >&2
+  "${pip[@]}" torch torchvision "${reqs[@]}"
+  # SGLang's metadata pins the CUDA stack (flashinfer, sglang-kernel, ...): install it bare.
+  "${pip[@]}" --no-deps -r requirements/nodeps.txt
+  touch "$stamp"
+  echo "install.sh: dependencies installed in $(( $(date +%s) - start )) s" >&2
+fi
+"${pip[@]}" --no-deps --no-build-isolation -e .

@@ -1,0 +1,1 @@
+"""Serving entry points (importable as ``sgl_loopkv.server``)."""

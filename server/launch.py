@@ -1,0 +1,98 @@
+"""``python -m sgl_loopkv.launch_server``: real SGLang's server with the sgl-loopkv plugin loaded.
+
+Every ``sglang.launch_server`` flag passes through unchanged. sgl-loopkv adds its ``--loopkv-*``
+flags, the embedded default model when no ``--model-path`` is given, and device defaults that a
+flag on the command line always overrides:
+
+- CPU (no GPU visible): SGLang's CPU engine, the ``loopkv`` attention backend, fp32, no overlap
+  schedule / CUDA graphs, ``--sleep-on-idle`` (else the idle scheduler busy-polls a core), a
+  32K-token KV pool.
+- GPU: SGLang's own defaults (the loopkv GPU attention path is not built yet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.platform import activate_cpu_standin, has_cuda, use_cpu_engine
+
+CPU_DEFAULTS: dict[str, str | None] = {
+    "--device": "cpu",
+    "--attention-backend": "loopkv",
+    "--dtype": "float32",  # CPUs without AMX-BF16 run fp32 matmuls fastest; also the HF reference dtype
+    "--max-total-tokens": "32768",  # SGLang would size the pool from all host RAM otherwise
+    "--disable-overlap-schedule": None,
+    "--disable-cuda-graph": None,
+    "--sleep-on-idle": None,
+    "--enable-cache-report": None,
+}
+GPU_DEFAULTS: dict[str, str | None] = {"--enable-cache-report": None}
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def with_defaults(argv: list[str], defaults: dict[str, str | None]) -> list[str]:
+    """Append each default flag the user did not pass (``None`` = a boolean switch)."""
+    out = list(argv)
+    for flag, value in defaults.items():
+        if not _given(argv, flag):
+            out += [flag] if value is None else [flag, value]
+    return out
+
+
+def loopkv_parser(add_help: bool) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_loopkv.launch_server",
+        add_help=add_help,
+        description="SGLang server with sgl-loopkv. All sglang.launch_server flags are accepted; "
+        "without --model-path the embedded SmolLM2-135M-Instruct is served.",
+    )
+    LoopKVConfig.add_cli_args(parser)
+    return parser
+
+
+def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
+    """Split argv into sgl-loopkv's config and SGLang's argv (with defaults and the model filled
+    in). Sets up this process for the chosen device. Returns (config, sglang argv, on_gpu)."""
+    ns, rest = loopkv_parser(add_help=False).parse_known_args(argv)
+    config = LoopKVConfig.from_cli_args(ns)
+    on_gpu = config.device == "cuda" or (config.device == "auto" and has_cuda())
+    if not on_gpu:
+        use_cpu_engine()
+    config.to_env()
+    activate_cpu_standin()
+    if not _given(rest, "--model-path") and not {"-h", "--help"} & set(rest):
+        from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
+
+        rest = ["--model-path", str(ensure_default_model(config.resolved_cache_dir))] + rest
+        if not _given(rest, "--served-model-name"):
+            rest += ["--served-model-name", DEFAULT_MODEL_NAME]
+    return config, with_defaults(rest, GPU_DEFAULTS if on_gpu else CPU_DEFAULTS), on_gpu
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if {"-h", "--help"} & set(argv):
+        loopkv_parser(add_help=False).print_help()
+        print("\nSGLang's own flags follow (all accepted unchanged):\n")
+    _, sglang_argv, _ = build_sglang_argv(argv)
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    from sgl_loopkv.plugin import register
+
+    load_plugins()  # our entry point and any other installed plugin, as sglang.launch_server does
+    register()  # idempotent; keeps loopkv available even if SGLANG_PLUGINS filters entry points
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)

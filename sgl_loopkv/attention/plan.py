@@ -1,0 +1,88 @@
+"""Attention plans: which KV-pool slots each query row attends to, decided once per batch.
+
+A plan is an index structure in the CSR style FlashInfer uses (``indptr`` + ``indices``), so the
+same object can drive the torch executor on CPU and a FlashInfer ``plan()`` on GPU. The dense plan
+below lists every slot of every sequence; sparse policies (later issues) emit plans that keep a
+subset of slots, blocks or lines per head, and executors must treat the dense plan as the
+"budget = 100%" special case of theirs.
+
+Layout of one batch (``bs`` sequences; sequence ``i`` has ``L_i`` keys, the last ``n_i`` of
+which are this forward's new tokens)::
+
+    q rows       [ q of seq 0 (n_0 rows) | q of seq 1 (n_1 rows) | ... ]     qo_indptr[i]..qo_indptr[i+1]
+    kv_indices   [ slots of seq 0 (L_0)  | slots of seq 1 (L_1)  | ... ]     kv_indptr[i]..kv_indptr[i+1]
+
+    row r of seq i sits at position (L_i - n_i + r) and sees keys 0 .. L_i - n_i + r (causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Dense per-batch plan. Host-side offsets are Python lists: executors slice with them
+    without a device sync.
+
+    qo_indptr:  [bs + 1] offsets of each sequence's query rows in ``q`` (tokens).
+    kv_indptr:  [bs + 1] offsets of each sequence's keys in ``kv_indices`` (tokens).
+    kv_indices: [kv_indptr[-1]] int64 KV-pool slot of every key, in position order.
+    causal:     False for encoder-only / cross attention, where every row sees every key.
+    """
+
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    kv_indices: torch.Tensor
+    causal: bool = True
+
+    def __post_init__(self):
+        assert len(self.qo_indptr) == len(self.kv_indptr), "one q span and one kv span per sequence"
+        assert self.kv_indices.numel() == self.kv_indptr[-1]
+        for i in range(self.batch_size):
+            if self.q_len(i) > self.kv_len(i):
+                raise ValueError(f"sequence {i}: {self.q_len(i)} queries but only {self.kv_len(i)} keys")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.qo_indptr) - 1
+
+    def q_len(self, i: int) -> int:
+        return self.qo_indptr[i + 1] - self.qo_indptr[i]
+
+    def kv_len(self, i: int) -> int:
+        return self.kv_indptr[i + 1] - self.kv_indptr[i]
+
+    def prefix_len(self, i: int) -> int:
+        """Keys before the first new query row of sequence ``i`` (its causal offset)."""
+        return self.kv_len(i) - self.q_len(i)
+
+    def kv_slots(self, i: int) -> torch.Tensor:
+        return self.kv_indices[self.kv_indptr[i] : self.kv_indptr[i + 1]]
+
+
+def _offsets(lengths: list[int]) -> list[int]:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+def build_dense_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: list[int],
+    seq_lens: list[int],
+    q_lens: list[int],
+    causal: bool = True,
+) -> AttentionPlan:
+    """Plan full attention for a batch from SGLang's request table.
+
+    req_to_token: [max_reqs, max_context_len] pool slot of each position of each request row.
+    req_pool_indices, seq_lens, q_lens: per sequence; ``seq_lens`` counts the new tokens too
+    (decode: q_lens are all 1).
+    """
+    rows = [req_to_token[r, :n] for r, n in zip(req_pool_indices, seq_lens)]
+    kv_indices = torch.cat(rows).to(torch.int64) if rows else req_to_token.new_empty(0, dtype=torch.int64)
+    return AttentionPlan(_offsets(q_lens), _offsets(seq_lens), kv_indices, causal)

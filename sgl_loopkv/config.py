@@ -1,0 +1,76 @@
+"""sgl-loopkv's own settings: the ``--loopkv-*`` flags.
+
+One dataclass; every field is a flag (``cache_dir`` -> ``--loopkv-cache-dir``) whose help text is
+the field's ``help`` metadata. The launcher parses them out of argv before SGLang sees the rest,
+and hands them to SGLang's subprocesses through one environment variable (JSON), because SGLang
+has no registry for plugin arguments and spawned processes inherit the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+ENV_VAR = "SGL_LOOPKV_CONFIG"
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/sgl-loopkv``, else ``~/.cache/sgl-loopkv``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sgl-loopkv"
+
+
+@dataclass(slots=True)
+class LoopKVConfig:
+    cache_dir: str | None = field(
+        default=None,
+        metadata={"help": "Directory for sgl-loopkv's caches, e.g. the converted default model "
+                  "(default: $XDG_CACHE_HOME/sgl-loopkv or ~/.cache/sgl-loopkv)."},
+    )
+    device: str = field(
+        default="auto",
+        metadata={"help": "Serve on 'cpu' or 'cuda'; 'auto' picks cuda when a GPU is visible.",
+                  "choices": ["auto", "cpu", "cuda"]},
+    )
+    attention_executor: str = field(
+        default="torch",
+        metadata={"help": "Executor that runs the loopkv attention backend's plans.", "choices": ["torch"]},
+    )
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
+
+    @property
+    def resolved_cache_dir(self) -> Path:
+        return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
+
+    # --- CLI ------------------------------------------------------------------------------------
+    @staticmethod
+    def flag(name: str) -> str:
+        return "--loopkv-" + name.replace("_", "-")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("sgl-loopkv")
+        for f in fields(cls):
+            kwargs = {"default": f.default, "help": f.metadata["help"], "dest": f"loopkv_{f.name}"}
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+            group.add_argument(cls.flag(f.name), **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> LoopKVConfig:
+        return cls(**{f.name: getattr(ns, f"loopkv_{f.name}") for f in fields(cls)})
+
+    # --- hand-over to SGLang's subprocesses -------------------------------------------------------
+    def to_env(self) -> None:
+        os.environ[ENV_VAR] = json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> LoopKVConfig:
+        raw = os.environ.get(ENV_VAR)
+        return cls(**json.loads(raw)) if raw else cls()

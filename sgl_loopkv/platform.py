@@ -1,0 +1,71 @@
+"""Which device we serve on, and the CPU stand-in for ``sgl_kernel``.
+
+Everything here must run before SGLang's ``srt`` modules are imported: many of them evaluate
+``is_cpu()`` (``SGLANG_USE_CPU_ENGINE``) and ``from sgl_kernel import ...`` at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from functools import lru_cache
+
+logger = logging.getLogger(__name__)
+
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+
+
+@lru_cache(maxsize=1)
+def has_cuda() -> bool:
+    """True when a usable CUDA device is present (the GPU settings apply)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def use_cpu_engine() -> None:
+    """Switch SGLang to its CPU engine for this process and the processes it spawns."""
+    os.environ[CPU_ENGINE_ENV] = "1"
+
+
+def cpu_engine_enabled() -> bool:
+    return os.environ.get(CPU_ENGINE_ENV, "").lower() in ("1", "true")
+
+
+def real_sgl_kernel_available() -> bool:
+    """Whether a genuine ``sgl_kernel`` imports in this process (not our stand-in)."""
+    if "sgl_kernel" in sys.modules:
+        return not getattr(sys.modules["sgl_kernel"], "IS_SGL_LOOPKV_STANDIN", False)
+    try:
+        importlib.import_module("sgl_kernel")
+    except Exception:  # absent, or a CUDA build failing on libcuda.so: both mean "not usable here"
+        sys.modules.pop("sgl_kernel", None)
+        return False
+    return True
+
+
+def activate_cpu_standin() -> bool:
+    """Put the ``sgl_kernel`` stand-in on the import path if SGLang's CPU engine needs one.
+
+    Only when the CPU engine is on and the real package does not import. The directory goes on
+    ``sys.path`` (multiprocessing's spawn copies it into the scheduler and detokenizer before they
+    unpickle anything) and on ``PYTHONPATH`` (for children started any other way). Returns whether
+    the stand-in is active. Idempotent.
+    """
+    from sgl_loopkv.kernels import CPU_STANDIN_DIR
+
+    if not cpu_engine_enabled():
+        return False
+    standin = str(CPU_STANDIN_DIR)
+    if standin in sys.path:
+        return True
+    if real_sgl_kernel_available():
+        return False
+    sys.path.append(standin)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if standin not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, standin])
+    logger.info("sgl_kernel not installed: using sgl-loopkv's CPU stand-in (%s)", standin)
+    return True
