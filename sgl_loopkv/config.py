@@ -27,13 +27,17 @@ def default_cache_dir() -> Path:
 class LoopKVConfig:
     cache_dir: str | None = field(
         default=None,
-        metadata={"help": "Directory for sgl-loopkv's caches, e.g. the converted default model "
-                  "(default: $XDG_CACHE_HOME/sgl-loopkv or ~/.cache/sgl-loopkv)."},
+        metadata={
+            "help": "Directory for sgl-loopkv's caches, e.g. the converted default model "
+            "(default: $XDG_CACHE_HOME/sgl-loopkv or ~/.cache/sgl-loopkv)."
+        },
     )
     device: str = field(
         default="auto",
-        metadata={"help": "Serve on 'cpu' or 'cuda'; 'auto' picks cuda when a GPU is visible.",
-                  "choices": ["auto", "cpu", "cuda"]},
+        metadata={
+            "help": "Serve on 'cpu' or 'cuda'; 'auto' picks cuda when a GPU is visible.",
+            "choices": ["auto", "cpu", "cuda"],
+        },
     )
     attention_executor: str = field(
         default="torch",

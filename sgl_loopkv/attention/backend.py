@@ -98,5 +98,3 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
     from sgl_loopkv.config import LoopKVConfig
 
     return LoopKVAttnBackend(model_runner, executor=LoopKVConfig.from_env().attention_executor)
-
-

@@ -57,8 +57,12 @@ def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"[sgl-loopkv] converting the default model {DEFAULT_MODEL_NAME} (GGUF) into {target} "
-          "- one time, about 20 s ...", file=sys.stderr, flush=True)
+    print(
+        f"[sgl-loopkv] converting the default model {DEFAULT_MODEL_NAME} (GGUF) into {target} "
+        "- one time, about 20 s ...",
+        file=sys.stderr,
+        flush=True,
+    )
     start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".{_FOLDER}-", dir=target.parent))
     try:

@@ -1,0 +1,105 @@
+"""Run a server as a child process: free port, readiness wait, log file, clean shutdown.
+
+Used by the tests, the benchmarks and the examples, so every one of them starts servers the same
+way a user does (``python -m sgl_loopkv.launch_server`` or stock ``python -m sglang.launch_server``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A server on 127.0.0.1:<port>. ``module`` is what ``python -m`` runs."""
+
+    args: list[str]
+    module: str = "sgl_loopkv.launch_server"
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    startup_s: float | None = None  # spawn -> first successful /generate (seconds)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 600) -> ServerProcess:
+        env = {**os.environ, **self.env}
+        cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
+        t0 = time.perf_counter()
+        # Own process group: SGLang's scheduler/detokenizer children go down with it.
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready(timeout_s)
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode}; log: {self.log_path}")
+            try:
+                r = requests.post(
+                    f"{self.url}/generate",
+                    json={"text": "ready?", "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+                    timeout=60,
+                )
+                if r.status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout_s} s; log: {self.log_path}")
+
+    def pids(self) -> list[int]:
+        """The server's process and all its descendants."""
+        import psutil
+
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        root = psutil.Process(self.proc.pid)
+        return [root.pid, *(c.pid for c in root.children(recursive=True))]
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if sig == signal.SIGTERM:  # the launcher is gone; make sure no child outlives it
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            return
+
+    def __enter__(self) -> ServerProcess:
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

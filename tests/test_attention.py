@@ -1,0 +1,126 @@
+"""The dense loopkv attention (plan + torch executor) against a hand-written masked reference and
+against SGLang's own torch_native backend, on random tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sgl_loopkv.attention import EXECUTORS, AttentionPlan, build_dense_plan, dense_attention
+
+
+def reference_attention(q, k, v, scale, causal=True):
+    """softmax(q k^T * scale + mask) v with explicit GQA expansion and an explicit causal mask."""
+    n, hq, _ = q.shape
+    L, hkv, _ = k.shape
+    k = k.repeat_interleave(hq // hkv, dim=1)
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q.double(), k.double()) * scale
+    if causal:
+        allowed = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        scores = scores.masked_fill(~allowed, -math.inf)
+    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v.double()).to(q.dtype)
+
+
+@pytest.mark.parametrize("n,L", [(1, 1), (1, 37), (5, 37), (37, 37), (64, 300)])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (9, 3)])
+def test_dense_attention_matches_reference(n, L, hq, hkv):
+    g = torch.Generator().manual_seed(n * 1000 + L)
+    q = torch.randn(n, hq, 16, generator=g)
+    k, v = torch.randn(L, hkv, 16, generator=g), torch.randn(L, hkv, 16, generator=g)
+    torch.testing.assert_close(dense_attention(q, k, v, 0.25), reference_attention(q, k, v, 0.25), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        dense_attention(q, k, v, 0.25, causal=False),
+        reference_attention(q, k, v, 0.25, causal=False),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def _random_batch(seed, seq_lens, q_lens, pool=1024, hq=6, hkv=2, d=8):
+    """A pool with randomly placed slots per request, as SGLang's allocator leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = torch.randn(pool, hkv, d, generator=g), torch.randn(pool, hkv, d, generator=g)
+    req_to_token = torch.zeros(8, 512, dtype=torch.int32)
+    perm = torch.randperm(pool, generator=g)
+    rows, used = [3, 0, 5][: len(seq_lens)], 0
+    for r, n in zip(rows, seq_lens):
+        req_to_token[r, :n] = perm[used : used + n].to(torch.int32)
+        used += n
+    q = torch.randn(sum(q_lens), hq, d, generator=g)
+    return q, k_cache, v_cache, req_to_token, rows
+
+
+@pytest.mark.parametrize("seq_lens,q_lens", [([40, 7, 100], [40, 2, 1]), ([1, 1, 9], [1, 1, 1]), ([64], [16])])
+def test_executor_runs_plan_per_sequence(seq_lens, q_lens):
+    q, k_cache, v_cache, req_to_token, rows = _random_batch(1, seq_lens, q_lens)
+    plan = build_dense_plan(req_to_token, rows, seq_lens, q_lens)
+    out = EXECUTORS.create("torch").run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))
+    for i, (r, n) in enumerate(zip(rows, seq_lens)):
+        slots = req_to_token[r, :n].long()
+        rows_i = slice(plan.qo_indptr[i], plan.qo_indptr[i + 1])
+        ref = reference_attention(q[rows_i], k_cache[slots], v_cache[slots], 0.3)
+        torch.testing.assert_close(out[rows_i], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_rejects_more_queries_than_keys():
+    with pytest.raises(ValueError, match="queries"):
+        AttentionPlan([0, 5], [0, 3], torch.arange(3))
+
+
+def test_plan_prefix_lengths():
+    plan = build_dense_plan(torch.arange(40).view(2, 20), [1, 0], [12, 5], [2, 5])
+    assert [plan.prefix_len(i) for i in range(2)] == [10, 0]
+    assert plan.kv_slots(0).tolist() == list(range(20, 32))
+
+
+@pytest.mark.parametrize("seq_lens,prefix_lens", [([40, 7, 100], [0, 5, 99]), ([300], [200])])
+def test_equal_to_sglang_torch_native(seq_lens, prefix_lens):
+    """Same numbers as SGLang's torch_native extend/decode (which pads q to the full sequence)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    native = object.__new__(TorchNativeAttnBackend)  # its _run_* helpers use only their arguments
+    q_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+    q, k_cache, v_cache, req_to_token, rows = _random_batch(2, seq_lens, q_lens)
+    as_t = lambda xs: torch.tensor(xs)  # noqa: E731
+    ref = native._run_sdpa_forward_extend(
+        q,
+        torch.empty_like(q),
+        k_cache,
+        v_cache,
+        req_to_token,
+        as_t(rows),
+        as_t(seq_lens),
+        as_t(prefix_lens),
+        as_t(q_lens),
+        scaling=0.3,
+        enable_gqa=True,
+        causal=True,
+    )
+    plan = build_dense_plan(req_to_token, rows, seq_lens, q_lens)
+    out = EXECUTORS.create("torch").run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+    # decode: one new row per sequence
+    qd = q[: len(seq_lens)].clone()
+    ref_d = native._run_sdpa_forward_decode(
+        qd,
+        torch.empty_like(qd),
+        k_cache,
+        v_cache,
+        req_to_token,
+        as_t(rows),
+        as_t(seq_lens),
+        scaling=0.3,
+        enable_gqa=True,
+    )
+    plan_d = build_dense_plan(req_to_token, rows, seq_lens, [1] * len(seq_lens))
+    out_d = EXECUTORS.create("torch").run(plan_d, qd, k_cache, v_cache, 0.3, torch.empty_like(qd))
+    torch.testing.assert_close(out_d, ref_d, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_executor_is_a_clear_error():
+    with pytest.raises(KeyError, match="unknown attention executor 'nope'"):
+        EXECUTORS.create("nope")

@@ -1,0 +1,55 @@
+"""Argument handling of ``python -m sgl_loopkv.launch_server``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from sgl_loopkv.server.launch import CPU_DEFAULTS, with_defaults
+
+from tests.helpers import run_fresh
+
+
+def test_defaults_never_override_user_flags():
+    argv = with_defaults(["--attention-backend", "torch_native", "--dtype=bfloat16"], CPU_DEFAULTS)
+    assert argv.count("--attention-backend") == 1 and "torch_native" in argv
+    assert "--dtype=bfloat16" in argv and "--dtype" not in argv
+    assert "--sleep-on-idle" in argv and argv[argv.index("--device") + 1] == "cpu"
+
+
+def test_loopkv_flags_are_split_off_and_handed_to_subprocesses(tmp_path):
+    out = run_fresh(
+        f"""
+        import json, os
+        from sgl_loopkv.server.launch import build_sglang_argv
+        cfg, argv, on_gpu = build_sglang_argv(
+            ["--model-path", "/m", "--loopkv-device", "cpu", "--loopkv-cache-dir", "{tmp_path}", "--port", "1"])
+        from sgl_loopkv.config import LoopKVConfig
+        print(json.dumps({{"argv": argv, "on_gpu": on_gpu, "cpu_engine": os.environ.get("SGLANG_USE_CPU_ENGINE"),
+                           "child_cfg": LoopKVConfig.from_env().cache_dir}}))
+        """
+    )
+    assert not any(a.startswith("--loopkv") for a in out["argv"])
+    assert out["argv"][:2] == ["--model-path", "/m"] and "--port" in out["argv"]
+    assert out["argv"][out["argv"].index("--attention-backend") + 1] == "loopkv"
+    assert out["on_gpu"] is False and out["cpu_engine"] == "1"
+    assert out["child_cfg"] == str(tmp_path)
+
+
+def test_help_lists_loopkv_and_sglang_flags():
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_loopkv.launch_server", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--loopkv-cache-dir" in proc.stdout and "--loopkv-device" in proc.stdout
+    assert "--attention-backend" in proc.stdout and "--radix-cache-backend" in proc.stdout
+
+
+def test_bad_loopkv_flag_value_is_rejected():
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_loopkv.launch_server", "--loopkv-device", "tpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2 and "invalid choice: 'tpu'" in proc.stderr

@@ -1,0 +1,45 @@
+"""The sgl-loopkv plugin is found by SGLang's own plugin loader in a fresh process."""
+
+from __future__ import annotations
+
+from tests.helpers import run_fresh
+
+
+def test_load_plugins_finds_and_registers_loopkv():
+    out = run_fresh(
+        """
+        import json
+        from importlib.metadata import entry_points
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+        from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+        from sgl_loopkv.plugin import COMPONENTS
+        print(json.dumps({
+            "entry_points": [ep.value for ep in entry_points(group="sglang.srt.plugins")],
+            "backend": ATTENTION_BACKENDS.get("loopkv").__module__,
+            "choice": "loopkv" in ATTENTION_BACKEND_CHOICES,
+            "hooked": hasattr(OpenAIServingBase.handle_request, "__wrapped__"),
+            "components": COMPONENTS,
+        }))
+        """,
+        env={"SGLANG_USE_CPU_ENGINE": "1"},
+    )
+    assert "sgl_loopkv.plugin:register" in out["entry_points"]
+    assert out["backend"] == "sgl_loopkv.attention.backend"
+    assert out["choice"] and out["hooked"]
+    assert out["components"]["attention_backend"] == ["loopkv"]
+
+
+def test_plugin_registration_is_idempotent():
+    out = run_fresh(
+        """
+        import json
+        from sgl_loopkv.plugin import COMPONENTS, register
+        register(); register()
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+        print(json.dumps({"n": ATTENTION_BACKEND_CHOICES.count("loopkv"), "c": COMPONENTS}))
+        """
+    )
+    assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"] and len(out["c"]["hook"]) == 1

