@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-from sgl_loopkv.server.process import ServerProcess
 
 from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.server.process import ServerProcess
 
 # Small KV pool and chunk size keep servers light on 2-core CI machines.
 COMMON_SERVER_ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5"]

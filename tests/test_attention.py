@@ -124,3 +124,18 @@ def test_equal_to_sglang_torch_native(seq_lens, prefix_lens):
 def test_unknown_executor_is_a_clear_error():
     with pytest.raises(KeyError, match="unknown attention executor 'nope'"):
         EXECUTORS.create("nope")
+
+
+def test_contiguous_slots_are_read_through_a_view_with_the_same_result():
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    req_to_token[0, :40] = torch.arange(100, 140, dtype=torch.int32)  # one ascending run
+    req_to_token[1, :40] = torch.arange(100, 140, dtype=torch.int32).flip(0)  # not a run
+    plan = build_dense_plan(req_to_token, [0, 1], [40, 40], [3, 3])
+    assert plan.kv_start == [100, None]
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache, q = torch.randn(200, 2, 8, generator=g), torch.randn(200, 2, 8, generator=g), torch.randn(6, 4, 8)
+    out = EXECUTORS.create("torch").run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))
+    for i in range(2):
+        slots = req_to_token[i, :40].long()
+        ref = reference_attention(q[3 * i : 3 * i + 3], k_cache[slots], v_cache[slots], 0.3)
+        torch.testing.assert_close(out[3 * i : 3 * i + 3], ref, atol=1e-5, rtol=1e-5)

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 from sgl_loopkv.server.launch import CPU_DEFAULTS, with_defaults
-
 from tests.helpers import run_fresh
 
 

@@ -72,6 +72,5 @@ class TorchDenseExecutor(AttentionExecutor):
             q0, q1 = plan.qo_indptr[i], plan.qo_indptr[i + 1]
             if q0 == q1:
                 continue
-            slots = plan.kv_slots(i)
-            out[q0:q1] = dense_attention(q[q0:q1], k_cache[slots], v_cache[slots], scale, plan.causal)
+            out[q0:q1] = dense_attention(q[q0:q1], plan.kv_of(i, k_cache), plan.kv_of(i, v_cache), scale, plan.causal)
         return out

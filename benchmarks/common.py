@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: timed requests, synthetic token streams, medians, and the
+JSON + markdown + PNG outputs every benchmark writes under benchmarks/results/."""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import statistics
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import requests
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+_WORDS = (
+    "the river city morning report council water bridge market season letter garden road winter museum "
+    "station harbour festival library engine signal forest valley summer teacher window history number"
+).split()
+
+
+def synthetic_ids(tokenizer, n_tokens: int, seed: int) -> list[int]:
+    """``n_tokens`` token ids of plain English-like text, deterministic by seed."""
+    rng = random.Random(seed)
+    text = []
+    while True:
+        text.append(" ".join(rng.choice(_WORDS) for _ in range(12)).capitalize() + ".")
+        ids = tokenizer(" ".join(text), add_special_tokens=False)["input_ids"]
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+
+
+def timed_generate(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
+    """Stream one greedy request; returns ttft_s (first chunk), total_s, tokens and meta_info."""
+    body = {
+        "input_ids": input_ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line or line == b"data: [DONE]":
+                continue
+            ttft = ttft or time.perf_counter() - t0
+            last = json.loads(line[len(b"data: ") :])
+    total = time.perf_counter() - t0
+    return {"ttft_s": ttft, "total_s": total, "tokens": len(last["output_ids"]), "meta_info": last["meta_info"]}
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def environment() -> dict:
+    import torch
+
+    return {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
+    json_path.write_text(json.dumps(payload, indent=2) + "\n")
+    md_path.write_text(markdown)
+    return json_path, md_path
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

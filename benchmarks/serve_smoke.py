@@ -1,0 +1,193 @@
+"""Serving smoke benchmark: the default model through real SGLang, sgl-loopkv's dense attention
+next to SGLang's torch_native attention and HF transformers, in one run on this machine.
+
+Measures, per system (medians over --repeats):
+- TTFT of a prompt with a history of L tokens, full recompute (nothing cached) vs. the same history
+  already in the radix cache plus a short new turn; the ratio is what a returning user gains;
+- decode tokens/s on a short chat prompt (128 greedy tokens), and HF ``generate()`` on the same ids;
+- start-up to first answer, and CPU used by an idle server.
+
+    python -m benchmarks.serve_smoke            # 1K/2K/4K histories, 3 repeats
+    python -m benchmarks.serve_smoke --quick    # 4K only, 1 repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import psutil
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS, environment, md_table, median, synthetic_ids, timed_generate, write_results
+from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.models import ensure_default_model
+from sgl_loopkv.server.process import ServerProcess
+
+DECODE_TOKENS = 128
+CHAT_PROMPT = "<|im_start|>user\nTell me a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
+SYSTEMS = {"loopkv": "loopkv", "torch_native": "torch_native"}  # name -> --attention-backend
+
+
+def idle_cpu_fraction(srv: ServerProcess, seconds: float = 5.0) -> float:
+    time.sleep(2)
+    procs = [psutil.Process(p) for p in srv.pids()]
+    cpu = lambda: sum(p.cpu_times().user + p.cpu_times().system for p in procs)  # noqa: E731
+    before = cpu()
+    time.sleep(seconds)
+    return (cpu() - before) / seconds
+
+
+def measure_server(backend: str, tokenizer, lengths: list[int], repeats: int, bar) -> dict:
+    srv = ServerProcess(
+        ["--attention-backend", backend, "--max-total-tokens", "32768"],
+        log_path=RESULTS / f"serve_smoke_{backend}.log",
+    ).start()
+    try:
+        out = {"startup_s": srv.startup_s, "idle_cpu_fraction": idle_cpu_fraction(srv), "history": {}}
+        chat_ids = tokenizer(CHAT_PROMPT, add_special_tokens=False)["input_ids"]
+        runs = [timed_generate(srv.url, chat_ids, DECODE_TOKENS) for _ in range(repeats)]
+        bar.update()
+        out["ttft_s"] = median([r["ttft_s"] for r in runs])
+        out["decode_tok_s"] = median([(r["tokens"] - 1) / (r["total_s"] - r["ttft_s"]) for r in runs])
+        for L in lengths:
+            # Distinct seeds -> distinct first tokens -> no radix hit: a full recompute each time.
+            full = [timed_generate(srv.url, synthetic_ids(tokenizer, L, seed=1000 * L + r), 1) for r in range(repeats)]
+            history = synthetic_ids(tokenizer, L, seed=7)
+            turn = lambda r: tokenizer(f"\nUser: question number {r}?", add_special_tokens=False)["input_ids"]  # noqa: E731
+            timed_generate(srv.url, history + turn(-1), 1)  # the conversation's earlier turn: now cached
+            cached = [timed_generate(srv.url, history + turn(r), 1) for r in range(repeats)]
+            assert all(c["meta_info"]["cached_tokens"] >= L for c in cached), "history was not served from cache"
+            out["history"][L] = {
+                "full_ttft_s": median([f["ttft_s"] for f in full]),
+                "cached_ttft_s": median([c["ttft_s"] for c in cached]),
+                "new_tokens": len(turn(0)),
+            }
+            out["history"][L]["speedup"] = out["history"][L]["full_ttft_s"] / out["history"][L]["cached_ttft_s"]
+            bar.update()
+        return out
+    finally:
+        srv.stop()
+
+
+def measure_hf(model_dir, tokenizer, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer(CHAT_PROMPT, add_special_tokens=False)["input_ids"]])
+
+    def gen(n):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        return time.perf_counter() - t0
+
+    gen(4)  # warm-up
+    ttft = median([gen(1) for _ in range(repeats)])
+    total = median([gen(DECODE_TOKENS) for _ in range(repeats)])
+    return {"ttft_s": ttft, "decode_tok_s": (DECODE_TOKENS - 1) / (total - ttft)}
+
+
+def plot(results: dict, lengths: list[int], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, style in (("loopkv", "-o"), ("torch_native", "--s")):
+        h = results[name]["history"]
+        ax1.plot(lengths, [h[L]["full_ttft_s"] for L in lengths], style, label=f"{name}: full recompute")
+        ax1.plot(lengths, [h[L]["cached_ttft_s"] for L in lengths], style, label=f"{name}: history cached", alpha=0.6)
+    ax1.set(xscale="log", yscale="log", xlabel="history length (tokens)", ylabel="TTFT (s, median)")
+    ax1.set_xticks(lengths, [str(L) for L in lengths])
+    ax1.set_title("Next-turn TTFT")
+    ax1.legend(fontsize=8)
+    names = ["loopkv", "torch_native", "hf_transformers"]
+    ax2.bar(names, [results[n]["decode_tok_s"] for n in names], color=["C0", "C1", "C2"])
+    ax2.set(ylabel="decode tokens/s (median)", title=f"Decode, {DECODE_TOKENS} greedy tokens, bs=1")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="4K history only, 1 repeat")
+    args = ap.parse_args()
+    lengths, repeats = ([4096], 1) if args.quick else (sorted(args.lengths), args.repeats)
+    assert 4096 in lengths, "the summary reports the 4K-history ratio"
+
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    results = {}
+    with tqdm(total=len(SYSTEMS) * (len(lengths) + 1) + 1, desc="serve_smoke") as bar:
+        for name, backend in SYSTEMS.items():
+            bar.set_postfix_str(name)
+            results[name] = measure_server(backend, tokenizer, lengths, repeats, bar)
+        bar.set_postfix_str("hf_transformers")
+        results["hf_transformers"] = measure_hf(model_dir, tokenizer, repeats)
+        bar.update()
+
+    ours, native, hf = results["loopkv"], results["torch_native"], results["hf_transformers"]
+    summary = {
+        "decode_tok_s": ours["decode_tok_s"],
+        "hf_decode_tok_s": hf["decode_tok_s"],
+        "ttft_s": ours["ttft_s"],
+        "hf_ttft_s": hf["ttft_s"],
+        "cached_4k_speedup_loopkv": ours["history"][4096]["speedup"],
+        "cached_4k_speedup_torch_native": native["history"][4096]["speedup"],
+        "cached_4k_ttft_s_loopkv": ours["history"][4096]["cached_ttft_s"],
+        "cached_4k_ttft_s_torch_native": native["history"][4096]["cached_ttft_s"],
+        "startup_s": ours["startup_s"],
+        "idle_cpu_fraction": ours["idle_cpu_fraction"],
+    }
+    payload = {"summary": summary, "systems": results, "lengths": lengths, "repeats": repeats, "env": environment()}
+    rows = [
+        [n, L, r["history"][L]["full_ttft_s"], r["history"][L]["cached_ttft_s"], r["history"][L]["speedup"]]
+        for n, r in (("loopkv", ours), ("torch_native", native))
+        for L in lengths
+    ]
+    md = (
+        f"# serve_smoke ({payload['env']['when']}, {repeats} repeats, medians)\n\n"
+        "Next-turn TTFT with the history cached vs recomputed (default model, bs=1):\n\n"
+        + md_table(["attention", "history tokens", "full recompute TTFT s", "cached TTFT s", "speedup x"], rows)
+        + "\nDecode and start-up:\n\n"
+        + md_table(
+            ["system", "decode tok/s", "TTFT s (chat prompt)", "start-up to first answer s", "idle CPU (cores)"],
+            [
+                [
+                    "sgl-loopkv (loopkv attention)",
+                    ours["decode_tok_s"],
+                    ours["ttft_s"],
+                    ours["startup_s"],
+                    ours["idle_cpu_fraction"],
+                ],
+                [
+                    "SGLang torch_native attention",
+                    native["decode_tok_s"],
+                    native["ttft_s"],
+                    native["startup_s"],
+                    native["idle_cpu_fraction"],
+                ],
+                ["HF transformers generate()", hf["decode_tok_s"], hf["ttft_s"], "-", "-"],
+            ],
+        )
+        + "\n![serve_smoke](serve_smoke.png)\n"
+    )
+    json_path, _ = write_results("serve_smoke", payload, md)
+    plot(results, lengths, RESULTS / "serve_smoke.png")
+    print(md)
+    print(
+        f"cached-4K speedup: loopkv {summary['cached_4k_speedup_loopkv']:.1f}x vs torch_native "
+        f"{summary['cached_4k_speedup_torch_native']:.1f}x; decode loopkv/HF = "
+        f"{summary['decode_tok_s'] / summary['hf_decode_tok_s']:.2f}x  -> {json_path}"
+    )
+
+
+if __name__ == "__main__":
+    main()
