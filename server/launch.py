@@ -22,6 +22,8 @@ from sgl_loopkv.platform import activate_cpu_standin, has_cuda, use_cpu_engine
 CPU_DEFAULTS: dict[str, str | None] = {
     "--device": "cpu",
     "--attention-backend": "loopkv",
+    "--radix-cache-backend": "loopkv",
+    "--page-size": "16",  # = the tiered cache's chunk: node boundaries are chunk boundaries
     "--dtype": "float32",  # CPUs without AMX-BF16 run fp32 matmuls fastest; also the HF reference dtype
     "--max-total-tokens": "32768",  # SGLang would size the pool from all host RAM otherwise
     "--disable-overlap-schedule": None,
@@ -29,7 +31,11 @@ CPU_DEFAULTS: dict[str, str | None] = {
     "--sleep-on-idle": None,
     "--enable-cache-report": None,
 }
-GPU_DEFAULTS: dict[str, str | None] = {"--enable-cache-report": None}
+GPU_DEFAULTS: dict[str, str | None] = {
+    "--radix-cache-backend": "loopkv",
+    "--page-size": "16",
+    "--enable-cache-report": None,
+}
 
 
 def _given(argv: list[str], flag: str) -> bool:

@@ -14,7 +14,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-ENV_VAR = "SGL_LOOPKV_CONFIG"
+ENV_VAR = "LOOPKV_CONFIG"
 
 
 def default_cache_dir() -> Path:
@@ -44,9 +44,35 @@ class LoopKVConfig:
         metadata={"help": "Executor that runs the loopkv attention backend's plans.", "choices": ["torch"]},
     )
 
+    host_bytes: int = field(
+        default=2 << 30,
+        metadata={"help": "Byte quota of the host-RAM tier of the loopkv radix cache (default 2 GiB).", "type": int},
+    )
+    disk_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the disk tier; reusing it after a restart resumes the stored conversations "
+            "(default: no disk tier)."
+        },
+    )
+    disk_bytes: int = field(
+        default=20 << 30,
+        metadata={"help": "Byte quota of the disk tier (default 20 GiB).", "type": int},
+    )
+    value_policy: str = field(
+        default="attention",
+        metadata={
+            "help": "What the host/disk tiers evict last: 'attention' (attention importance x accesses, "
+            "decayed) or 'lru'.",
+            "choices": ["attention", "lru"],
+        },
+    )
+
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
+        if self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("--loopkv-host-bytes and --loopkv-disk-bytes must be >= 0")
 
     @property
     def resolved_cache_dir(self) -> Path:
@@ -62,8 +88,9 @@ class LoopKVConfig:
         group = parser.add_argument_group("sgl-loopkv")
         for f in fields(cls):
             kwargs = {"default": f.default, "help": f.metadata["help"], "dest": f"loopkv_{f.name}"}
-            if "choices" in f.metadata:
-                kwargs["choices"] = f.metadata["choices"]
+            for opt in ("choices", "type"):
+                if opt in f.metadata:
+                    kwargs[opt] = f.metadata[opt]
             group.add_argument(cls.flag(f.name), **kwargs)
 
     @classmethod

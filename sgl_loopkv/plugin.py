@@ -6,9 +6,10 @@ controller) through ``sglang.srt.plugins.load_plugins()``; registration is idemp
 What it registers today:
 - the ``sgl_kernel`` CPU stand-in (only with SGLang's CPU engine and no real sgl_kernel);
 - the ``loopkv`` attention backend (``--attention-backend loopkv``);
-- a check that OpenAI requests name the served model (:mod:`sgl_loopkv.server.openai_model_check`).
-The radix-cache backend (tiered KV store) and the sparse planners come with their own issues and
-are added to :data:`COMPONENTS` here, nowhere else.
+- the ``loopkv`` radix-cache backend (``--radix-cache-backend loopkv``): tiered conversation KV;
+- a check that OpenAI requests name the served model (:mod:`sgl_loopkv.server.openai_model_check`);
+- per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`).
+New components are registered here, nowhere else.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def register() -> None:
     # Before anything imports sglang.srt: its modules import sgl_kernel at import time.
     activate_cpu_standin()
     _register_attention_backend()
+    _register_radix_cache_backend()
     _register_hooks()
 
 
@@ -44,14 +46,29 @@ def _register_attention_backend() -> None:
         COMPONENTS["attention_backend"].append(BACKEND_NAME)
 
 
+def _register_radix_cache_backend() -> None:
+    from sglang.srt.mem_cache.registry import register_radix_cache_backend, registered_radix_cache_backends
+
+    from sgl_loopkv.cache.backend import BACKEND_NAME, create_loopkv_radix_cache
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, create_loopkv_radix_cache)
+    if BACKEND_NAME not in COMPONENTS["radix_cache_backend"]:
+        COMPONENTS["radix_cache_backend"].append(BACKEND_NAME)
+
+
 def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.server import openai_model_check
 
-    if openai_model_check.TARGET in COMPONENTS["hook"]:
-        return
-    HookRegistry.register(openai_model_check.TARGET, openai_model_check.check_model_name, HookType.AROUND)
-    COMPONENTS["hook"].append(openai_model_check.TARGET)
+    for target, hook in (
+        (openai_model_check.TARGET, openai_model_check.check_model_name),
+        (cache_backend.CACHED_TOKENS_DETAILS_TARGET, cache_backend.cached_tokens_details),
+    ):
+        if target not in COMPONENTS["hook"]:
+            HookRegistry.register(target, hook, HookType.AROUND)
+            COMPONENTS["hook"].append(target)
     # load_plugins() applies hooks after calling every plugin; this also covers a direct call.
     HookRegistry.apply_hooks()

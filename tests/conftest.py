@@ -76,7 +76,7 @@ def standin_trace(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_server(tiny_model_dir, server_logs, standin_trace):
     """sgl-loopkv on the tiny model, with stand-in call tracing on."""
-    srv = _server(tiny_model_dir, server_logs, "tiny-loopkv", [], {"SGL_LOOPKV_STANDIN_TRACE": str(standin_trace)})
+    srv = _server(tiny_model_dir, server_logs, "tiny-loopkv", [], {"LOOPKV_STANDIN_TRACE": str(standin_trace)})
     with srv.start():
         yield srv
 

@@ -30,7 +30,7 @@ def test_standin_imports_and_refuses_to_compute(tmp_path):
         print(json.dumps({"active": active, "fake_non_cpu": fake_non_cpu, "msg": msg,
                           "pythonpath": os.environ.get("PYTHONPATH", "")}))
         """,
-        env={**CPU, "SGL_LOOPKV_STANDIN_TRACE": str(trace)},
+        env={**CPU, "LOOPKV_STANDIN_TRACE": str(trace)},
     )
     assert out["active"] is True
     assert out["fake_non_cpu"] is False

@@ -12,7 +12,7 @@ Contract:
 - ``from sgl_kernel import X_cpu`` succeeds for any name ending in ``_cpu``; anything else raises
   ImportError exactly as if the name did not exist (so feature probes stay truthful).
 - Calling a stand-in raises NotImplementedError naming the op: never a silent wrong answer.
-- With ``SGL_LOOPKV_STANDIN_TRACE=<file>`` each name resolved (``import <name>``) and each call
+- With ``LOOPKV_STANDIN_TRACE=<file>`` each name resolved (``import <name>``) and each call
   (``call <name>``) is appended to that file with the process id, so tests can prove that the
   stand-in reached the scheduler and that no op ran.
 """
@@ -24,7 +24,7 @@ IS_SGL_LOOPKV_STANDIN = True
 
 
 def _trace(event: str, name: str) -> None:
-    path = os.environ.get("SGL_LOOPKV_STANDIN_TRACE")
+    path = os.environ.get("LOOPKV_STANDIN_TRACE")
     if path:
         with open(path, "a") as f:
             f.write(f"{os.getpid()} {event} {name}\n")

@@ -1,0 +1,97 @@
+"""SGLang glue: the ``loopkv`` radix-cache factory (``register_radix_cache_backend``) and the
+per-tier ``cached_tokens_details`` it reports in ``meta_info``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+
+from sgl_loopkv.cache.layout import KVGeometry
+from sgl_loopkv.cache.store import TieredKVStore
+from sgl_loopkv.cache.value import VALUE_POLICIES
+from sgl_loopkv.config import LoopKVConfig
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "loopkv"
+_ACTIVE = None  # the LoopKVRadixCache of this (scheduler) process
+
+
+def active_cache():
+    return _ACTIVE
+
+
+def model_fingerprint(model_path: str, geometry: KVGeometry) -> str:
+    """Disk subdirectory per model and KV geometry: stored KV is only valid for the exact weights."""
+    config = Path(model_path) / "config.json"
+    ident = [os.path.realpath(model_path), config.read_text() if config.exists() else "", geometry.to_json()]
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def create_loopkv_radix_cache(ctx):
+    """Factory for ``--radix-cache-backend loopkv`` (a TreeCacheBuildContext in, a cache out)."""
+    from sglang.srt.mem_cache.registry import default_radix_cache_factory
+
+    from sgl_loopkv.cache.radix import LoopKVRadixCache
+
+    if ctx.disable_radix_cache:
+        return default_radix_cache_factory(ctx)
+    if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.params.is_eagle:
+        raise ValueError("--radix-cache-backend loopkv supports full-attention models without speculative decoding")
+    config = LoopKVConfig.from_env()
+    kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+
+    def store_factory(geometry, on_lost, disk_evictable):
+        disk_dir = (
+            Path(config.disk_dir) / model_fingerprint(ctx.server_args.model_path, geometry) if config.disk_dir else None
+        )
+        return TieredKVStore(
+            geometry,
+            VALUE_POLICIES.create(config.value_policy),
+            host_quota_bytes=config.host_bytes,
+            disk_dir=disk_dir,
+            disk_quota_bytes=config.disk_bytes,
+            on_lost=on_lost,
+            disk_evictable=disk_evictable,
+        )
+
+    global _ACTIVE
+    _ACTIVE = LoopKVRadixCache(
+        ctx.params,
+        kv_pool=kv_pool,
+        store_factory=store_factory,
+        # Only our attention backend waits per layer for in-flight loads; others get finished copies.
+        synchronous_loads=ctx.server_args.attention_backend != "loopkv",
+    )
+    logger.info(
+        "loopkv radix cache: chunk %d tokens, host quota %.2f GB, disk %s (quota %.2f GB), value policy %s",
+        ctx.params.page_size,
+        config.host_bytes / 1e9,
+        config.disk_dir or "off",
+        config.disk_bytes / 1e9,
+        config.value_policy,
+    )
+    return _ACTIVE
+
+
+CACHED_TOKENS_DETAILS_TARGET = (
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer.get_cached_tokens_details"
+)
+
+
+def cached_tokens_details(original, self, req, *args, **kwargs):
+    """AROUND hook: report cached tokens by the tier they were loaded from ("storage" = disk,
+    SGLang's name for its L3 tier), since to SGLang every loaded token looks like a device hit."""
+    cache = active_cache()
+    if cache is None or req.cached_tokens <= 0:
+        return original(self, req, *args, **kwargs)
+    tiers = cache.tier_breakdown(req.rid, req.cached_tokens)
+    return {
+        "device": tiers["device"],
+        "host": tiers["host"],
+        "storage": tiers["disk"],
+        "storage_backend": "loopkv-disk",
+    }

@@ -1,0 +1,227 @@
+"""Disk tier: segment files under a directory with a byte quota, crash-safe and checksummed.
+
+Every write goes to a temp file that is fsync'ed and renamed into place, then the index is
+rewritten the same way; a crash leaves either the old state or the new one. Every extent (one
+chunk of one layer) and the header carry a crc32. A read that finds a missing, truncated or
+corrupt file raises :class:`CorruptSegment`; the caller recomputes that part of the history
+instead of serving it. Layout: :mod:`sgl_loopkv.cache.layout`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
+
+INDEX = "index.json"
+
+
+class CorruptSegment(Exception):
+    """A stored segment is missing, truncated or fails its checksum."""
+
+
+@dataclass(slots=True)
+class SegmentRecord:
+    """Index entry of one stored segment. ``start`` is the position of its first token in the
+    conversation; ``parent`` the segment holding the tokens just before it (None at position 0)."""
+
+    seg_id: str
+    parent: str | None
+    start: int
+    n_chunks: int
+    file_bytes: int
+    extra_key: str | None = None  # SGLang's RadixKey namespace (LoRA id, ...)
+    cache_salt: str | None = None
+    token_ids: list[int] = field(default_factory=list, repr=False)  # in the file header, not the index
+
+    def index_entry(self) -> dict:
+        d = asdict(self)
+        d.pop("token_ids")
+        return d
+
+
+def _atomic_write(path: Path, chunks, fsync_dir: bool = True) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for c in chunks:
+            f.write(c)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if fsync_dir:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _to_bytes(t: torch.Tensor) -> np.ndarray:
+    """Raw bytes of a CPU tensor (any dtype, bf16 included) as a uint8 array."""
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+class DiskSegmentStore:
+    """Segment files ``seg_<id>.kv`` plus ``index.json`` in ``root``; never more than
+    ``quota_bytes`` of segment files (the caller evicts before writing)."""
+
+    def __init__(self, root: Path, quota_bytes: int, geometry: KVGeometry):
+        self.root, self.quota_bytes, self.geometry = Path(root), quota_bytes, geometry
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.records: dict[str, SegmentRecord] = {}
+        self.bytes_read = 0
+        self.bytes_written = 0
+        self._load_index()
+
+    # --- index -------------------------------------------------------------------------------
+    def _load_index(self) -> None:
+        for tmp in self.root.glob("*.tmp"):  # an interrupted write: never committed
+            tmp.unlink(missing_ok=True)
+        path = self.root / INDEX
+        if path.exists():
+            try:
+                index = json.loads(path.read_text())
+                if KVGeometry.from_json(index["geometry"]) != self.geometry:
+                    raise ValueError("geometry changed")
+                self.records = {sid: SegmentRecord(**e) for sid, e in index["segments"].items()}
+            except (ValueError, KeyError, TypeError):
+                self.records = {}  # unreadable or foreign index: start empty, files become orphans
+        for f in self.root.glob("seg_*.kv"):  # written but never indexed (crash before the index)
+            if f.stem.removeprefix("seg_") not in self.records:
+                f.unlink(missing_ok=True)
+
+    def _write_index(self) -> None:
+        index = {
+            "version": 1,
+            "geometry": self.geometry.to_json(),
+            "segments": {sid: r.index_entry() for sid, r in self.records.items()},
+        }
+        _atomic_write(self.root / INDEX, [json.dumps(index).encode()], fsync_dir=False)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(r.file_bytes for r in self.records.values())
+
+    def path(self, seg_id: str) -> Path:
+        return self.root / f"seg_{seg_id}.kv"
+
+    # --- write -------------------------------------------------------------------------------
+    def file_bytes(self, n_chunks: int, n_tokens_ids: int) -> int:
+        """Upper bound of a segment file's size before it is written (header estimate included)."""
+        header = 4096 + 16 * n_tokens_ids + 24 * self.geometry.num_layers * n_chunks
+        return SegmentFileLayout(self.geometry, n_chunks, align_up(PREAMBLE_BYTES + header)).file_bytes
+
+    def write(self, record: SegmentRecord, kv: torch.Tensor, summaries: torch.Tensor) -> None:
+        """Store ``kv`` [L, 2, T, H, D] (T = n_chunks * chunk) and ``summaries`` [L, m, H, 2, D]."""
+        g = self.geometry
+        L, m, c = g.num_layers, record.n_chunks, g.chunk_tokens
+        assert kv.shape == (L, 2, m * c, g.num_kv_heads, g.head_dim), kv.shape
+        # [L, 2, m, c, H, D] -> [L, m, 2, c, H, D]: extent (l, j) = K | V of chunk j, contiguous
+        ext = kv.view(L, 2, m, c, g.num_kv_heads, g.head_dim).transpose(1, 2).contiguous()
+        raw = _to_bytes(ext).reshape(L * m, -1)
+        pad = g.extent_bytes - raw.shape[1]
+        if pad:
+            raw = np.concatenate([raw, np.zeros((L * m, pad), np.uint8)], axis=1)
+        crcs = [zlib.crc32(row) for row in raw]
+        summary_raw = _to_bytes(summaries.float())
+        header = {
+            "seg_id": record.seg_id,
+            "parent": record.parent,
+            "start": record.start,
+            "n_chunks": m,
+            "extra_key": record.extra_key,
+            "cache_salt": record.cache_salt,
+            "geometry": g.to_json(),
+            "token_ids": record.token_ids,
+            "extent_crc32": crcs,
+            "summary_crc32": zlib.crc32(summary_raw),
+        }
+        hbytes = json.dumps(header).encode()
+        kv_offset = align_up(PREAMBLE_BYTES + len(hbytes))
+        layout = SegmentFileLayout(g, m, kv_offset)
+        preamble = MAGIC + struct.pack("<II", len(hbytes), zlib.crc32(hbytes))
+        gap = bytes(kv_offset - PREAMBLE_BYTES - len(hbytes))
+        _atomic_write(self.path(record.seg_id), [preamble, hbytes, gap, raw.tobytes(), summary_raw.tobytes()])
+        record.file_bytes = layout.file_bytes
+        self.records[record.seg_id] = record
+        self._write_index()
+        self.bytes_written += layout.file_bytes
+
+    def delete(self, seg_id: str) -> None:
+        self.records.pop(seg_id, None)
+        self._write_index()
+        self.path(seg_id).unlink(missing_ok=True)
+
+    # --- read --------------------------------------------------------------------------------
+    def read_header(self, seg_id: str) -> dict:
+        try:
+            with open(self.path(seg_id), "rb") as f:
+                pre = f.read(PREAMBLE_BYTES)
+                if len(pre) != PREAMBLE_BYTES or pre[:8] != MAGIC:
+                    raise CorruptSegment(f"segment {seg_id}: bad preamble")
+                hlen, hcrc = struct.unpack("<II", pre[8:])
+                hbytes = f.read(hlen)
+        except OSError as e:
+            raise CorruptSegment(f"segment {seg_id}: {e}") from e
+        if len(hbytes) != hlen or zlib.crc32(hbytes) != hcrc:
+            raise CorruptSegment(f"segment {seg_id}: header checksum mismatch")
+        header = json.loads(hbytes)
+        header["kv_offset"] = align_up(PREAMBLE_BYTES + hlen)
+        return header
+
+    def read(self, seg_id: str, chunk_lo: int, chunk_hi: int) -> torch.Tensor:
+        """KV of chunks [chunk_lo, chunk_hi) for all layers -> [L, 2, T, H, D], every extent
+        verified. One coalesced read per layer. Raises CorruptSegment."""
+        g = self.geometry
+        header = self.read_header(seg_id)
+        layout = SegmentFileLayout(g, header["n_chunks"], header["kv_offset"])
+        crcs = header["extent_crc32"]
+        n, used = chunk_hi - chunk_lo, 2 * g.chunk_tokens * g.num_kv_heads * g.head_dim * g.itemsize
+        out = np.empty((g.num_layers, n, used), np.uint8)
+        try:
+            fd = os.open(self.path(seg_id), os.O_RDONLY)
+        except OSError as e:
+            raise CorruptSegment(f"segment {seg_id}: {e}") from e
+        try:
+            for layer in range(g.num_layers):
+                for off, length in layout.runs(layer, list(range(chunk_lo, chunk_hi))):
+                    buf = os.pread(fd, length, off)
+                    self.bytes_read += len(buf)
+                    if len(buf) != length:
+                        raise CorruptSegment(f"segment {seg_id}: truncated at layer {layer}")
+                    arr = np.frombuffer(buf, np.uint8).reshape(-1, g.extent_bytes)
+                    first = (off - layout.extent_offset(layer, 0)) // g.extent_bytes
+                    for i, row in enumerate(arr):
+                        if zlib.crc32(row) != crcs[layer * layout.n_chunks + first + i]:
+                            raise CorruptSegment(
+                                f"segment {seg_id}: checksum mismatch at layer {layer} chunk {first + i}"
+                            )
+                    out[layer, first - chunk_lo : first - chunk_lo + len(arr)] = arr[:, :used]
+        finally:
+            os.close(fd)
+        ext = torch.from_numpy(out).view(g.dtype).view(g.num_layers, n, 2, g.chunk_tokens, g.num_kv_heads, g.head_dim)
+        return ext.transpose(1, 2).reshape(g.num_layers, 2, n * g.chunk_tokens, g.num_kv_heads, g.head_dim)
+
+    def read_summaries(self, seg_id: str) -> torch.Tensor:
+        """Key summaries [L, m, H, 2, D] of a whole segment (small; read without touching KV)."""
+        g = self.geometry
+        header = self.read_header(seg_id)
+        layout = SegmentFileLayout(g, header["n_chunks"], header["kv_offset"])
+        length = g.num_layers * layout.n_chunks * g.summary_bytes_per_chunk_layer
+        with open(self.path(seg_id), "rb") as f:
+            f.seek(layout.summary_offset)
+            buf = f.read(length)
+        self.bytes_read += len(buf)
+        if len(buf) != length or zlib.crc32(buf) != header["summary_crc32"]:
+            raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch")
+        return torch.frombuffer(bytearray(buf), dtype=torch.float32).view(
+            g.num_layers, layout.n_chunks, g.num_kv_heads, 2, g.head_dim
+        )

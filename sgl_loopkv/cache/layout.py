@@ -1,0 +1,132 @@
+"""KV geometry and the on-disk segment layout: one 16-token chunk of one layer is one extent.
+
+A *segment* is the KV of a run of whole chunks of one conversation (one radix-tree node when it
+was stored). Segment file::
+
+    offset 0        preamble   b"LOOPKV01" | u32 header_len | u32 crc32(header)        (16 B)
+    offset 16       header     JSON: geometry, token ids, parent link, per-extent crc32s
+    kv_offset       KV         layer-major:  for layer l, for chunk j:  extent(l, j)
+                               extent(l, j) = K[c, H, D] | V[c, H, D], zero-padded to 4 KiB
+                               at kv_offset + (l * n_chunks + j) * extent_bytes
+    summary_offset  summaries  for layer l, chunk j: per KV head min and max of the keys
+                               [H, 2, D] float32 (the selection step scores chunks on these
+                               without reading full keys)
+
+Why this shape: a chunk is the unit of selection, storage, I/O and caching (ContiguousKV), so
+reading any chunk set of one layer is a set of aligned extents; layer-major order makes all chunks
+of a layer (and of a period of consecutive layers) one contiguous run, so a selected set coalesces
+into one read per run of adjacent chunk indices. ``kv_offset`` and ``extent_bytes`` are multiples
+of 4 KiB (O_DIRECT-compatible).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 4096
+MAGIC = b"LOOPKV01"
+PREAMBLE_BYTES = 16
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """Shape of one token's KV across the model. ``dtype`` is the KV pool's storage dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    chunk_tokens: int = 16
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
+    def token_bytes_per_layer(self) -> int:
+        """K and V of one token in one layer (bytes)."""
+        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def extent_bytes(self) -> int:
+        """One chunk of one layer on disk, padded to 4 KiB."""
+        return align_up(self.chunk_tokens * self.token_bytes_per_layer)
+
+    @property
+    def summary_bytes_per_chunk_layer(self) -> int:
+        return self.num_kv_heads * 2 * self.head_dim * 4
+
+    def segment_host_bytes(self, n_chunks: int) -> int:
+        """RAM of a host-resident segment: KV of all layers plus key summaries."""
+        t = n_chunks * self.chunk_tokens
+        return self.num_layers * (t * self.token_bytes_per_layer + n_chunks * self.summary_bytes_per_chunk_layer)
+
+    def to_json(self) -> dict:
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "chunk_tokens": self.chunk_tokens,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> KVGeometry:
+        return cls(d["num_layers"], d["num_kv_heads"], d["head_dim"], getattr(torch, d["dtype"]), d["chunk_tokens"])
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentFileLayout:
+    """Byte offsets inside one segment file (see the module docstring)."""
+
+    geometry: KVGeometry
+    n_chunks: int
+    kv_offset: int
+
+    def extent_offset(self, layer: int, chunk: int) -> int:
+        return self.kv_offset + (layer * self.n_chunks + chunk) * self.geometry.extent_bytes
+
+    @property
+    def summary_offset(self) -> int:
+        return self.extent_offset(self.geometry.num_layers, 0)
+
+    @property
+    def file_bytes(self) -> int:
+        g = self.geometry
+        return self.summary_offset + g.num_layers * self.n_chunks * g.summary_bytes_per_chunk_layer
+
+    def runs(self, layer: int, chunks: list[int]) -> list[tuple[int, int]]:
+        """Coalesce sorted chunk indices of one layer into (byte offset, byte length) reads."""
+        out: list[tuple[int, int]] = []
+        for j in chunks:
+            off = self.extent_offset(layer, j)
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + self.geometry.extent_bytes)
+            else:
+                out.append((off, self.geometry.extent_bytes))
+        return out
+
+
+def key_summaries(k: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """Per-chunk, per-KV-head min and max of keys.
+
+    k: [L, T, H, D] with T a multiple of ``chunk_tokens`` -> [L, T / chunk_tokens, H, 2, D] float32.
+    """
+    L, T, H, D = k.shape
+    kc = k.float().view(L, T // chunk_tokens, chunk_tokens, H, D)
+    return torch.stack([kc.amin(dim=2), kc.amax(dim=2)], dim=3)
+
+
+def baseline_block_read_bytes(token_ranges: list[tuple[int, int]], geometry: KVGeometry, block_tokens: int = 64) -> int:
+    """Bytes a fixed ``block_tokens``-block layout (IMPRESS-style) reads to cover the same token
+    ranges [start, end) (absolute positions), across all layers: every touched block is read whole."""
+    blocks: set[int] = set()
+    for start, end in token_ranges:
+        blocks.update(range(start // block_tokens, (end - 1) // block_tokens + 1))
+    return len(blocks) * block_tokens * geometry.token_bytes_per_layer * geometry.num_layers

@@ -1,0 +1,104 @@
+"""Layer-by-layer loading of host KV into the device pool, overlapped with the forward.
+
+One loader thread copies each submitted job layer 0, 1, ..., L-1; the attention of layer ``l``
+calls :meth:`LayerwiseLoader.wait_layer` and waits only until every job submitted so far has
+written layer ``l`` (jobs run in order, so "layer l done" is a per-layer counter). Data handed to
+the loader is already verified host memory: the copy itself cannot produce wrong KV.
+
+SGLang's HiCache has the same idea (``LayerDoneCounter`` + ``layer_transfer_counter`` in the KV
+pool) but its scheduler only drives it with ``--enable-hierarchical-cache``; our attention backend
+waits here instead, and with any other attention backend the loads run synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadPart:
+    kv: torch.Tensor  # [L, 2, T, H, D] host copy
+    slots: torch.Tensor  # [T] int64 device pool slots to fill
+
+
+class LayerwiseLoader:
+    def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], synchronous: bool = False):
+        self.k_buffers, self.v_buffers = k_buffers, v_buffers
+        self.num_layers = len(k_buffers)
+        self.synchronous = synchronous
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._done = [0] * self.num_layers  # jobs that finished layer l
+        self._queue: queue.Queue[list[LoadPart] | None] = queue.Queue()
+        self._thread = None
+        if not synchronous:
+            self._thread = threading.Thread(target=self._run, name="loopkv-loader", daemon=True)
+            self._thread.start()
+
+    def submit(self, parts: list[LoadPart]) -> None:
+        with self._cond:
+            self._submitted += 1
+        if self.synchronous:
+            self._copy(parts)
+        else:
+            self._queue.put(parts)
+
+    @property
+    def pending(self) -> bool:
+        return self._done[-1] < self._submitted
+
+    def wait_layer(self, layer: int) -> None:
+        if self._done[layer] >= self._submitted:  # fast path: nothing in flight
+            return
+        with self._cond:
+            target = self._submitted
+            while self._done[layer] < target:
+                self._cond.wait()
+
+    def wait_all(self) -> None:
+        self.wait_layer(self.num_layers - 1)
+
+    def _copy(self, parts: list[LoadPart]) -> None:
+        for layer in range(self.num_layers):
+            try:
+                for p in parts:
+                    k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+                    k_buf.index_copy_(0, p.slots, p.kv[layer, 0].to(k_buf.device, k_buf.dtype))
+                    v_buf.index_copy_(0, p.slots, p.kv[layer, 1].to(v_buf.device, v_buf.dtype))
+            except Exception:  # never leave the forward waiting on a layer that will not come
+                logger.exception("loopkv: copying layer %d into the KV pool failed", layer)
+            with self._cond:
+                self._done[layer] += 1
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            parts = self._queue.get()
+            if parts is None:
+                return
+            self._copy(parts)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)
+
+
+_ACTIVE: LayerwiseLoader | None = None
+
+
+def set_active(loader: LayerwiseLoader | None) -> None:
+    global _ACTIVE
+    _ACTIVE = loader
+
+
+def active() -> LayerwiseLoader | None:
+    """The loader of this process's tiered cache (the attention backend waits on it)."""
+    return _ACTIVE

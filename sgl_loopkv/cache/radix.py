@@ -1,0 +1,394 @@
+"""SGLang glue: ``--radix-cache-backend loopkv``, a radix cache whose nodes keep KV on device,
+in the host arena and on disk.
+
+It subclasses SGLang's own ``RadixCache``: matching, locking, ``checkpoint`` and device eviction
+are SGLang's. What changes:
+
+- A node carries ``lkv = (segment id, first chunk, end chunk)`` once its KV is stored (written
+  through at ``checkpoint``: the tiers hold every conversation's history, the device pool caches).
+- Device eviction drops only the device copy of a stored node; the node stays in the tree.
+  Invariant (as in SGLang's HiCache): a node on the device has its parent on the device.
+- ``match_prefix`` walks past the device part into stored nodes and loads them back: host (or
+  disk, verified then promoted to host) -> new device slots, layer by layer on the loader thread
+  (:mod:`sgl_loopkv.cache.loader`), before the request's extend reads them. A corrupt or missing
+  segment ends the match there; that history is recomputed.
+- On start-up the tree is rebuilt from the disk index: conversations resume after a restart.
+
+Reused from SGLang: the tree, RadixKey namespacing, eviction strategies, the KV pool and its
+allocator. Built here: tiers, on-disk layout, layer-wise loader, value policy. SGLang's HiCache
+(UnifiedRadixCache + HiCacheController + HostKVCache) is not reused: its host pool stores whole
+pages of all layers and its scheduler hooks only run with ``--enable-hierarchical-cache``, while
+this store needs chunk-addressable per-layer extents for the compression and pruning issues.
+Chunk size = ``--page-size`` (16), so node boundaries are chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+import uuid
+from array import array
+from collections import OrderedDict, defaultdict
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
+
+from sgl_loopkv.cache import loader as loader_mod
+from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
+from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
+from sgl_loopkv.cache.store import TieredKVStore
+
+logger = logging.getLogger(__name__)
+
+
+def _ref(node: TreeNode) -> tuple[str, int, int] | None:
+    return getattr(node, "lkv", None)
+
+
+class LoopKVRadixCache(RadixCache):
+    def __init__(self, params, *, kv_pool, store_factory, synchronous_loads: bool):
+        self.store: TieredKVStore | None = None  # RadixCache.__init__ calls reset()
+        super().__init__(params)
+        assert self.page_size > 1, "loopkv needs --page-size = chunk size (e.g. 16)"
+        self.kv_pool = kv_pool
+        self.geometry = KVGeometry(
+            num_layers=len(kv_pool.k_buffer),
+            num_kv_heads=kv_pool.k_buffer[0].shape[1],
+            head_dim=kv_pool.k_buffer[0].shape[2],
+            dtype=kv_pool.k_buffer[0].dtype,
+            chunk_tokens=self.page_size,
+        )
+        self.loader = LayerwiseLoader(kv_pool.k_buffer, kv_pool.v_buffer, synchronous=synchronous_loads)
+        loader_mod.set_active(self.loader)
+        self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
+        self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
+        self.store = store_factory(self.geometry, self._on_segment_lost, self._segment_is_leaf)
+        self._rebuild_from_store()
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+    def _set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
+        old = _ref(node)
+        if old is not None:
+            self._seg_nodes[old[0]].discard(node)
+        node.lkv = ref
+        if ref is not None:
+            self._seg_nodes[ref[0]].add(node)
+
+    def _segment_is_leaf(self, seg_id: str) -> bool:
+        """A disk segment may go only if no stored history hangs below it."""
+        return all(not n.children for n in self._seg_nodes.get(seg_id, ()))
+
+    def _on_segment_lost(self, seg_id: str) -> None:
+        for node in list(self._seg_nodes.pop(seg_id, ())):
+            node.lkv = None
+            if node.evicted:
+                self._drop_subtree(node)
+
+    def _drop_subtree(self, node: TreeNode) -> None:
+        """Remove an evicted node whose KV is gone, with everything below it (unreachable now)."""
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
+        ref = _ref(node)
+        if ref is not None:
+            self._seg_nodes[ref[0]].discard(node)
+        if node.parent is not None and node.parent.children.get(node.key.child_key(self.page_size)) is node:
+            del node.parent.children[node.key.child_key(self.page_size)]
+            self._update_leaf_status(node.parent)
+
+    def reset(self):
+        super().reset()
+        if self.store is not None:  # /flush_cache: every tier
+            for seg_id in list(self.store.segments):
+                self.store.drop(seg_id)
+            self._seg_nodes.clear()
+
+    # --- write-through at checkpoint ------------------------------------------------------------
+    def checkpoint(self, req, *, up_to: int):
+        super().checkpoint(req, up_to=up_to)
+        if not self.disable and req.last_node is not None:
+            self._store_path(req.last_node)
+
+    def _store_path(self, node: TreeNode) -> None:
+        path = []
+        while node is not self.root_node and _ref(node) is None and not node.evicted:
+            path.append(node)
+            node = node.parent
+        for n in reversed(path):  # root first: a segment's parent must be stored before it
+            if not self._store_node(n):
+                return
+
+    def _position(self, node: TreeNode) -> int:
+        pos, node = 0, node.parent
+        while node is not self.root_node:
+            pos += len(node.key)
+            node = node.parent
+        return pos
+
+    def _store_node(self, node: TreeNode) -> bool:
+        parent_ref = _ref(node.parent) if node.parent is not self.root_node else None
+        if node.parent is not self.root_node and parent_ref is None:
+            return False  # its prefix is not stored: it could never be matched from the tiers
+        slots = node.value
+        k = torch.stack([self.kv_pool.k_buffer[layer][slots] for layer in range(self.geometry.num_layers)]).cpu()
+        v = torch.stack([self.kv_pool.v_buffer[layer][slots] for layer in range(self.geometry.num_layers)]).cpu()
+        n_chunks = len(slots) // self.page_size
+        record = SegmentRecord(
+            seg_id=uuid.uuid4().hex,
+            parent=parent_ref[0] if parent_ref else None,
+            start=self._position(node),
+            n_chunks=n_chunks,
+            file_bytes=0,
+            extra_key=node.key.extra_key,
+            cache_salt=node.key.cache_salt,
+            token_ids=list(node.key.raw_token_ids()),
+        )
+        if not self.store.put(record, torch.stack([k, v], dim=1), key_summaries(k, self.page_size)):
+            return False
+        self._set_ref(node, (record.seg_id, 0, n_chunks))
+        return True
+
+    # --- device eviction keeps stored nodes -------------------------------------------------------
+    def evict(self, params: EvictParams) -> EvictResult:
+        if self.disable:
+            return EvictResult()
+        if self.loader.pending:  # never free slots a load is still writing
+            self.loader.wait_all()
+        start_time = time.perf_counter()
+        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
+        heapq.heapify(heap)
+        num_evicted = 0
+        while num_evicted < params.num_tokens and heap:
+            _, x = heapq.heappop(heap)
+            self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
+            num_evicted += len(x.value)
+            if _ref(x) is not None and self.store.tier_of(_ref(x)[0]) is not None:
+                x.value = None  # stays in the tree: its KV lives on in the host/disk tiers
+                self.evictable_size_ -= len(x.key)
+                self.evictable_leaves.discard(x)
+                self._update_leaf_status(x.parent)
+            else:
+                self._delete_leaf(x)
+                self.kv_events.record_remove(x)
+            parent = x.parent
+            if parent is not self.root_node and parent in self.evictable_leaves:
+                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
+        self.update_eviction_metrics(num_evicted, start_time)
+        return EvictResult(num_tokens_evicted=num_evicted)
+
+    def _insert_helper(self, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
+        """SGLang's insert, plus: a stored-only (evicted) node on the path adopts the request's
+        freshly computed slots instead of counting as a duplicate. The returned prefix length
+        counts only what was already on the device, which is what the caller frees."""
+        priority = priority or 0
+        now = time.monotonic()
+        node.last_access_time = now
+        node.priority = max(node.priority, priority)
+        device_prefix, walked = 0, 0
+        while len(key) > 0 and key.child_key(self.page_size) in node.children:
+            node = node.children[key.child_key(self.page_size)]
+            node.last_access_time = now
+            plen = node.key.match(key, page_size=self.page_size)
+            if plen < len(node.key):
+                node = self._split_node(node.key, node, plen)
+            if node.evicted:
+                node.value = value[:plen].clone()
+                self.evictable_size_ += plen
+                self._update_leaf_status(node)
+                self._update_leaf_status(node.parent)
+            else:
+                device_prefix += plen
+            node.priority = max(node.priority, priority)
+            walked += plen
+            if walked > inserted_len:
+                self._inc_hit_count(node)
+            key, value = key[plen:], value[plen:]
+        if len(key):
+            new_node = TreeNode(priority=priority)
+            new_node.parent, new_node.key, new_node.value = node, key, value.clone()
+            if walked + len(key) > inserted_len:
+                self._inc_hit_count(new_node)
+            node.children[key.child_key(self.page_size)] = new_node
+            self.evictable_size_ += len(key)
+            self._update_leaf_status(node)
+            self._update_leaf_status(new_node)
+            self.kv_events.record_store(new_node)
+            node = new_node
+        return device_prefix, node
+
+    def _delete_leaf(self, node):
+        ref = _ref(node)
+        if ref is not None:
+            self._seg_nodes[ref[0]].discard(node)
+        super()._delete_leaf(node)
+
+    def _update_leaf_status(self, node: TreeNode):
+        if node is not self.root_node:
+            super()._update_leaf_status(node)
+
+    def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
+        """SGLang's split, for nodes whose device copy may be gone and whose stored copy is split
+        at the same (chunk-aligned) boundary."""
+        ref, value = _ref(child), child.value
+        if value is None:
+            child.value = torch.empty(len(child.key), dtype=torch.int64)  # placeholder for super()
+        new_node = super()._split_node(key, child, split_len)
+        if value is None:
+            new_node.value = child.value = None
+        new_node.lkv = None
+        if ref is not None:
+            seg, lo, hi = ref
+            mid = lo + split_len // self.page_size
+            self._set_ref(new_node, (seg, lo, mid))
+            self._set_ref(child, (seg, mid, hi))
+        return new_node
+
+    # --- match: device part + load-back of stored part ----------------------------------------
+    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+        key, _ = params.key.maybe_to_bigram_view(self.is_eagle)
+        if self.disable or len(key) == 0:
+            return self._empty_match_result
+        key = key.page_aligned(self.page_size)
+        if len(key) == 0:
+            return self._empty_match_result
+        device_len, last_device, stored = self._walk(key)
+        if stored and getattr(params, "req", None) is not None:
+            loaded, last_device = self._load_back(stored, last_device, params.req)
+            device_len += loaded
+        return MatchResult(
+            device_prefix_len=device_len,
+            last_device_node=last_device,
+            last_host_node=last_device,
+            best_match_node=last_device,
+        )
+
+    def _walk(self, key: RadixKey) -> tuple[int, TreeNode, list[TreeNode]]:
+        now = time.monotonic()
+        node = self.root_node
+        node.last_access_time = now
+        device_len, last_device, stored = 0, node, []
+        while len(key) > 0:
+            child = node.children.get(key.child_key(self.page_size))
+            if child is None:
+                break
+            child.last_access_time = now
+            plen = child.key.match(key, page_size=self.page_size)
+            if plen < len(child.key):
+                child = self._split_node(child.key, child, plen)
+            if not child.evicted and not stored:
+                device_len += len(child.value)
+                last_device = child
+            elif child.evicted and _ref(child) is not None and self.store.tier_of(_ref(child)[0]) is not None:
+                stored.append(child)
+            else:
+                break
+            node, key = child, key[plen:]
+            if plen < len(child.key):
+                break
+        return device_len, last_device, stored
+
+    def _load_back(self, stored: list[TreeNode], last_device: TreeNode, req) -> tuple[int, TreeNode]:
+        """Fetch the stored nodes' KV (verified), give them device slots, start the layer-wise copy."""
+        t0 = time.perf_counter()
+        parts: list[tuple[TreeNode, torch.Tensor, str]] = []
+        for node in stored:
+            seg, lo, hi = _ref(node)
+            try:
+                kv, tier = self.store.fetch(seg, lo, hi)
+            except CorruptSegment as e:
+                logger.warning("loopkv: %s; recomputing that part of the history", e)
+                break  # _on_segment_lost already removed the node and its subtree
+            parts.append((node, kv, tier))
+        n = sum(len(node.key) for node, _, _ in parts)
+        if n == 0:
+            return 0, last_device
+        slots = self._alloc(n, last_device)
+        if slots is None:
+            return 0, last_device
+        loads, off = [], 0
+        for node, kv, tier in parts:
+            node.value = slots[off : off + len(node.key)]
+            off += len(node.key)
+            self.evictable_size_ += len(node.key)
+            self._update_leaf_status(node)
+            self._update_leaf_status(node.parent)
+            loads.append(LoadPart(kv, node.value))
+            tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0})
+            tally[tier] += len(node.key)
+            self.store.stats.hit_tokens[tier] += len(node.key)
+            self.store.touch(_ref(node)[0], _ref(node)[2] - _ref(node)[1])
+        while len(self._req_loads) > 4096:
+            self._req_loads.popitem(last=False)
+        self.loader.submit(loads)
+        self.store.stats.load_seconds += time.perf_counter() - t0
+        return n, parts[-1][0]
+
+    def _alloc(self, n: int, protect: TreeNode) -> torch.Tensor | None:
+        slots = self.token_to_kv_pool_allocator.alloc(n)
+        if slots is None:
+            self.inc_lock_ref(protect)  # do not evict the prefix we are extending
+            try:
+                self.evict(EvictParams(num_tokens=n))
+            finally:
+                self.dec_lock_ref(protect)
+            slots = self.token_to_kv_pool_allocator.alloc(n)
+        return None if slots is None else slots.to(torch.int64)
+
+    def tier_breakdown(self, rid: str, cached_tokens: int) -> dict[str, int]:
+        """Cached tokens of request ``rid`` by the tier they came from (device = already there)."""
+        loads = self._req_loads.get(rid, {"host": 0, "disk": 0})
+        host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
+        return {"device": cached_tokens - host - disk, "host": host, "disk": disk}
+
+    # --- restart ---------------------------------------------------------------------------------
+    def _rebuild_from_store(self) -> None:
+        """Re-create stored nodes from the disk index (parents before children)."""
+        if self.store.disk is None:
+            return
+        tokens: dict[str, list[int]] = {}
+        records = sorted(self.store.disk.records.values(), key=lambda r: r.start)
+        restored = 0
+        for rec in records:
+            try:
+                header = self.store.disk.read_header(rec.seg_id)
+            except CorruptSegment as e:
+                logger.warning("loopkv: dropping stored segment: %s", e)
+                self.store.drop(rec.seg_id)
+                continue
+            prefix = tokens.get(rec.parent, [])[: rec.start] if rec.parent else []
+            if len(prefix) != rec.start:
+                self.store.drop(rec.seg_id)  # its prefix is gone: unreachable
+                continue
+            tokens[rec.seg_id] = prefix + header["token_ids"]
+            if self._insert_stored(tokens[rec.seg_id], rec):
+                restored += 1
+            else:
+                self.store.drop(rec.seg_id)
+        if restored:
+            logger.info("loopkv: restored %d stored segments from %s", restored, self.store.disk.root)
+
+    def _insert_stored(self, full_tokens: list[int], rec: SegmentRecord) -> bool:
+        key = RadixKey(array("q", full_tokens), rec.extra_key, cache_salt=rec.cache_salt)
+        node, pos = self.root_node, 0
+        while pos < rec.start:  # the prefix must already be in the tree
+            child = node.children.get(key[pos:].child_key(self.page_size))
+            if child is None:
+                return False
+            plen = child.key.match(key[pos:], page_size=self.page_size)
+            if plen < len(child.key):
+                if pos + plen < rec.start:
+                    return False
+                child = self._split_node(child.key, child, plen)
+            node, pos = child, pos + len(child.key)
+        if pos != rec.start:
+            return False
+        rest = key[rec.start :]
+        if rest.child_key(self.page_size) in node.children:
+            return False  # this history is already in the tree
+        new = TreeNode()
+        new.parent, new.key, new.value = node, rest, None
+        node.children[rest.child_key(self.page_size)] = new
+        self._set_ref(new, (rec.seg_id, 0, rec.n_chunks))
+        return True

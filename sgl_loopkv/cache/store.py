@@ -1,0 +1,248 @@
+"""The host and disk tiers behind one object: segments in, segments out, quotas held.
+
+A segment enters through :meth:`TieredKVStore.put` (host arena, then written through to disk
+in the background) and leaves the last tier only when a quota forces it, least valuable first
+(:mod:`sgl_loopkv.cache.value`); then ``on_lost(seg_id)`` tells the radix tree. All calls come
+from the scheduler thread; the disk writer is the only other thread and touches only the disk
+store (under ``_disk_lock``) and the ``pending`` flags.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.layout import KVGeometry
+from sgl_loopkv.cache.value import ValuePolicy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StoredSegment:
+    record: SegmentRecord
+    host_kv: torch.Tensor | None = None  # [L, 2, T, H, D]
+    host_summaries: torch.Tensor | None = None  # [L, m, H, 2, D]
+    on_disk: bool = False
+    pending_disk: bool = False
+
+    @property
+    def in_host(self) -> bool:
+        return self.host_kv is not None
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters for metrics and benchmarks (bytes and tokens)."""
+
+    host_bytes: int = 0
+    disk_bytes: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    disk_bytes_read: int = 0
+    disk_bytes_used: int = 0  # KV bytes the reads delivered to the device pool (excl. padding/headers)
+    load_seconds: float = 0.0
+    corrupt_segments: int = 0
+    lost_segments: int = 0
+
+
+class TieredKVStore:
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        policy: ValuePolicy,
+        host_quota_bytes: int,
+        disk_dir: Path | None = None,
+        disk_quota_bytes: int = 0,
+        on_lost: Callable[[str], None] = lambda seg_id: None,
+        disk_evictable: Callable[[str], bool] = lambda seg_id: True,
+    ):
+        self.geometry, self.policy = geometry, policy
+        self.host_quota = host_quota_bytes
+        self.on_lost, self.disk_evictable = on_lost, disk_evictable
+        self.segments: dict[str, StoredSegment] = {}
+        self.stats = TierStats()
+        self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry) if disk_dir else None
+        self._disk_lock = threading.Lock()
+        self._disk_reserved = 0  # bytes of queued, unwritten segments
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._writer = None
+        if self.disk is not None:
+            for rec in self.disk.records.values():
+                self.segments[rec.seg_id] = StoredSegment(rec, on_disk=True)
+                self.policy.on_access(rec.seg_id, rec.n_chunks)
+            self.stats.disk_bytes = self.disk.used_bytes
+            self._writer = threading.Thread(target=self._write_loop, name="loopkv-disk-writer", daemon=True)
+            self._writer.start()
+
+    # --- in ------------------------------------------------------------------------------------
+    def put(self, record: SegmentRecord, kv: torch.Tensor, summaries: torch.Tensor) -> bool:
+        """Store a new segment wherever it fits: host arena now and disk in the background, or
+        either alone (host-only segments are lost when the arena evicts them). False if neither."""
+        nbytes = kv.numel() * kv.element_size() + summaries.numel() * summaries.element_size()
+        disk_bytes = self.disk.file_bytes(record.n_chunks, len(record.token_ids)) if self.disk else 0
+        to_disk = self.disk is not None and self._make_disk_room(disk_bytes)
+        in_host = self._make_host_room(nbytes, keep=None)
+        if not (in_host or to_disk):
+            return False
+        seg = StoredSegment(record, kv, summaries, pending_disk=to_disk)
+        self.segments[record.seg_id] = seg
+        self.policy.on_access(record.seg_id, record.n_chunks)
+        if to_disk:
+            self._disk_reserved += disk_bytes
+        if in_host:
+            self.stats.host_bytes += nbytes
+            if to_disk:
+                self._queue.put(record.seg_id)
+        else:  # too big for the arena: write from this copy now, keep it on disk only
+            self._write(record.seg_id, disk_bytes)
+            seg.host_kv = seg.host_summaries = None
+        return True
+
+    def _write(self, seg_id: str, reserved: int) -> None:
+        seg = self.segments.get(seg_id)
+        try:
+            if seg is not None and seg.host_kv is not None:
+                with self._disk_lock:
+                    self.disk.write(seg.record, seg.host_kv, seg.host_summaries)
+                seg.on_disk = True
+        except OSError:
+            logger.exception("loopkv: writing segment %s to disk failed; it stays in host memory only", seg_id)
+        finally:
+            if seg is not None:
+                seg.pending_disk = False
+            self._disk_reserved -= reserved
+            self.stats.disk_bytes = self.disk.used_bytes
+
+    def _write_loop(self) -> None:
+        while True:
+            seg_id = self._queue.get()
+            if seg_id is None:
+                self._queue.task_done()
+                return
+            seg = self.segments.get(seg_id)
+            reserved = self.disk.file_bytes(seg.record.n_chunks, len(seg.record.token_ids)) if seg else 0
+            self._write(seg_id, reserved)
+            self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued disk write is done."""
+        if self.disk is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self._queue.put(None)
+            self._writer.join(timeout=30)
+            self._writer = None
+
+    # --- room ----------------------------------------------------------------------------------
+    def _host_bytes(self, seg: StoredSegment) -> int:
+        return seg.host_kv.numel() * seg.host_kv.element_size() + seg.host_summaries.numel() * 4
+
+    def _make_host_room(self, nbytes: int, keep: str | None) -> bool:
+        if nbytes > self.host_quota:
+            return False
+        while self.stats.host_bytes + nbytes > self.host_quota:
+            victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id != keep]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
+            if victim.pending_disk:
+                self.flush()  # never drop the only copy while its disk write is queued
+            self.stats.host_bytes -= self._host_bytes(victim)
+            victim.host_kv = victim.host_summaries = None
+            if not victim.on_disk:
+                self._lose(victim.record.seg_id)
+        return True
+
+    def _make_disk_room(self, nbytes: int) -> bool:
+        if nbytes > self.disk.quota_bytes:
+            return False
+        while self.disk.used_bytes + self._disk_reserved + nbytes > self.disk.quota_bytes:
+            victims = [
+                s
+                for s in self.segments.values()
+                if s.on_disk and not s.pending_disk and self.disk_evictable(s.record.seg_id)
+            ]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
+            with self._disk_lock:
+                self.disk.delete(victim.record.seg_id)
+            victim.on_disk = False
+            self.stats.disk_bytes = self.disk.used_bytes
+            if not victim.in_host:
+                self._lose(victim.record.seg_id)
+        return True
+
+    def _lose(self, seg_id: str) -> None:
+        seg = self.segments.pop(seg_id, None)
+        if seg is None:
+            return
+        if seg.on_disk:
+            with self._disk_lock:
+                self.disk.delete(seg_id)
+            self.stats.disk_bytes = self.disk.used_bytes
+        if seg.in_host:
+            self.stats.host_bytes -= self._host_bytes(seg)
+        self.policy.forget(seg_id)
+        self.stats.lost_segments += 1
+        self.on_lost(seg_id)
+
+    def drop(self, seg_id: str) -> None:
+        """Remove a segment from every tier (the tree no longer needs it)."""
+        seg = self.segments.get(seg_id)
+        if seg is not None and seg.pending_disk:
+            self.flush()
+        self._lose(seg_id)
+
+    # --- out -----------------------------------------------------------------------------------
+    def tier_of(self, seg_id: str) -> str | None:
+        seg = self.segments.get(seg_id)
+        if seg is None:
+            return None
+        return "host" if seg.in_host else ("disk" if seg.on_disk else None)
+
+    def fetch(self, seg_id: str, chunk_lo: int, chunk_hi: int) -> tuple[torch.Tensor, str]:
+        """KV [L, 2, T, H, D] of chunks [chunk_lo, chunk_hi) and the tier it came from. A disk
+        read is verified and promoted to the host arena. Raises CorruptSegment (and forgets the
+        segment) if the only copy is bad."""
+        seg = self.segments.get(seg_id)
+        c = self.geometry.chunk_tokens
+        if seg is None:
+            raise CorruptSegment(f"segment {seg_id} is gone")
+        if seg.in_host:
+            return seg.host_kv[:, :, chunk_lo * c : chunk_hi * c], "host"
+        if not seg.on_disk:
+            raise CorruptSegment(f"segment {seg_id} has no copy")
+        t0 = time.perf_counter()
+        try:
+            with self._disk_lock:
+                before = self.disk.bytes_read
+                kv = self.disk.read(seg_id, 0, seg.record.n_chunks)
+                summaries = self.disk.read_summaries(seg_id)
+                self.stats.disk_bytes_read += self.disk.bytes_read - before
+        except CorruptSegment:
+            self.stats.corrupt_segments += 1
+            self._lose(seg_id)  # deletes the bad file; the tree recomputes that history
+            raise
+        self.stats.load_seconds += time.perf_counter() - t0
+        self.stats.disk_bytes_used += kv.numel() * kv.element_size()
+        nbytes = kv.numel() * kv.element_size() + summaries.numel() * 4
+        if self._make_host_room(nbytes, keep=seg_id):
+            seg.host_kv, seg.host_summaries = kv, summaries
+            self.stats.host_bytes += nbytes
+        return kv[:, :, chunk_lo * c : chunk_hi * c], "disk"
+
+    def touch(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
+        if seg_id in self.segments:
+            self.policy.on_access(seg_id, n_chunks, importance)
