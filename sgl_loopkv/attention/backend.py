@@ -18,6 +18,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_loopkv.attention.executor import EXECUTORS
 from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan
+from sgl_loopkv.cache import loader as cache_loader
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -69,6 +70,9 @@ class LoopKVAttnBackend(AttentionBackend):
                 f"layer {layer.layer_id}: the loopkv attention backend supports plain causal self-attention "
                 "only (no cross attention, sliding window or logit cap); use --attention-backend torch_native"
             )
+        loads = cache_loader.active()
+        if loads is not None:  # the tiered cache may still be copying this layer's history in
+            loads.wait_layer(layer.layer_id)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
