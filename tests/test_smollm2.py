@@ -79,3 +79,45 @@ def test_greedy_matches_independent_hf_forward_for_32_tokens(smollm2_server, def
         json={"input_ids": input_ids, "sampling_params": {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}},
     )
     assert r.json()["output_ids"] == hf_greedy(default_model_dir, input_ids, 32)
+
+
+def test_history_resumed_from_host_and_disk_is_token_identical(smollm2_server, tmp_path, server_logs):
+    """SmolLM2 with a device pool too small for three conversations: B comes back from the host
+    arena, A from disk, and both answer exactly as the server that never evicted anything."""
+    from sgl_loopkv.server.process import ServerProcess
+
+    def gen(url, text):
+        r = requests.post(
+            f"{url}/generate",
+            timeout=600,
+            json={"text": text, "sampling_params": {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}},
+        )
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    convs = {
+        "A": " ".join(
+            f"Fact {i}: the {['cat', 'dog', 'bird'][i % 3]} number {i} likes {['red', 'blue', 'green', 'pink'][i % 4]}."
+            for i in range(150)
+        ),
+        "B": " ".join(f"Note {i}: city {i} has {i * 7} bridges." for i in range(200)),
+        "C": " ".join(f"Item {i} costs {i * 3} coins in the market." for i in range(200)),
+    }
+    turn2 = {"A": " Question: what does the cat number 3 like?", "B": " Question: how many bridges has city 5?"}
+    srv = ServerProcess(
+        ["--max-total-tokens", "4096", "--loopkv-host-bytes", "330000000", "--loopkv-disk-dir", str(tmp_path)],
+        log_path=server_logs / "smollm2-tiered.log",
+    ).start()
+    try:
+        for text in convs.values():
+            gen(srv.url, text + " Question: summarise.")
+        time.sleep(1)  # let the background disk writer finish
+        got_b = gen(srv.url, convs["B"] + turn2["B"])
+        got_a = gen(srv.url, convs["A"] + turn2["A"])
+    finally:
+        srv.stop()
+    details_b, details_a = got_b["meta_info"]["cached_tokens_details"], got_a["meta_info"]["cached_tokens_details"]
+    assert details_b["host"] > 3000, details_b
+    assert details_a["storage"] > 2000, details_a
+    assert got_b["output_ids"] == gen(smollm2_server.url, convs["B"] + turn2["B"])["output_ids"]
+    assert got_a["output_ids"] == gen(smollm2_server.url, convs["A"] + turn2["A"])["output_ids"]

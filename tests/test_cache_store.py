@@ -1,0 +1,195 @@
+"""The tiered store's parts, engine-free: on-disk layout, crash-safe checksummed segment files,
+quotas and value-ordered eviction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout, baseline_block_read_bytes, key_summaries
+from sgl_loopkv.cache.store import TieredKVStore
+from sgl_loopkv.cache.value import VALUE_POLICIES
+
+GEO = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_tokens=16)
+
+
+def segment(n_chunks: int, seed: int, geo: KVGeometry = GEO, parent=None, start=0):
+    g = torch.Generator().manual_seed(seed)
+    t = n_chunks * geo.chunk_tokens
+    kv = torch.randn(geo.num_layers, 2, t, geo.num_kv_heads, geo.head_dim, generator=g).to(geo.dtype)
+    rec = SegmentRecord(f"s{seed}", parent, start, n_chunks, 0, token_ids=list(range(start, start + t)))
+    return rec, kv, key_summaries(kv[:, 0], geo.chunk_tokens)
+
+
+def test_layout_extents_are_aligned_and_layer_major():
+    lay = SegmentFileLayout(GEO, n_chunks=5, kv_offset=4096)
+    assert GEO.extent_bytes % 4096 == 0 and lay.kv_offset % 4096 == 0
+    assert lay.extent_offset(1, 0) == lay.extent_offset(0, 4) + GEO.extent_bytes  # layer-major, contiguous
+    assert lay.runs(2, [0, 1, 2, 4]) == [
+        (lay.extent_offset(2, 0), 3 * GEO.extent_bytes),
+        (lay.extent_offset(2, 4), GEO.extent_bytes),
+    ]
+
+
+def test_key_summaries_are_per_chunk_per_head_min_max():
+    k = torch.randn(2, 32, 3, 4)
+    s = key_summaries(k, 16)
+    assert s.shape == (2, 2, 3, 2, 4)
+    torch.testing.assert_close(s[1, 1, 2, 0], k[1, 16:, 2].amin(0))
+    torch.testing.assert_close(s[0, 0, 1, 1], k[0, :16, 1].amax(0))
+
+
+def test_baseline_block_read_amplification():
+    # 16 tokens inside one 64-token block: the block layout reads 64 -> 4x
+    assert baseline_block_read_bytes([(64, 80)], GEO) == 4 * 16 * GEO.token_bytes_per_layer * GEO.num_layers
+    assert baseline_block_read_bytes([(0, 128)], GEO) == 128 * GEO.token_bytes_per_layer * GEO.num_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_disk_roundtrip_is_bit_identical(tmp_path, dtype):
+    geo = KVGeometry(3, 2, 8, dtype, 16)
+    store = DiskSegmentStore(tmp_path, 1 << 30, geo)
+    rec, kv, summ = segment(4, 1, geo)
+    store.write(rec, kv, summ)
+    assert torch.equal(store.read(rec.seg_id, 0, 4), kv)
+    assert torch.equal(store.read(rec.seg_id, 1, 3), kv[:, :, 16:48])
+    torch.testing.assert_close(store.read_summaries(rec.seg_id), summ)
+    # a new process finds it through the index
+    again = DiskSegmentStore(tmp_path, 1 << 30, geo)
+    assert list(again.records) == [rec.seg_id] and again.read_header(rec.seg_id)["token_ids"] == rec.token_ids
+    assert torch.equal(again.read(rec.seg_id, 0, 4), kv)
+
+
+def _corrupt(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0xFF  # inside the KV extents
+        path.write_bytes(bytes(data))
+    elif how == "flip_header":
+        data[40] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif how == "truncate":
+        path.write_bytes(bytes(data[: len(data) * 2 // 3]))
+    elif how == "delete":
+        path.unlink()
+
+
+@pytest.mark.parametrize("how", ["flip", "flip_header", "truncate", "delete"])
+def test_every_disk_fault_is_detected(tmp_path, how):
+    store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    rec, kv, summ = segment(6, 2)
+    store.write(rec, kv, summ)
+    _corrupt(store.path(rec.seg_id), how)
+    with pytest.raises(CorruptSegment):
+        store.read(rec.seg_id, 0, 6)
+
+
+def test_interrupted_writes_leave_no_trace(tmp_path):
+    store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    rec, kv, summ = segment(2, 3)
+    store.write(rec, kv, summ)
+    (tmp_path / "seg_dead.kv.tmp").write_bytes(b"half a write")  # crash during a file write
+    (tmp_path / "seg_orphan.kv").write_bytes(b"renamed but not indexed")  # crash before the index update
+    again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", f"seg_{rec.seg_id}.kv"]
+    assert list(again.records) == [rec.seg_id]
+
+
+def test_foreign_geometry_index_is_not_trusted(tmp_path):
+    store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    rec, kv, summ = segment(1, 4)
+    store.write(rec, kv, summ)
+    other = DiskSegmentStore(tmp_path, 1 << 30, KVGeometry(3, 2, 16, torch.float32, 16))
+    assert other.records == {} and not any(tmp_path.glob("seg_*.kv"))
+
+
+def _tier_bytes(store: TieredKVStore) -> tuple[int, int]:
+    host = sum(s.host_kv.numel() * 4 + s.host_summaries.numel() * 4 for s in store.segments.values() if s.in_host)
+    disk = sum(p.stat().st_size for p in store.disk.root.glob("seg_*.kv"))
+    return host, disk
+
+
+@pytest.mark.parametrize("policy", ["attention", "lru"])
+def test_quotas_hold_and_losses_are_reported(tmp_path, policy):
+    one = GEO.segment_host_bytes(4)
+    lost = []
+    store = TieredKVStore(
+        GEO,
+        VALUE_POLICIES.create(policy),
+        host_quota_bytes=3 * one,
+        disk_dir=tmp_path,
+        disk_quota_bytes=8 * DiskSegmentStore(tmp_path.with_name(tmp_path.name + "-est"), 0, GEO).file_bytes(4, 64),
+        on_lost=lost.append,
+    )
+    for i in range(30):
+        rec, kv, summ = segment(4, 100 + i)
+        assert store.put(rec, kv, summ)
+        store.flush()
+        host, disk = _tier_bytes(store)
+        assert host <= store.host_quota and host == store.stats.host_bytes
+        assert disk <= store.disk.quota_bytes
+    assert len(lost) == 30 - len(store.segments) > 0
+    assert all(store.tier_of(s) is None for s in lost)
+
+
+def test_fetch_from_disk_promotes_and_corruption_forgets(tmp_path):
+    one = GEO.segment_host_bytes(4)
+    lost = []
+    store = TieredKVStore(
+        GEO,
+        VALUE_POLICIES.create("lru"),
+        host_quota_bytes=one,
+        disk_dir=tmp_path,
+        disk_quota_bytes=1 << 30,
+        on_lost=lost.append,
+    )
+    segs = [segment(4, 200 + i) for i in range(3)]
+    for rec, kv, summ in segs:
+        store.put(rec, kv, summ)
+    store.flush()
+    first = segs[0][0].seg_id
+    assert store.tier_of(first) == "disk"
+    kv, tier = store.fetch(first, 1, 3)
+    assert tier == "disk" and torch.equal(kv, segs[0][1][:, :, 16:48])
+    assert store.tier_of(first) == "host" and store.stats.disk_bytes_read >= store.stats.disk_bytes_used > 0
+    second = segs[1][0].seg_id
+    _corrupt(store.disk.path(second), "flip")
+    with pytest.raises(CorruptSegment):
+        store.fetch(second, 0, 4)
+    assert lost == [second] and store.stats.corrupt_segments == 1 and not store.disk.path(second).exists()
+
+
+def test_disk_eviction_spares_segments_with_stored_children(tmp_path):
+    keep = {"s300"}
+    store = TieredKVStore(
+        GEO,
+        VALUE_POLICIES.create("lru"),
+        host_quota_bytes=0,
+        disk_dir=tmp_path,
+        disk_quota_bytes=2 * DiskSegmentStore(tmp_path.with_name(tmp_path.name + "-est"), 0, GEO).file_bytes(4, 64),
+        disk_evictable=lambda sid: sid not in keep,
+    )
+    for i in range(4):
+        rec, kv, summ = segment(4, 300 + i)
+        store.put(rec, kv, summ)
+    assert "s300" in store.segments  # oldest, but something hangs below it
+
+
+def test_attention_value_prefers_important_and_recent_segments():
+    pol = VALUE_POLICIES.create("attention")
+    pol.on_access("cold", 4)
+    pol.on_access("hot", 4)
+    for _ in range(5):
+        pol.on_access("hot", 4, importance=torch.tensor([0.7, 0.1, 0.1, 0.1]))
+    assert pol.value("hot") > pol.value("cold")
+    decaying = VALUE_POLICIES.create("attention", half_life=4.0)
+    for _ in range(3):
+        decaying.on_access("old", 2)
+    v0 = decaying.value("old")
+    for i in range(40):
+        decaying.on_access(f"new{i}", 2)
+    assert decaying.value("old") < v0 / 100  # old popularity fades
+    json.dumps(decaying.value("old"))

@@ -1,0 +1,154 @@
+"""The loopkv radix cache in a real server: conversations evicted to host and to disk resume with
+greedy output identical to a server that never evicted; the disk tier survives a restart;
+flipped, truncated and deleted extents are detected and recomputed; quotas hold."""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+
+import pytest
+import requests
+
+from sgl_loopkv.server.process import ServerProcess
+from tests.conftest import COMMON_SERVER_ARGS
+
+N_CONV = 6
+
+
+def conversation(i: int) -> str:
+    facts = " ".join(
+        f"In story {i}, room {j} holds {(i * 7 + j * 3) % 11} {['lamps', 'books', 'cups'][j % 3]}." for j in range(70)
+    )
+    return f"Conversation {i}. {facts}"  # ~900 tokens
+
+
+def ask(url: str, i: int, turn: str = "How many lamps are in room 3?") -> dict:
+    body = {
+        "text": conversation(i) + " Question: " + turn,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+    }
+    r = requests.post(f"{url}/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tiers(resp: dict) -> dict:
+    d = resp["meta_info"].get("cached_tokens_details") or {}
+    return {"device": d.get("device", 0), "host": d.get("host", 0), "disk": d.get("storage", 0)}
+
+
+def segment_files(disk_root) -> dict[str, list[int]]:
+    """seg file -> its first token ids (read from the header, as a user inspecting the dir would)."""
+    out = {}
+    for f in disk_root.glob("*/seg_*.kv"):
+        raw = f.read_bytes()
+        hlen = struct.unpack("<I", raw[8:12])[0]
+        header = json.loads(raw[16 : 16 + hlen])
+        out[f] = (header["start"], header["token_ids"][:24])
+    return out
+
+
+def files_of(disk_root, tokenizer, i: int):
+    """Segment files holding conversation ``i``'s first tokens."""
+    prefix = tokenizer(conversation(i))["input_ids"][:24]
+    return [f for f, (start, ids) in segment_files(disk_root).items() if start == 0 and ids == prefix]
+
+
+def disk_bytes(disk_root) -> int:
+    return sum(f.stat().st_size for f in disk_root.glob("*/seg_*.kv"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("loopkv-disk")
+
+
+DISK_QUOTA = 4_000_000  # ~7 tiny-model conversations
+
+
+def tiered(tiny_model_dir, disk_dir, log) -> ServerProcess:
+    args = [
+        "--model-path",
+        str(tiny_model_dir),
+        *COMMON_SERVER_ARGS[2:],
+        "--max-total-tokens",
+        "2048",  # the device pool holds ~2 conversations
+        "--loopkv-host-bytes",
+        "2200000",  # the host arena ~4
+        "--loopkv-disk-dir",
+        str(disk_dir),
+        "--loopkv-disk-bytes",
+        str(DISK_QUOTA),
+    ]
+    return ServerProcess(args, log_path=log).start()
+
+
+def wait_for_files(disk_root, tokenizer, i, timeout=20):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if files_of(disk_root, tokenizer, i):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"conversation {i} never reached the disk tier")
+
+
+def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_dir, disk_dir, server_logs, tokenizer):
+    reference = {i: ask(tiny_server.url, i)["output_ids"] for i in range(N_CONV)}
+
+    srv = tiered(tiny_model_dir, disk_dir, server_logs / "tiered-1.log")
+    try:
+        for i in range(N_CONV):
+            first = ask(srv.url, i)
+            assert first["output_ids"] == reference[i]  # the tiered cache changes nothing on first sight
+            wait_for_files(disk_dir, tokenizer, i)
+        # conversation N-3: evicted from the device pool, still in the host arena
+        host_hit = ask(srv.url, N_CONV - 3)
+        assert tiers(host_hit)["host"] > 800, tiers(host_hit)
+        assert host_hit["output_ids"] == reference[N_CONV - 3]
+        # conversation 0: only on disk by now
+        disk_hit = ask(srv.url, 0)
+        assert tiers(disk_hit)["disk"] > 800, tiers(disk_hit)
+        assert disk_hit["output_ids"] == reference[0]
+    finally:
+        srv.stop()
+
+    # Restart on the same directory: the stored conversations come back from disk.
+    srv = tiered(tiny_model_dir, disk_dir, server_logs / "tiered-2.log")
+    try:
+        resumed = ask(srv.url, 1)
+        assert tiers(resumed)["disk"] > 800, tiers(resumed)
+        assert resumed["output_ids"] == reference[1]
+
+        # Faults on stored extents: each must be detected (no cached tokens from it) and recomputed.
+        for i, fault in ((2, "flip"), (3, "truncate"), (4, "delete")):
+            files = files_of(disk_dir, tokenizer, i)
+            assert files, f"conversation {i} is not on disk"
+            for f in files:
+                data = bytearray(f.read_bytes())
+                if fault == "flip":
+                    data[len(data) // 2] ^= 0x5A
+                    f.write_bytes(bytes(data))
+                elif fault == "truncate":
+                    f.write_bytes(bytes(data[: len(data) // 2]))
+                else:
+                    f.unlink()
+            out = ask(srv.url, i)
+            assert tiers(out)["disk"] == 0 and out["meta_info"]["cached_tokens"] < 100, (fault, tiers(out))
+            assert out["output_ids"] == reference[i], fault
+
+        # Many more conversations: the disk quota holds throughout.
+        for i in range(N_CONV, N_CONV + 8):
+            ask(srv.url, i)
+            assert disk_bytes(disk_dir) <= DISK_QUOTA
+        assert disk_bytes(disk_dir) > DISK_QUOTA // 2  # the tier is really used, not bypassed
+    finally:
+        srv.stop()
