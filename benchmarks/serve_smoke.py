@@ -27,7 +27,8 @@ from sgl_loopkv.server.process import ServerProcess
 
 DECODE_TOKENS = 128
 CHAT_PROMPT = "<|im_start|>user\nTell me a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
-SYSTEMS = {"loopkv": "loopkv", "torch_native": "torch_native"}  # name -> --attention-backend
+# name -> launcher flags: sgl-loopkv's defaults vs SGLang's own CPU configuration
+SYSTEMS = {"loopkv": [], "torch_native": ["--loopkv-stock"]}
 
 
 def idle_cpu_fraction(srv: ServerProcess, seconds: float = 5.0) -> float:
@@ -39,11 +40,8 @@ def idle_cpu_fraction(srv: ServerProcess, seconds: float = 5.0) -> float:
     return (cpu() - before) / seconds
 
 
-def measure_server(backend: str, tokenizer, lengths: list[int], repeats: int, bar) -> dict:
-    srv = ServerProcess(
-        ["--attention-backend", backend, "--max-total-tokens", "32768"],
-        log_path=RESULTS / f"serve_smoke_{backend}.log",
-    ).start()
+def measure_server(name: str, flags: list[str], tokenizer, lengths: list[int], repeats: int, bar) -> dict:
+    srv = ServerProcess([*flags, "--max-total-tokens", "32768"], log_path=RESULTS / f"serve_smoke_{name}.log").start()
     try:
         out = {"startup_s": srv.startup_s, "idle_cpu_fraction": idle_cpu_fraction(srv), "history": {}}
         chat_ids = tokenizer(CHAT_PROMPT, add_special_tokens=False)["input_ids"]
@@ -126,9 +124,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     results = {}
     with tqdm(total=len(SYSTEMS) * (len(lengths) + 1) + 1, desc="serve_smoke") as bar:
-        for name, backend in SYSTEMS.items():
+        for name, flags in SYSTEMS.items():
             bar.set_postfix_str(name)
-            results[name] = measure_server(backend, tokenizer, lengths, repeats, bar)
+            results[name] = measure_server(name, flags, tokenizer, lengths, repeats, bar)
         bar.set_postfix_str("hf_transformers")
         results["hf_transformers"] = measure_hf(model_dir, tokenizer, repeats)
         bar.update()

@@ -31,6 +31,9 @@ CPU_DEFAULTS: dict[str, str | None] = {
     "--sleep-on-idle": None,
     "--enable-cache-report": None,
 }
+# --loopkv-stock: SGLang's own CPU configuration (what sgl-loopkv is measured against).
+STOCK_CPU_DEFAULTS = {k: v for k, v in CPU_DEFAULTS.items() if k not in ("--radix-cache-backend", "--page-size")}
+STOCK_CPU_DEFAULTS["--attention-backend"] = "torch_native"
 GPU_DEFAULTS: dict[str, str | None] = {
     "--radix-cache-backend": "loopkv",
     "--page-size": "16",
@@ -78,7 +81,11 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
         rest = ["--model-path", str(ensure_default_model(config.resolved_cache_dir))] + rest
         if not _given(rest, "--served-model-name"):
             rest += ["--served-model-name", DEFAULT_MODEL_NAME]
-    return config, with_defaults(rest, GPU_DEFAULTS if on_gpu else CPU_DEFAULTS), on_gpu
+    if on_gpu:
+        defaults = {"--enable-cache-report": None} if config.stock else GPU_DEFAULTS
+    else:
+        defaults = STOCK_CPU_DEFAULTS if config.stock else CPU_DEFAULTS
+    return config, with_defaults(rest, defaults), on_gpu
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -44,6 +44,11 @@ class LoopKVConfig:
         metadata={"help": "Executor that runs the loopkv attention backend's plans.", "choices": ["torch"]},
     )
 
+    stock: bool = field(
+        default=False,
+        metadata={"help": "Serve with none of sgl-loopkv's components (SGLang's own attention and radix cache): "
+                  "the baseline the benchmarks compare against.", "action": "store_true"},
+    )
     host_bytes: int = field(
         default=2 << 30,
         metadata={"help": "Byte quota of the host-RAM tier of the loopkv radix cache (default 2 GiB).", "type": int},
@@ -68,11 +73,66 @@ class LoopKVConfig:
         },
     )
 
+    # --- sparse prefill (issue 5) ---------------------------------------------------------------
+    prefill_policy: str = field(
+        default="dense",
+        metadata={
+            "help": "Sparse prefill policy for extends longer than --loopkv-sparse-min-len new tokens: 'dense' "
+            "(off), 'loopserve' (online vertical/slash lines), 'lserve' (streaming heads), 'block' (block top-mass).",
+            "choices": ["dense", "loopserve", "lserve", "block"],
+        },
+    )
+    alpha: float = field(
+        default=0.95,
+        metadata={"help": "Attention-mass coverage of the loopserve and block policies (1 = dense).", "type": float},
+    )
+    block_size: int = field(
+        default=64,
+        metadata={"help": "Block size (tokens) of sparse prefill plans.", "type": int},
+    )
+    sparse_min_len: int = field(
+        default=1024,
+        metadata={"help": "Extends with at most this many new tokens stay dense (decode always does).", "type": int},
+    )
+    streaming_fraction: float = field(
+        default=0.5,
+        metadata={"help": "lserve: fraction of (layer, KV head) pairs that stream.", "type": float},
+    )
+    streaming_sink: int = field(
+        default=64,
+        metadata={"help": "lserve: sink tokens a streaming head sees (a multiple of the block size).", "type": int},
+    )
+    streaming_local: int = field(
+        default=1024,
+        metadata={
+            "help": "lserve: tokens before the diagonal block a streaming head sees (a multiple of the block size).",
+            "type": int,
+        },
+    )
+    streaming_calibration: str | None = field(
+        default=None,
+        metadata={
+            "help": "lserve: the model's streaming-head calibration JSON (default: the bundled file named after "
+            "the model folder; make one with python -m sgl_loopkv.attention.calibration)."
+        },
+    )
+    sparse_executor: str = field(
+        default="torch",
+        metadata={
+            "help": "Executor of sparse prefill plans ('flashinfer' and 'triton' need CUDA).",
+            "choices": ["torch", "triton", "flashinfer"],
+        },
+    )
+
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("--loopkv-host-bytes and --loopkv-disk-bytes must be >= 0")
+        if not 0 < self.alpha <= 1 or not 0 <= self.streaming_fraction <= 1:
+            raise ValueError("--loopkv-alpha must be in (0, 1] and --loopkv-streaming-fraction in [0, 1]")
+        if self.block_size < 1 or self.streaming_sink % self.block_size or self.streaming_local % self.block_size:
+            raise ValueError("--loopkv-streaming-sink/-local must be multiples of --loopkv-block-size")
 
     @property
     def resolved_cache_dir(self) -> Path:
@@ -88,7 +148,7 @@ class LoopKVConfig:
         group = parser.add_argument_group("sgl-loopkv")
         for f in fields(cls):
             kwargs = {"default": f.default, "help": f.metadata["help"], "dest": f"loopkv_{f.name}"}
-            for opt in ("choices", "type"):
+            for opt in ("choices", "type", "action"):
                 if opt in f.metadata:
                     kwargs[opt] = f.metadata[opt]
             group.add_argument(cls.flag(f.name), **kwargs)

@@ -52,3 +52,15 @@ def test_bad_loopkv_flag_value_is_rejected():
         timeout=300,
     )
     assert proc.returncode == 2 and "invalid choice: 'tpu'" in proc.stderr
+
+
+def test_stock_mode_uses_none_of_the_loopkv_components():
+    out = run_fresh(
+        """
+        import json
+        from sgl_loopkv.server.launch import build_sglang_argv
+        print(json.dumps(build_sglang_argv(["--model-path", "/m", "--loopkv-stock", "--loopkv-device", "cpu"])[1]))
+        """
+    )
+    assert out[out.index("--attention-backend") + 1] == "torch_native"
+    assert "--radix-cache-backend" not in out and "--page-size" not in out

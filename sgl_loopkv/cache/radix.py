@@ -39,6 +39,7 @@ from sgl_loopkv.cache import loader as loader_mod
 from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
+from sgl_loopkv.cache.metrics import TierMetrics
 from sgl_loopkv.cache.store import TieredKVStore
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class LoopKVRadixCache(RadixCache):
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
         self.store = store_factory(self.geometry, self._on_segment_lost, self._segment_is_leaf)
+        self.metrics = TierMetrics(params.enable_metrics)
         self._rebuild_from_store()
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -110,6 +112,7 @@ class LoopKVRadixCache(RadixCache):
         super().checkpoint(req, up_to=up_to)
         if not self.disable and req.last_node is not None:
             self._store_path(req.last_node)
+            self.metrics.publish(self.store.stats)
 
     def _store_path(self, node: TreeNode) -> None:
         path = []
@@ -257,6 +260,7 @@ class LoopKVRadixCache(RadixCache):
         if stored and getattr(params, "req", None) is not None:
             loaded, last_device = self._load_back(stored, last_device, params.req)
             device_len += loaded
+            self.metrics.publish(self.store.stats)
         return MatchResult(
             device_prefix_len=device_len,
             last_device_node=last_device,
@@ -322,7 +326,16 @@ class LoopKVRadixCache(RadixCache):
         while len(self._req_loads) > 4096:
             self._req_loads.popitem(last=False)
         self.loader.submit(loads)
-        self.store.stats.load_seconds += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self.store.stats.load_seconds += elapsed
+        by_tier = {t: sum(len(nd.key) for nd, _, tt in parts if tt == t) for t in ("host", "disk")}
+        logger.info(
+            "loopkv: resuming %d tokens (host %d, disk %d); fetched in %.3f s, copying layer by layer",
+            n,
+            by_tier["host"],
+            by_tier["disk"],
+            elapsed,
+        )
         return n, parts[-1][0]
 
     def _alloc(self, n: int, protect: TreeNode) -> torch.Tensor | None:
@@ -358,7 +371,7 @@ class LoopKVRadixCache(RadixCache):
                 self.store.drop(rec.seg_id)
                 continue
             prefix = tokens.get(rec.parent, [])[: rec.start] if rec.parent else []
-            if len(prefix) != rec.start:
+            if len(prefix) != rec.start:  # its parent did not survive
                 self.store.drop(rec.seg_id)  # its prefix is gone: unreachable
                 continue
             tokens[rec.seg_id] = prefix + header["token_ids"]
