@@ -49,7 +49,13 @@ def timed_generate(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
             ttft = ttft or time.perf_counter() - t0
             last = json.loads(line[len(b"data: ") :])
     total = time.perf_counter() - t0
-    return {"ttft_s": ttft, "total_s": total, "tokens": len(last["output_ids"]), "meta_info": last["meta_info"]}
+    return {
+        "ttft_s": ttft,
+        "total_s": total,
+        "tokens": len(last["output_ids"]),
+        "output_ids": last["output_ids"],
+        "meta_info": last["meta_info"],
+    }
 
 
 def median(xs) -> float:

@@ -193,3 +193,15 @@ def test_attention_value_prefers_important_and_recent_segments():
         decaying.on_access(f"new{i}", 2)
     assert decaying.value("old") < v0 / 100  # old popularity fades
     json.dumps(decaying.value("old"))
+
+
+def test_chunk_attention_mass_sums_softmax_per_chunk():
+    from sgl_loopkv.cache.importance import chunk_attention_mass
+
+    g = torch.Generator().manual_seed(5)
+    q, k = torch.randn(3, 4, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+    mass = chunk_attention_mass(q, k, 0.5, 16)
+    probs = torch.softmax(torch.einsum("nhd,phd->hnp", q, k.repeat_interleave(2, dim=1)) * 0.5, dim=-1)
+    assert mass.shape == (3,)
+    torch.testing.assert_close(mass, torch.stack([probs[..., :16].sum(), probs[..., 16:32].sum(), probs[..., 32:].sum()]))
+    assert abs(float(mass.sum()) - 3 * 4) < 1e-4  # every row of every head sums to 1

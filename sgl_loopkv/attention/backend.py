@@ -1,8 +1,12 @@
 """SGLang glue: the ``loopkv`` attention backend.
 
 Converts SGLang's ForwardBatch into an :class:`AttentionPlan` once per batch
-(``init_forward_metadata``) and lets the chosen executor compute every layer from it. Dense today;
-sparse planners replace ``plan_batch`` without touching the executors' contract.
+(``init_forward_metadata``) and lets the chosen executor compute every layer from it.
+
+Sparse prefill (``--loopkv-prefill-policy``): for extends with more than ``sparse_min_len`` new
+tokens, each layer asks the selection policy for a mask per sequence and the sparse executor runs
+the resulting :class:`SparsePlan`; every other forward (decode, short extends, no policy) takes the
+dense path unchanged.
 
 Supports full-attention decoder models (Llama/Qwen2 style): no sliding window, no cross
 attention, no logit soft-capping, no speculative decoding. Anything else fails loudly at the first
@@ -18,6 +22,9 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_loopkv.attention.executor import EXECUTORS
 from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan
+from sgl_loopkv.attention.policies import POLICIES, ModelShape, SelectionPolicy
+from sgl_loopkv.attention.sparse_plan import SparsePlan
+from sgl_loopkv.cache import importance as chunk_importance
 from sgl_loopkv.cache import loader as cache_loader
 
 if TYPE_CHECKING:
@@ -29,13 +36,28 @@ BACKEND_NAME = "loopkv"
 
 
 class LoopKVAttnBackend(AttentionBackend):
-    def __init__(self, model_runner: ModelRunner, executor: str = "torch"):
+    def __init__(
+        self,
+        model_runner: ModelRunner,
+        executor: str = "torch",
+        prefill_policy: SelectionPolicy | None = None,
+        sparse_executor: str = "torch",
+        sparse_min_len: int = 1024,
+    ):
         super().__init__()
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.executor = EXECUTORS.create(executor)
         self.forward_metadata: AttentionPlan | None = None
+        self.policy = prefill_policy
+        self.sparse_min_len = sparse_min_len
+        self.sparse_executor = None
+        if prefill_policy is not None:
+            from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
+
+            self.sparse_executor = SPARSE_EXECUTORS.create(sparse_executor)
+        self.sparse_seqs: list[bool] | None = None  # this batch: per sequence, does its prefill go sparse?
 
     # --- planning: once per batch -------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -46,6 +68,10 @@ class LoopKVAttnBackend(AttentionBackend):
         if not (mode.is_decode() or mode.is_context_parallel_extend()):
             raise NotImplementedError(f"the loopkv attention backend does not support forward mode {mode.name}")
         self.forward_metadata = self.plan_batch(forward_batch)
+        self.sparse_seqs = None
+        if self.policy is not None and not mode.is_decode():
+            long = [n > self.sparse_min_len for n in forward_batch.extend_seq_lens_cpu]
+            self.sparse_seqs = long if any(long) else None
 
     def plan_batch(self, forward_batch: ForwardBatch) -> AttentionPlan:
         bs = forward_batch.batch_size
@@ -75,8 +101,28 @@ class LoopKVAttnBackend(AttentionBackend):
             loads.wait_layer(layer.layer_id)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
+        if chunk_importance.wants(layer.layer_id, forward_batch.forward_mode.is_decode()):
+            rows = (
+                forward_batch.req_pool_indices_cpu
+                if forward_batch.req_pool_indices_cpu is not None
+                else forward_batch.req_pool_indices
+            ).tolist()
+            chunk_importance.record(
+                self.forward_metadata,
+                rows,
+                q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                layer.scaling,
+            )
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        if self.sparse_seqs is not None:
+            k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+            plan = self.plan_layer(layer.layer_id, q, k_buf, layer.scaling)
+            self.sparse_executor.run(
+                plan, q, k_buf, self.token_to_kv_pool.get_value_buffer(layer.layer_id), layer.scaling, out
+            )
+            return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
         self.executor.run(
             self.forward_metadata,
             q,
@@ -86,6 +132,15 @@ class LoopKVAttnBackend(AttentionBackend):
             out,
         )
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def plan_layer(self, layer_id: int, q, k_cache, scale: float) -> SparsePlan:
+        """This layer's sparse plan: the policy's mask for each long extend, None (dense) for the rest."""
+        base = self.forward_metadata
+        masks = []
+        for i, sparse in enumerate(self.sparse_seqs):
+            rows = q[base.qo_indptr[i] : base.qo_indptr[i + 1]]
+            masks.append(self.policy.select(layer_id, rows, base.kv_of(i, k_cache), scale) if sparse else None)
+        return SparsePlan(base, masks)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._forward(q, k, v, layer, forward_batch, save_kv_cache)
@@ -99,6 +154,25 @@ class LoopKVAttnBackend(AttentionBackend):
 
 def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
     """Factory registered with SGLang's ``register_attention_backend``."""
+    from pathlib import Path
+
     from sgl_loopkv.config import LoopKVConfig
 
-    return LoopKVAttnBackend(model_runner, executor=LoopKVConfig.from_env().attention_executor)
+    config = LoopKVConfig.from_env()
+    policy = None
+    if config.prefill_policy != "dense":
+        mc, tp = model_runner.model_config, model_runner.tp_size
+        shape = ModelShape(
+            name=Path(mc.model_path).name,
+            num_layers=mc.num_hidden_layers,
+            num_q_heads=mc.num_attention_heads // tp,
+            num_kv_heads=mc.get_num_kv_heads(tp),
+        )
+        policy = POLICIES.create(config.prefill_policy, config, shape)
+    return LoopKVAttnBackend(
+        model_runner,
+        executor=config.attention_executor,
+        prefill_policy=policy,
+        sparse_executor=config.sparse_executor,
+        sparse_min_len=config.sparse_min_len,
+    )

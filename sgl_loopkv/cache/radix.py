@@ -35,6 +35,7 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sgl_loopkv.cache import importance
 from sgl_loopkv.cache import loader as loader_mod
 from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -68,6 +69,7 @@ class LoopKVRadixCache(RadixCache):
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
         self.store = store_factory(self.geometry, self._on_segment_lost, self._segment_is_leaf)
         self.metrics = TierMetrics(params.enable_metrics)
+        importance.configure(self.geometry.num_layers // 2, self.page_size)
         self._rebuild_from_store()
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -112,6 +114,7 @@ class LoopKVRadixCache(RadixCache):
         super().checkpoint(req, up_to=up_to)
         if not self.disable and req.last_node is not None:
             self._store_path(req.last_node)
+            self._touch_path(req.last_node, importance.pop(req.kv.req_pool_idx))
             self.metrics.publish(self.store.stats)
 
     def _store_path(self, node: TreeNode) -> None:
@@ -122,6 +125,35 @@ class LoopKVRadixCache(RadixCache):
         for n in reversed(path):  # root first: a segment's parent must be stored before it
             if not self._store_node(n):
                 return
+
+    def _touch_path(self, node: TreeNode, mass: torch.Tensor | None) -> None:
+        """A turn used its whole history: one access for every stored segment on the path, weighted
+        by the chunk attention mass the turn measured (uniform when none was measured)."""
+        path = []
+        while node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        per_segment: dict[str, torch.Tensor | None] = {}
+        pos = 0
+        for n in reversed(path):
+            ref = _ref(n)
+            if ref is not None:
+                seg, lo, hi = ref
+                rec = self.store.segments.get(seg)
+                if rec is not None:
+                    if mass is None:
+                        per_segment.setdefault(seg, None)
+                    else:
+                        vec = per_segment.get(seg)
+                        vec = torch.zeros(rec.record.n_chunks) if vec is None else vec
+                        part = mass[pos // self.page_size : (pos + len(n.key)) // self.page_size]
+                        vec[lo : lo + len(part)] += part
+                        per_segment[seg] = vec
+            pos += len(n.key)
+        for seg, vec in per_segment.items():
+            self.store.touch(
+                seg, self.store.segments[seg].record.n_chunks, vec if vec is not None and vec.sum() > 0 else None
+            )
 
     def _position(self, node: TreeNode) -> int:
         pos, node = 0, node.parent
@@ -322,7 +354,6 @@ class LoopKVRadixCache(RadixCache):
             tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0})
             tally[tier] += len(node.key)
             self.store.stats.hit_tokens[tier] += len(node.key)
-            self.store.touch(_ref(node)[0], _ref(node)[2] - _ref(node)[1])
         while len(self._req_loads) > 4096:
             self._req_loads.popitem(last=False)
         self.loader.submit(loads)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
-from sgl_loopkv.cache.layout import KVGeometry
+from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.value import ValuePolicy
 
 logger = logging.getLogger(__name__)
@@ -229,7 +229,6 @@ class TieredKVStore:
             with self._disk_lock:
                 before = self.disk.bytes_read
                 kv = self.disk.read(seg_id, 0, seg.record.n_chunks)
-                summaries = self.disk.read_summaries(seg_id)
                 self.stats.disk_bytes_read += self.disk.bytes_read - before
         except CorruptSegment:
             self.stats.corrupt_segments += 1
@@ -237,6 +236,8 @@ class TieredKVStore:
             raise
         self.stats.load_seconds += time.perf_counter() - t0
         self.stats.disk_bytes_used += kv.numel() * kv.element_size()
+        # The verified keys give the summaries back for free: reading them would cost disk bandwidth.
+        summaries = key_summaries(kv[:, 0], self.geometry.chunk_tokens)
         nbytes = kv.numel() * kv.element_size() + summaries.numel() * 4
         if self._make_host_room(nbytes, keep=seg_id):
             seg.host_kv, seg.host_summaries = kv, summaries
