@@ -183,7 +183,7 @@ def test_attention_value_prefers_important_and_recent_segments():
     pol.on_access("cold", 4)
     pol.on_access("hot", 4)
     for _ in range(5):
-        pol.on_access("hot", 4, importance=torch.tensor([0.7, 0.1, 0.1, 0.1]))
+        pol.on_access("hot", 4, importance=torch.tensor([2.8, 0.4, 0.4, 0.4]))
     assert pol.value("hot") > pol.value("cold")
     decaying = VALUE_POLICIES.create("attention", half_life=4.0)
     for _ in range(3):
@@ -203,5 +203,14 @@ def test_chunk_attention_mass_sums_softmax_per_chunk():
     mass = chunk_attention_mass(q, k, 0.5, 16)
     probs = torch.softmax(torch.einsum("nhd,phd->hnp", q, k.repeat_interleave(2, dim=1)) * 0.5, dim=-1)
     assert mass.shape == (3,)
-    torch.testing.assert_close(mass, torch.stack([probs[..., :16].sum(), probs[..., 16:32].sum(), probs[..., 32:].sum()]))
+    torch.testing.assert_close(
+        mass, torch.stack([probs[..., :16].sum(), probs[..., 16:32].sum(), probs[..., 32:].sum()])
+    )
     assert abs(float(mass.sum()) - 3 * 4) < 1e-4  # every row of every head sums to 1
+
+
+def test_attention_value_ranks_segments_by_the_mass_they_received():
+    pol = VALUE_POLICIES.create("attention")
+    pol.on_access("relied_on", 2, importance=torch.tensor([1.8, 1.6]))
+    pol.on_access("ignored", 2, importance=torch.tensor([0.3, 0.3]))
+    assert pol.value("relied_on") > pol.value("ignored")

@@ -133,6 +133,8 @@ class LoopKVRadixCache(RadixCache):
         while node is not self.root_node:
             path.append(node)
             node = node.parent
+        if mass is not None and float(mass.sum()) > 0:
+            mass = mass * (len(mass) / float(mass.sum()))  # mean 1 per chunk over the attended history
         per_segment: dict[str, torch.Tensor | None] = {}
         pos = 0
         for n in reversed(path):

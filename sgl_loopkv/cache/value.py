@@ -1,10 +1,13 @@
 """How valuable a stored segment is: what the host and disk tiers evict last.
 
 ``attention`` (default): ContiguousKV's score S_j = I_j x F_j per chunk, where I_j is the
-accumulated attention importance of chunk j (the share of the new turn's attention mass it
-received, times the number of chunks, so a uniform share scores 1) and F_j its access count;
-unlike the paper, both decay with a half-life counted in accesses, so old popularity fades. A
-segment's value is the mean S_j of its chunks (a density: bytes are what eviction frees).
+accumulated attention importance of chunk j and F_j its access count; unlike the paper, both decay
+with a half-life counted in accesses, so old popularity fades. Importance comes normalised by the
+caller over the whole history a turn attended to (mean 1 per chunk), so a segment of a conversation
+that the turn barely looked at scores below one it relied on; without a measurement it is 1. A
+segment's value is the mean S_j of its chunks (a density: bytes are what eviction frees). While
+eviction works on whole segments, a single-segment history's value reduces to its decayed access
+count; the per-chunk scores are kept for chunk-level pruning.
 ``lru``: the time of the last access. Time is logical (one tick per access) so runs replay.
 """
 
@@ -24,7 +27,8 @@ class ValuePolicy(ABC):
     @abstractmethod
     def on_access(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
         """Segment ``seg_id`` (``n_chunks`` chunks) was stored or used by a request.
-        ``importance``: [n_chunks] attention mass share per chunk of that request, or None."""
+        ``importance``: [n_chunks] attention importance per chunk (mean 1 over the history the
+        request attended to), or None for "no measurement" (counts as 1 per chunk)."""
 
     @abstractmethod
     def value(self, seg_id: str) -> float: ...
@@ -55,11 +59,7 @@ class AttentionValuePolicy(ValuePolicy):
 
     def on_access(self, seg_id, n_chunks, importance=None):
         self.now += 1
-        a = (
-            torch.ones(n_chunks)
-            if importance is None
-            else importance.float() * n_chunks / max(float(importance.sum()), 1e-9)
-        )
+        a = torch.ones(n_chunks) if importance is None else importance.float()
         s = self.scores.get(seg_id)
         if s is None or len(s.importance) != n_chunks:
             self.scores[seg_id] = _ChunkScores(a.clone(), torch.ones(n_chunks), self.now)
