@@ -56,6 +56,16 @@ def files_of(disk_root, tokenizer, i: int):
     return [f for f, (start, ids) in segment_files(disk_root).items() if start == 0 and ids == prefix]
 
 
+def host_arena_bytes(url: str) -> float:
+    """The host tier's size as the server reports it on /metrics."""
+    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("loopkv_tier_bytes") and 'tier="host"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(
+        "loopkv_tier_bytes{tier=host} missing from /metrics: " + requests.get(f"{url}/metrics", timeout=30).text[-3000:]
+    )
+
+
 def disk_bytes(disk_root) -> int:
     return sum(f.stat().st_size for f in disk_root.glob("*/seg_*.kv"))
 
@@ -73,21 +83,16 @@ def disk_dir(tmp_path_factory):
 
 
 DISK_QUOTA = 4_000_000  # ~7 tiny-model conversations
+HOST_QUOTA = 2_200_000  # ~4
 
 
 def tiered(tiny_model_dir, disk_dir, log) -> ServerProcess:
     args = [
-        "--model-path",
-        str(tiny_model_dir),
-        *COMMON_SERVER_ARGS[2:],
-        "--max-total-tokens",
-        "2048",  # the device pool holds ~2 conversations
-        "--loopkv-host-bytes",
-        "2200000",  # the host arena ~4
-        "--loopkv-disk-dir",
-        str(disk_dir),
-        "--loopkv-disk-bytes",
-        str(DISK_QUOTA),
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
+        *("--max-total-tokens", "2048"),  # the device pool holds ~2 conversations
+        *("--loopkv-host-bytes", str(HOST_QUOTA)),  # the host arena ~4
+        *("--loopkv-disk-dir", str(disk_dir), "--loopkv-disk-bytes", str(DISK_QUOTA)),
+        "--enable-metrics",
     ]
     return ServerProcess(args, log_path=log).start()
 
@@ -145,10 +150,11 @@ def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_di
             assert tiers(out)["disk"] == 0 and out["meta_info"]["cached_tokens"] < 100, (fault, tiers(out))
             assert out["output_ids"] == reference[i], fault
 
-        # Many more conversations: the disk quota holds throughout.
+        # Many more conversations: both quotas hold throughout.
         for i in range(N_CONV, N_CONV + 8):
             ask(srv.url, i)
             assert disk_bytes(disk_dir) <= DISK_QUOTA
+            assert 0 < host_arena_bytes(srv.url) <= HOST_QUOTA
         assert disk_bytes(disk_dir) > DISK_QUOTA // 2  # the tier is really used, not bypassed
     finally:
         srv.stop()
