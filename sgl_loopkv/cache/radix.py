@@ -5,7 +5,8 @@ It subclasses SGLang's own ``RadixCache``: matching, locking, ``checkpoint`` and
 are SGLang's. What changes:
 
 - A node carries ``lkv = (segment id, first chunk, end chunk)`` once its KV is stored (written
-  through at ``checkpoint``: the tiers hold every conversation's history, the device pool caches).
+  through at the request's final ``checkpoint``: the tiers hold every conversation's history, the
+  device pool caches).
 - Device eviction drops only the device copy of a stored node; the node stays in the tree.
   Invariant (as in SGLang's HiCache): a node on the device has its parent on the device.
 - ``match_prefix`` walks past the device part into stored nodes and loads them back: host (or
@@ -112,7 +113,10 @@ class LoopKVRadixCache(RadixCache):
     # --- write-through at checkpoint ------------------------------------------------------------
     def checkpoint(self, req, *, up_to: int):
         super().checkpoint(req, up_to=up_to)
-        if not self.disable and req.last_node is not None:
+        # Store when the turn ends, not at every prefill chunk: the copy then costs the last
+        # token's latency instead of the first token's (the running request locks its nodes on
+        # the device meanwhile, so nothing it computed can be evicted before it is stored).
+        if not self.disable and req.finished() and req.last_node is not None:
             self._store_path(req.last_node)
             self._touch_path(req.last_node, importance.pop(req.kv.req_pool_idx))
             self.metrics.publish(self.store.stats)
