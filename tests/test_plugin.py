@@ -16,7 +16,9 @@ def test_load_plugins_finds_and_registers_loopkv():
         from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
         from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
         from sgl_loopkv.plugin import COMPONENTS
+        from sglang.srt.mem_cache.registry import registered_radix_cache_backends
         print(json.dumps({
+            "radix": registered_radix_cache_backends(),
             "entry_points": [ep.value for ep in entry_points(group="sglang.srt.plugins")],
             "backend": ATTENTION_BACKENDS.get("loopkv").__module__,
             "choice": "loopkv" in ATTENTION_BACKEND_CHOICES,
@@ -30,6 +32,7 @@ def test_load_plugins_finds_and_registers_loopkv():
     assert out["backend"] == "sgl_loopkv.attention.backend"
     assert out["choice"] and out["hooked"]
     assert out["components"]["attention_backend"] == ["loopkv"]
+    assert out["radix"] == ["loopkv"] and out["components"]["radix_cache_backend"] == ["loopkv"]
 
 
 def test_plugin_registration_is_idempotent():
@@ -42,4 +45,5 @@ def test_plugin_registration_is_idempotent():
         print(json.dumps({"n": ATTENTION_BACKEND_CHOICES.count("loopkv"), "c": COMPONENTS}))
         """
     )
-    assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"] and len(out["c"]["hook"]) == 1
+    hooks = out["c"]["hook"]
+    assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"] and len(set(hooks)) == len(hooks) == 2
