@@ -131,7 +131,8 @@ def test_contiguous_slots_are_read_through_a_view_with_the_same_result():
     req_to_token[0, :40] = torch.arange(100, 140, dtype=torch.int32)  # one ascending run
     req_to_token[1, :40] = torch.arange(100, 140, dtype=torch.int32).flip(0)  # not a run
     plan = build_dense_plan(req_to_token, [0, 1], [40, 40], [3, 3])
-    assert plan.kv_start == [100, None]
+    assert plan.kv_runs[0] == [(100, 40)]
+    assert plan.kv_runs[1] == [(139 - j, 1) for j in range(40)]  # descending: one run per slot
     g = torch.Generator().manual_seed(3)
     k_cache, v_cache, q = torch.randn(200, 2, 8, generator=g), torch.randn(200, 2, 8, generator=g), torch.randn(6, 4, 8)
     out = EXECUTORS.create("torch").run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))
@@ -139,3 +140,23 @@ def test_contiguous_slots_are_read_through_a_view_with_the_same_result():
         slots = req_to_token[i, :40].long()
         ref = reference_attention(q[3 * i : 3 * i + 3], k_cache[slots], v_cache[slots], 0.3)
         torch.testing.assert_close(out[3 * i : 3 * i + 3], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,hq,hkv", [(1, 9, 3), (5, 4, 4), (64, 6, 2)])
+def test_attention_over_pool_runs_equals_reference(n, hq, hkv):
+    """Paged slots (runs of 16, shuffled pages) read run by run: same numbers as a gather."""
+    from sgl_loopkv.attention.executor import attention_over_runs
+    from sgl_loopkv.attention.plan import slot_runs
+
+    g = torch.Generator().manual_seed(n)
+    pages = torch.randperm(40, generator=g)[:12]
+    slots = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in pages.tolist()])[:180]
+    runs = slot_runs(slots)
+    assert runs is not None and sum(r[1] for r in runs) == 180 and len(runs) > 1
+    k_cache, v_cache = torch.randn(640, hkv, 8, generator=g), torch.randn(640, hkv, 8, generator=g)
+    q = torch.randn(n, hq, 8, generator=g)
+    ref = reference_attention(q, k_cache[slots], v_cache[slots], 0.3)
+    torch.testing.assert_close(attention_over_runs(q, k_cache, v_cache, runs, 0.3, True), ref, atol=1e-5, rtol=1e-5)
+    plan = build_dense_plan(slots.view(1, -1).to(torch.int32), [0], [180], [n])
+    out = EXECUTORS.create("torch").run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

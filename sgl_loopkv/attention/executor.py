@@ -63,6 +63,48 @@ def dense_attention(
     return o.transpose(0, 1)
 
 
+def attention_over_runs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    runs: list[tuple[int, int]],
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """``dense_attention`` for a few query rows over keys that sit in the pool as ascending runs,
+    reading each run through a view: no per-layer copy of the whole prefix (what dominates a short
+    turn or a decode step over a long cached history). Exact: one softmax over all runs' scores.
+
+    q: [n, Hq, D]; runs: [(first pool slot, length), ...] in position order -> [n, Hq, D].
+    """
+    n, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    g = hq // hkv
+    L = sum(length for _, length in runs)
+    qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d).to(k_cache.dtype)
+    scores = q.new_empty(hkv, g * n, L, dtype=torch.float32)
+    pos = 0
+    for first, length in runs:
+        k = k_cache[first : first + length].transpose(0, 1)  # [Hkv, r, D] view
+        torch.bmm(qg, k.transpose(1, 2), out=scores[:, :, pos : pos + length])
+        pos += length
+    scores.mul_(scale)
+    if causal and n > 1:
+        row_pos = (L - n + torch.arange(n, device=q.device)).repeat(g)  # [g * n], same order as qg rows
+        scores.masked_fill_(torch.arange(L, device=q.device)[None, :] > row_pos[:, None], float("-inf"))
+    probs = scores.softmax(dim=-1).to(v_cache.dtype)
+    out = torch.zeros(hkv, g * n, d, dtype=v_cache.dtype, device=q.device)
+    pos = 0
+    for first, length in runs:
+        out.baddbmm_(probs[:, :, pos : pos + length], v_cache[first : first + length].transpose(0, 1))
+        pos += length
+    return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
+
+
+#: Query rows up to which the run-wise path beats gathering the prefix (decode, short turns).
+RUNS_MAX_ROWS = 64
+
+
 @EXECUTORS.register("torch")
 class TorchDenseExecutor(AttentionExecutor):
     """Dense plans with torch SDPA, one sequence at a time (any device torch runs on)."""
@@ -72,5 +114,11 @@ class TorchDenseExecutor(AttentionExecutor):
             q0, q1 = plan.qo_indptr[i], plan.qo_indptr[i + 1]
             if q0 == q1:
                 continue
-            out[q0:q1] = dense_attention(q[q0:q1], plan.kv_of(i, k_cache), plan.kv_of(i, v_cache), scale, plan.causal)
+            runs = plan.runs(i)
+            if runs is not None and len(runs) > 1 and q1 - q0 <= RUNS_MAX_ROWS:
+                out[q0:q1] = attention_over_runs(q[q0:q1], k_cache, v_cache, runs, scale, plan.causal)
+            else:
+                out[q0:q1] = dense_attention(
+                    q[q0:q1], plan.kv_of(i, k_cache), plan.kv_of(i, v_cache), scale, plan.causal
+                )
         return out

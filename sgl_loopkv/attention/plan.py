@@ -31,16 +31,17 @@ class AttentionPlan:
     kv_indptr:  [bs + 1] offsets of each sequence's keys in ``kv_indices`` (tokens).
     kv_indices: [kv_indptr[-1]] int64 KV-pool slot of every key, in position order.
     causal:     False for encoder-only / cross attention, where every row sees every key.
-    kv_start:   per sequence, the first slot when its slots are one ascending run (then executors
-                read the pool through a view instead of a gather), else None. Filled in by
-                :func:`build_dense_plan`; None for every sequence when not given.
+    kv_runs:    per sequence, its slots as ascending runs [(first slot, length), ...] when there are
+                at most ``MAX_RUNS`` of them (pages of a paged pool usually are), else None. Executors
+                then read the pool through views instead of gathering the whole prefix per layer.
+                Filled in by :func:`build_dense_plan`; None for every sequence when not given.
     """
 
     qo_indptr: list[int]
     kv_indptr: list[int]
     kv_indices: torch.Tensor
     causal: bool = True
-    kv_start: list[int | None] | None = None
+    kv_runs: list[list[tuple[int, int]] | None] | None = None
 
     def __post_init__(self):
         assert len(self.qo_indptr) == len(self.kv_indptr), "one q span and one kv span per sequence"
@@ -66,11 +67,14 @@ class AttentionPlan:
     def kv_slots(self, i: int) -> torch.Tensor:
         return self.kv_indices[self.kv_indptr[i] : self.kv_indptr[i + 1]]
 
+    def runs(self, i: int) -> list[tuple[int, int]] | None:
+        return self.kv_runs[i] if self.kv_runs is not None else None
+
     def kv_of(self, i: int, cache: torch.Tensor) -> torch.Tensor:
         """Rows of ``cache`` [pool_slots, ...] for sequence ``i``: a view when its slots are one run."""
-        start = self.kv_start[i] if self.kv_start is not None else None
-        if start is not None:
-            return cache[start : start + self.kv_len(i)]
+        runs = self.runs(i)
+        if runs is not None and len(runs) == 1:
+            return cache[runs[0][0] : runs[0][0] + runs[0][1]]
         return cache[self.kv_slots(i)]
 
 
@@ -96,15 +100,19 @@ def build_dense_plan(
     """
     rows = [req_to_token[r, :n] for r, n in zip(req_pool_indices, seq_lens)]
     kv_indices = torch.cat(rows).to(torch.int64) if rows else req_to_token.new_empty(0, dtype=torch.int64)
-    return AttentionPlan(_offsets(q_lens), _offsets(seq_lens), kv_indices, causal, [_run_start(r) for r in rows])
+    return AttentionPlan(_offsets(q_lens), _offsets(seq_lens), kv_indices, causal, [slot_runs(r) for r in rows])
 
 
-def _run_start(slots: torch.Tensor) -> int | None:
-    """First slot if ``slots`` is start, start+1, ..., else None (a freshly prefilled request
-    usually gets one run from the allocator; then a view replaces a gather of the whole prefix)."""
+MAX_RUNS = 64
+
+
+def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]] | None:
+    """``slots`` as ascending runs [(first, length), ...], or None if empty or more than MAX_RUNS."""
     if len(slots) == 0:
         return None
-    first = int(slots[0])
-    if len(slots) == 1 or (int(slots[-1]) - first == len(slots) - 1 and bool((slots.diff() == 1).all())):
-        return first
-    return None
+    breaks = (torch.nonzero(slots.diff() != 1).flatten() + 1).tolist()
+    if len(breaks) >= MAX_RUNS:
+        return None
+    bounds = [0, *breaks, len(slots)]
+    firsts = slots[bounds[:-1]].tolist()
+    return [(f, b - a) for f, a, b in zip(firsts, bounds[:-1], bounds[1:])]
