@@ -15,6 +15,7 @@ forward instead of computing something different.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 BACKEND_NAME = "loopkv"
+logger = logging.getLogger(__name__)
 
 
 class LoopKVAttnBackend(AttentionBackend):
@@ -72,6 +74,14 @@ class LoopKVAttnBackend(AttentionBackend):
         if self.policy is not None and not mode.is_decode():
             long = [n > self.sparse_min_len for n in forward_batch.extend_seq_lens_cpu]
             self.sparse_seqs = long if any(long) else None
+            if self.sparse_seqs:  # one line per sparse prefill batch (tests and operators look for it)
+                logger.info(
+                    "loopkv sparse prefill (%s): %d of %d sequences, %d new tokens",
+                    type(self.policy).__name__,
+                    sum(long),
+                    len(long),
+                    sum(n for n, s in zip(forward_batch.extend_seq_lens_cpu, long) if s),
+                )
 
     def plan_batch(self, forward_batch: ForwardBatch) -> AttentionPlan:
         bs = forward_batch.batch_size
@@ -161,11 +171,13 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
     config = LoopKVConfig.from_env()
     policy = None
     if config.prefill_policy != "dense":
-        mc, tp = model_runner.model_config, model_runner.tp_size
+        from sglang.srt.runtime_context import get_parallel
+
+        mc, tp = model_runner.model_config, get_parallel().attn_tp_size
         shape = ModelShape(
             name=Path(mc.model_path).name,
             num_layers=mc.num_hidden_layers,
-            num_q_heads=mc.num_attention_heads // tp,
+            num_q_heads=mc.get_max_num_attention_heads() // tp,
             num_kv_heads=mc.get_num_kv_heads(tp),
         )
         policy = POLICIES.create(config.prefill_policy, config, shape)

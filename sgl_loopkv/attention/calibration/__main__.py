@@ -1,0 +1,3 @@
+from sgl_loopkv.attention.calibration.streaming import main
+
+main()

@@ -1,0 +1,80 @@
+"""Sparse prefill through the real server: at full budget every policy's plan runs through the
+sparse executor and greedy output equals the dense server's, including chunked-prefill extends
+whose queries sit after a cached prefix. The tiny-model test is in the default suite; the SmolLM2
+ones (one server per policy) are marked slow."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import _server
+from tests.test_server_tiny import LONG_PROMPT, generate
+
+SPARSE_LINE = "loopkv sparse prefill"
+
+# Full budget: every line (alpha = 1), every block, or a window longer than any prompt.
+MIN_LEN = ["--loopkv-sparse-min-len", "512"]
+FULL_BUDGET = {
+    "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1", *MIN_LEN],
+    "block": ["--loopkv-prefill-policy", "block", "--loopkv-alpha", "1", *MIN_LEN],
+    "lserve": ["--loopkv-prefill-policy", "lserve", "--loopkv-streaming-local", "8192", *MIN_LEN],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_sparse_server(tiny_model_dir, server_logs):
+    """The tiny model with LoopServe selection at alpha = 1, sparse from 64 new tokens, and
+    1024-token prefill chunks (long prompts arrive as extends at an offset)."""
+    extra = [
+        *FULL_BUDGET["loopserve"],
+        "--loopkv-sparse-min-len",
+        "64",
+        "--chunked-prefill-size",
+        "1024",
+    ]  # the last value wins
+    with _server(tiny_model_dir, server_logs, "tiny-sparse-loopserve", extra).start() as srv:
+        yield srv
+
+
+def test_full_budget_sparse_prefill_is_greedy_identical_to_dense(tiny_sparse_server, tiny_server):
+    prompts = ["The capital of France is", LONG_PROMPT[:3000], LONG_PROMPT * 2]  # dense, 1 chunk, 6 chunks
+    for prompt in prompts:
+        ours = generate(tiny_sparse_server.url, prompt, max_new_tokens=24, ignore_eos=True)
+        ref = generate(tiny_server.url, prompt, max_new_tokens=24, ignore_eos=True)
+        assert ours["output_ids"] == ref["output_ids"], prompt[:40]
+    # a later turn: a long new extend after the radix-cached conversation
+    turn = LONG_PROMPT * 2 + " Now a new question follows. " + LONG_PROMPT[:2500]
+    ours = generate(tiny_sparse_server.url, turn, max_new_tokens=24, ignore_eos=True)
+    ref = generate(tiny_server.url, turn, max_new_tokens=24, ignore_eos=True)
+    assert ours["meta_info"]["cached_tokens"] > 4000
+    assert ours["output_ids"] == ref["output_ids"]
+    sparse_batches = tiny_sparse_server.log_path.read_text().count(SPARSE_LINE)
+    assert sparse_batches >= 1 + 6 + 1, "the long prefills must have gone through the sparse path"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", sorted(FULL_BUDGET))
+def test_smollm2_full_budget_greedy_identical_to_dense(policy, default_model_dir, server_logs, smollm2_server):
+    prompt = LONG_PROMPT * 2  # ~5.4K tokens: two prefill chunks, the second after a 4096-token prefix
+    with _server(default_model_dir, server_logs, f"smollm2-sparse-{policy}", FULL_BUDGET[policy]).start() as srv:
+        ours = generate(srv.url, prompt, max_new_tokens=64, ignore_eos=True)
+        ref = generate(smollm2_server.url, prompt, max_new_tokens=64, ignore_eos=True)
+        assert ours["output_ids"] == ref["output_ids"]
+        assert srv.log_path.read_text().count(SPARSE_LINE) >= 2
+
+
+@pytest.mark.slow
+def test_smollm2_sparse_prefill_below_full_budget_stays_close(default_model_dir, server_logs, smollm2_server):
+    """At the default alpha the answer to a short question about a long context still matches
+    dense for its first tokens (a smoke check, not a quality claim: benchmarks/prefill.py measures)."""
+    prompt = LONG_PROMPT + "\nQuestion: what colour is item 7? Answer: item 7 is a"
+    with _server(
+        default_model_dir,
+        server_logs,
+        "smollm2-sparse-loopserve-095",
+        ["--loopkv-prefill-policy", "loopserve", *MIN_LEN],
+    ).start() as srv:
+        ours = generate(srv.url, prompt, max_new_tokens=4)
+        ref = generate(smollm2_server.url, prompt, max_new_tokens=4)
+        assert ours["output_ids"][:1] == ref["output_ids"][:1]
+        assert srv.log_path.read_text().count(SPARSE_LINE) >= 1
