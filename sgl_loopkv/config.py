@@ -91,8 +91,12 @@ class LoopKVConfig:
         metadata={"help": "Block size (tokens) of sparse prefill plans.", "type": int},
     )
     sparse_min_len: int = field(
-        default=1024,
-        metadata={"help": "Extends with at most this many new tokens stay dense (decode always does).", "type": int},
+        default=2048,
+        metadata={
+            "help": "Extends with at most this many new tokens stay dense (decode always does): below ~2-4K "
+            "tokens a sparse plan costs more than it saves on CPU (benchmarks/prefill.py).",
+            "type": int,
+        },
     )
     streaming_fraction: float = field(
         default=0.5,

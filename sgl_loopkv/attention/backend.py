@@ -44,7 +44,7 @@ class LoopKVAttnBackend(AttentionBackend):
         executor: str = "torch",
         prefill_policy: SelectionPolicy | None = None,
         sparse_executor: str = "torch",
-        sparse_min_len: int = 1024,
+        sparse_min_len: int = 2048,
     ):
         super().__init__()
         self.device = model_runner.device
@@ -58,7 +58,7 @@ class LoopKVAttnBackend(AttentionBackend):
         if prefill_policy is not None:
             from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
 
-            self.sparse_executor = SPARSE_EXECUTORS.create(sparse_executor)
+            self.sparse_executor = SPARSE_EXECUTORS.create(sparse_executor, dense=self.executor)
         self.sparse_seqs: list[bool] | None = None  # this batch: per sequence, does its prefill go sparse?
 
     # --- planning: once per batch -------------------------------------------------------------

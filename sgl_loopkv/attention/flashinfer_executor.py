@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_loopkv.attention.executor import dense_attention
-from sgl_loopkv.attention.sparse_executor import SparseExecutor
+from sgl_loopkv.attention.executor import EXECUTORS, AttentionExecutor, dense_attention
+from sgl_loopkv.attention.sparse_executor import SparseExecutor, run_dense
 from sgl_loopkv.attention.sparse_plan import SeqMask
 
 
@@ -38,11 +38,12 @@ def request_keys(mask: SeqMask, head: int) -> list[torch.Tensor]:
 
 
 class FlashInferSparseExecutor(SparseExecutor):
-    def __init__(self, workspace_bytes: int = 128 << 20):
+    def __init__(self, dense: AttentionExecutor | None = None, workspace_bytes: int = 128 << 20):
         import flashinfer
 
         self._flashinfer = flashinfer
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
+        self.dense = dense or EXECUTORS.create("torch")
 
     def run(self, plan, q, k_cache, v_cache, scale, out):
         base = plan.base
@@ -50,10 +51,12 @@ class FlashInferSparseExecutor(SparseExecutor):
         G = Hq // H
         for i, mask in enumerate(plan.masks):
             q0, q1 = base.qo_indptr[i], base.qo_indptr[i + 1]
-            k, v = base.kv_of(i, k_cache), base.kv_of(i, v_cache)
-            if mask is None:
-                out[q0:q1] = dense_attention(q[q0:q1], k, v, scale, base.causal)
+            if q0 == q1:
                 continue
+            if mask is None:
+                run_dense(self.dense, base, i, q, k_cache, v_cache, scale, out)
+                continue
+            k, v = base.kv_of(i, k_cache), base.kv_of(i, v_cache)
             for h in range(H):
                 heads = slice(h * G, (h + 1) * G)
                 if mask.full[h]:

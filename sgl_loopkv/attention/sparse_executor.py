@@ -20,7 +20,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from sgl_loopkv.attention.executor import dense_attention
+from sgl_loopkv.attention.executor import EXECUTORS, AttentionExecutor, dense_attention
+from sgl_loopkv.attention.plan import AttentionPlan
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
 from sgl_loopkv.registry import Registry
 
@@ -49,9 +50,25 @@ class SparseExecutor(ABC):
 SPARSE_EXECUTORS: Registry[SparseExecutor] = Registry("sparse attention executor")
 
 
+def one_sequence(base: AttentionPlan, i: int) -> AttentionPlan:
+    """Sequence ``i`` of a dense plan as a plan of its own (its q rows start at 0)."""
+    return AttentionPlan([0, base.q_len(i)], [0, base.kv_len(i)], base.kv_slots(i), base.causal, [base.runs(i)])
+
+
+def run_dense(dense: AttentionExecutor, base: AttentionPlan, i: int, q, k_cache, v_cache, scale, out) -> None:
+    """Sequence ``i`` exactly as the dense executor computes it (a sequence the policy left dense
+    gets the dense backend's numbers even inside a sparse batch)."""
+    q0, q1 = base.qo_indptr[i], base.qo_indptr[i + 1]
+    dense.run(one_sequence(base, i), q[q0:q1], k_cache, v_cache, scale, out[q0:q1])
+
+
 @SPARSE_EXECUTORS.register("torch")
 class TorchSparseExecutor(SparseExecutor):
-    """Gather-based block-sparse attention with torch ops, one sequence at a time."""
+    """Gather-based block-sparse attention with torch ops, one sequence at a time; sequences without
+    a mask go to ``dense`` (the backend's dense executor)."""
+
+    def __init__(self, dense: AttentionExecutor | None = None):
+        self.dense = dense or EXECUTORS.create("torch")
 
     def run(self, plan, q, k_cache, v_cache, scale, out):
         base = plan.base
@@ -59,11 +76,10 @@ class TorchSparseExecutor(SparseExecutor):
             q0, q1 = base.qo_indptr[i], base.qo_indptr[i + 1]
             if q0 == q1:
                 continue
-            k, v = base.kv_of(i, k_cache), base.kv_of(i, v_cache)
             if mask is None:
-                out[q0:q1] = dense_attention(q[q0:q1], k, v, scale, base.causal)
+                run_dense(self.dense, base, i, q, k_cache, v_cache, scale, out)
             else:
-                out[q0:q1] = sparse_attention(q[q0:q1], k, v, mask, scale)
+                out[q0:q1] = sparse_attention(q[q0:q1], base.kv_of(i, k_cache), base.kv_of(i, v_cache), mask, scale)
         return out
 
 
@@ -239,23 +255,28 @@ class TritonSparseExecutor(SparseExecutor):
     """The Triton block-sparse kernel (kernels/block_sparse_attn.py): GPU, or CPU under
     ``TRITON_INTERPRET=1`` (slow: tests only)."""
 
+    def __init__(self, dense: AttentionExecutor | None = None):
+        self.dense = dense or EXECUTORS.create("torch")
+
     def run(self, plan, q, k_cache, v_cache, scale, out):
         from sgl_loopkv.kernels.block_sparse_attn import block_sparse_attention
 
         base = plan.base
         for i, mask in enumerate(plan.masks):
             q0, q1 = base.qo_indptr[i], base.qo_indptr[i + 1]
-            k, v = base.kv_of(i, k_cache), base.kv_of(i, v_cache)
+            if q0 == q1:
+                continue
             if mask is None:
-                out[q0:q1] = dense_attention(q[q0:q1], k, v, scale, base.causal)
+                run_dense(self.dense, base, i, q, k_cache, v_cache, scale, out)
             else:
+                k, v = base.kv_of(i, k_cache), base.kv_of(i, v_cache)
                 out[q0:q1] = block_sparse_attention(q[q0:q1], k, v, mask, scale)
         return out
 
 
 @SPARSE_EXECUTORS.register("flashinfer")
-def _flashinfer_executor() -> SparseExecutor:
+def _flashinfer_executor(dense: AttentionExecutor | None = None) -> SparseExecutor:
     """FlashInfer's paged prefill kernel (CUDA only; imported on first use)."""
     from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor
 
-    return FlashInferSparseExecutor()
+    return FlashInferSparseExecutor(dense)
