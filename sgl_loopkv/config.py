@@ -72,6 +72,19 @@ class LoopKVConfig:
             "choices": ["attention", "lru"],
         },
     )
+    restore_planner: str = field(
+        default="krul",
+        metadata={
+            "help": "How a returning history is restored per layer: 'krul' (recompute/load split chosen from a cost "
+            "model calibrated on this machine), 'load_all', 'recompute_all', or 'fixed' (--loopkv-restore-ratio of "
+            "the front recomputed in every layer).",
+            "choices": ["krul", "load_all", "recompute_all", "fixed"],
+        },
+    )
+    restore_ratio: float = field(
+        default=0.4,
+        metadata={"help": "Front share recomputed in every layer by the 'fixed' restore planner.", "type": float},
+    )
 
     # --- sparse prefill (issue 5) ---------------------------------------------------------------
     prefill_policy: str = field(

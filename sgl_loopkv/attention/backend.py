@@ -169,6 +169,9 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
     from sgl_loopkv.config import LoopKVConfig
 
     config = LoopKVConfig.from_env()
+    from sgl_loopkv import restore
+
+    restore.set_model(lambda: model_runner.model)  # the restorer recomputes front tokens with these layers
     policy = None
     if config.prefill_policy != "dense":
         from sglang.srt.runtime_context import get_parallel

@@ -58,11 +58,20 @@ def create_loopkv_radix_cache(ctx):
             disk_evictable=disk_evictable,
         )
 
+    from sgl_loopkv import restore
+    from sgl_loopkv.restore.restorer import Restorer
+
+    planner = (
+        restore.PLANNERS.create("fixed", config.restore_ratio)
+        if config.restore_planner == "fixed"
+        else restore.PLANNERS.create(config.restore_planner)
+    )
     global _ACTIVE
     _ACTIVE = LoopKVRadixCache(
         ctx.params,
         kv_pool=kv_pool,
         store_factory=store_factory,
+        restorer=Restorer(planner, stack=restore.model_stack, calibrate_on_first_use=config.restore_planner == "krul"),
         # Only our attention backend waits per layer for in-flight loads; others get finished copies.
         synchronous_loads=ctx.server_args.attention_backend != "loopkv",
     )

@@ -177,22 +177,26 @@ class DiskSegmentStore:
         header["kv_offset"] = align_up(PREAMBLE_BYTES + hlen)
         return header
 
-    def read(self, seg_id: str, chunk_lo: int, chunk_hi: int) -> torch.Tensor:
+    def read(self, seg_id: str, chunk_lo: int, chunk_hi: int, first_chunk: list[int] | None = None) -> torch.Tensor:
         """KV of chunks [chunk_lo, chunk_hi) for all layers -> [L, 2, T, H, D], every extent
-        verified. One coalesced read per layer. Raises CorruptSegment."""
+        verified. One coalesced read per layer; layer l starts at chunk ``first_chunk[l]`` when given (the
+        chunks before it are left zero: the restorer recomputes them). Raises CorruptSegment."""
         g = self.geometry
         header = self.read_header(seg_id)
         layout = SegmentFileLayout(g, header["n_chunks"], header["kv_offset"])
         crcs = header["extent_crc32"]
         n, used = chunk_hi - chunk_lo, 2 * g.chunk_tokens * g.num_kv_heads * g.head_dim * g.itemsize
-        out = np.empty((g.num_layers, n, used), np.uint8)
+        out = (
+            np.zeros((g.num_layers, n, used), np.uint8) if first_chunk else np.empty((g.num_layers, n, used), np.uint8)
+        )
         try:
             fd = os.open(self.path(seg_id), os.O_RDONLY)
         except OSError as e:
             raise CorruptSegment(f"segment {seg_id}: {e}") from e
         try:
             for layer in range(g.num_layers):
-                for off, length in layout.runs(layer, list(range(chunk_lo, chunk_hi))):
+                lo = max(chunk_lo, first_chunk[layer]) if first_chunk else chunk_lo
+                for off, length in layout.runs(layer, list(range(lo, chunk_hi))):
                     buf = os.pread(fd, length, off)
                     self.bytes_read += len(buf)
                     if len(buf) != length:

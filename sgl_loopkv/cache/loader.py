@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,13 +26,26 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LoadPart:
-    kv: torch.Tensor  # [L, 2, T, H, D] host copy
+    """``kv[l]`` is layer l's [2, T, H, D] host copy (a tensor [L, 2, T, H, D], or a packed segment
+    that decodes a layer on access); the first ``skip[l]`` tokens of layer l are not copied (the
+    restorer recomputes them)."""
+
+    kv: object
     slots: torch.Tensor  # [T] int64 device pool slots to fill
+    skip: tuple[int, ...] | None = None
 
 
 class LayerwiseLoader:
-    def __init__(self, k_buffers: list[torch.Tensor], v_buffers: list[torch.Tensor], synchronous: bool = False):
+    def __init__(
+        self,
+        k_buffers: list[torch.Tensor],
+        v_buffers: list[torch.Tensor],
+        synchronous: bool = False,
+        on_copy: Callable[[int, float], None] = lambda nbytes, seconds: None,
+        on_wait: Callable[[float], None] = lambda seconds: None,
+    ):
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
+        self.on_copy, self.on_wait = on_copy, on_wait
         self.num_layers = len(k_buffers)
         self.synchronous = synchronous
         self._cond = threading.Condition()
@@ -57,10 +72,12 @@ class LayerwiseLoader:
     def wait_layer(self, layer: int) -> None:
         if self._done[layer] >= self._submitted:  # fast path: nothing in flight
             return
+        t0 = time.perf_counter()
         with self._cond:
             target = self._submitted
             while self._done[layer] < target:
                 self._cond.wait()
+        self.on_wait(time.perf_counter() - t0)  # a bubble: the forward had to wait for this layer
 
     def wait_all(self) -> None:
         self.wait_layer(self.num_layers - 1)
@@ -68,10 +85,18 @@ class LayerwiseLoader:
     def _copy(self, parts: list[LoadPart]) -> None:
         for layer in range(self.num_layers):
             try:
+                t0, nbytes = time.perf_counter(), 0
                 for p in parts:
+                    skip = p.skip[layer] if p.skip is not None else 0
+                    if skip >= len(p.slots):
+                        continue
+                    kv = p.kv[layer][:, skip:]
                     k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
-                    k_buf.index_copy_(0, p.slots, p.kv[layer, 0].to(k_buf.device, k_buf.dtype))
-                    v_buf.index_copy_(0, p.slots, p.kv[layer, 1].to(v_buf.device, v_buf.dtype))
+                    k_buf.index_copy_(0, p.slots[skip:], kv[0].to(k_buf.device, k_buf.dtype))
+                    v_buf.index_copy_(0, p.slots[skip:], kv[1].to(v_buf.device, v_buf.dtype))
+                    nbytes += kv.numel() * k_buf.element_size()
+                if nbytes:
+                    self.on_copy(nbytes, time.perf_counter() - t0)
             except Exception:  # never leave the forward waiting on a layer that will not come
                 logger.exception("loopkv: copying layer %d into the KV pool failed", layer)
             with self._cond:

@@ -31,6 +31,7 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict, defaultdict
+from dataclasses import replace
 
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
@@ -43,6 +44,8 @@ from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
 from sgl_loopkv.cache.store import TieredKVStore
+from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
+from sgl_loopkv.restore.restorer import Restorer
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +55,9 @@ def _ref(node: TreeNode) -> tuple[str, int, int] | None:
 
 
 class LoopKVRadixCache(RadixCache):
-    def __init__(self, params, *, kv_pool, store_factory, synchronous_loads: bool):
+    def __init__(self, params, *, kv_pool, store_factory, synchronous_loads: bool, restorer: Restorer | None = None):
         self.store: TieredKVStore | None = None  # RadixCache.__init__ calls reset()
+        self.restorer = restorer or Restorer("load_all")
         super().__init__(params)
         assert self.page_size > 1, "loopkv needs --page-size = chunk size (e.g. 16)"
         self.kv_pool = kv_pool
@@ -64,7 +68,13 @@ class LoopKVRadixCache(RadixCache):
             dtype=kv_pool.k_buffer[0].dtype,
             chunk_tokens=self.page_size,
         )
-        self.loader = LayerwiseLoader(kv_pool.k_buffer, kv_pool.v_buffer, synchronous=synchronous_loads)
+        self.loader = LayerwiseLoader(
+            kv_pool.k_buffer,
+            kv_pool.v_buffer,
+            synchronous=synchronous_loads,
+            on_copy=self.restorer.observe_copy,
+            on_wait=self.restorer.observe_bubble,
+        )
         loader_mod.set_active(self.loader)
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
@@ -118,6 +128,7 @@ class LoopKVRadixCache(RadixCache):
         # the device meanwhile, so nothing it computed can be evicted before it is stored).
         if not self.disable and req.finished() and req.last_node is not None:
             self._store_path(req.last_node)
+            self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
             self._touch_path(req.last_node, importance.pop(req.kv.req_pool_idx))
             self.metrics.publish(self.store.stats)
 
@@ -296,7 +307,7 @@ class LoopKVRadixCache(RadixCache):
             return self._empty_match_result
         device_len, last_device, stored = self._walk(key)
         if stored and getattr(params, "req", None) is not None:
-            loaded, last_device = self._load_back(stored, last_device, params.req)
+            loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
             self.metrics.publish(self.store.stats)
         return MatchResult(
@@ -331,32 +342,56 @@ class LoopKVRadixCache(RadixCache):
                 break
         return device_len, last_device, stored
 
-    def _load_back(self, stored: list[TreeNode], last_device: TreeNode, req) -> tuple[int, TreeNode]:
-        """Fetch the stored nodes' KV (verified), give them device slots, start the layer-wise copy."""
+    def _load_back(
+        self, stored: list[TreeNode], last_device: TreeNode, req, device_len: int, key_len: int
+    ) -> tuple[int, TreeNode]:
+        """Fetch the stored nodes' KV (verified), give them device slots, then restore them by the
+        restorer's plan: the loader thread copies each layer's back part while this thread
+        recomputes each layer's front part."""
         t0 = time.perf_counter()
+        # Plan first: a disk read then skips the chunks the plan recomputes.
+        job = RestoreJob(
+            total=sum(len(nd.key) for nd in stored),
+            num_layers=self.geometry.num_layers,
+            layer_bytes=self.geometry.token_bytes_per_layer,
+            prefix=device_len,
+            new_tokens=max(key_len - device_len - sum(len(nd.key) for nd in stored), 1),
+            disk_tokens=sum(len(nd.key) for nd in stored if self.store.tier_of(_ref(nd)[0]) == "disk"),
+            chunk=self.page_size,
+        )
+        plan = self.restorer.plan(job)
         parts: list[tuple[TreeNode, torch.Tensor, str]] = []
+        off = 0
         for node in stored:
             seg, lo, hi = _ref(node)
+            skip = [min(max(s - off, 0), len(node.key)) // self.page_size for s in plan.recompute]
             try:
-                kv, tier = self.store.fetch(seg, lo, hi)
+                kv, tier = self.store.fetch(seg, lo, hi, skip)
             except CorruptSegment as e:
                 logger.warning("loopkv: %s; recomputing that part of the history", e)
                 break  # _on_segment_lost already removed the node and its subtree
+            if tier == "disk":
+                self.restorer.observe_disk(*self.store.last_disk_read)
             parts.append((node, kv, tier))
+            off += len(node.key)
         n = sum(len(node.key) for node, _, _ in parts)
         if n == 0:
             return 0, last_device
+        if n < job.total:  # a bad segment cut the history short: same plan, clipped (still valid)
+            job = replace(job, total=n, disk_tokens=sum(len(nd.key) for nd, _, t in parts if t == "disk"))
+            plan = RestorePlan(n, tuple(min(s, n) for s in plan.recompute))
         slots = self._alloc(n, last_device)
         if slots is None:
             return 0, last_device
         loads, off = [], 0
         for node, kv, tier in parts:
             node.value = slots[off : off + len(node.key)]
+            skip = tuple(min(max(s - off, 0), len(node.key)) for s in plan.recompute)
             off += len(node.key)
             self.evictable_size_ += len(node.key)
             self._update_leaf_status(node)
             self._update_leaf_status(node.parent)
-            loads.append(LoadPart(kv, node.value))
+            loads.append(LoadPart(kv, node.value, skip))
             tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0})
             tally[tier] += len(node.key)
             self.store.stats.hit_tokens[tier] += len(node.key)
@@ -365,15 +400,46 @@ class LoopKVRadixCache(RadixCache):
         self.loader.submit(loads)
         elapsed = time.perf_counter() - t0
         self.store.stats.load_seconds += elapsed
+        recompute_s = 0.0
+        if plan.recompute_tokens:
+            recompute_s = self._recompute(plan, job, [nd for nd, _, _ in parts], slots, last_device)
+        predicted = self.restorer.record(plan, job)
         by_tier = {t: sum(len(nd.key) for nd, _, tt in parts if tt == t) for t in ("host", "disk")}
         logger.info(
-            "loopkv: resuming %d tokens (host %d, disk %d); fetched in %.3f s, copying layer by layer",
+            "loopkv: resuming %d tokens (host %d, disk %d); fetched in %.3f s; plan: recompute %d..%d front tokens "
+            "per layer (%.0f%% of token-layers) in %.3f s, the rest copied layer by layer (predicted bubble %.3f s)",
             n,
             by_tier["host"],
             by_tier["disk"],
             elapsed,
+            plan.recompute[0],
+            plan.recompute[-1],
+            100 * plan.recompute_fraction,
+            recompute_s,
+            predicted["bubble_s"],
         )
         return n, parts[-1][0]
+
+    def _recompute(self, plan, job: RestoreJob, nodes: list[TreeNode], slots: torch.Tensor, last_device) -> float:
+        """The plan's front part: written straight into the new slots (the loader skips them)."""
+        ids = torch.tensor([t for nd in nodes for t in nd.key.raw_token_ids()], dtype=torch.int64)
+        k_bufs, v_bufs = self.kv_pool.k_buffer, self.kv_pool.v_buffer
+        prefix_slots = None
+        if job.prefix:
+            path, node = [], last_device
+            while node is not self.root_node:
+                path.append(node.value)
+                node = node.parent
+            prefix_slots = torch.cat(path[::-1]).to(torch.int64)
+
+        def write(layer, k, v):
+            k_bufs[layer].index_copy_(0, slots[: len(k)], k.to(k_bufs[layer].dtype))
+            v_bufs[layer].index_copy_(0, slots[: len(v)], v.to(v_bufs[layer].dtype))
+
+        def prefix_kv(layer):
+            return k_bufs[layer][prefix_slots], v_bufs[layer][prefix_slots]
+
+        return self.restorer.recompute(plan, job, ids.to(k_bufs[0].device), write, prefix_kv)
 
     def _alloc(self, n: int, protect: TreeNode) -> torch.Tensor | None:
         slots = self.token_to_kv_pool_allocator.alloc(n)

@@ -69,6 +69,7 @@ class TieredKVStore:
         self.on_lost, self.disk_evictable = on_lost, disk_evictable
         self.segments: dict[str, StoredSegment] = {}
         self.stats = TierStats()
+        self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
         self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry) if disk_dir else None
         self._disk_lock = threading.Lock()
         self._disk_reserved = 0  # bytes of queued, unwritten segments
@@ -212,10 +213,14 @@ class TieredKVStore:
             return None
         return "host" if seg.in_host else ("disk" if seg.on_disk else None)
 
-    def fetch(self, seg_id: str, chunk_lo: int, chunk_hi: int) -> tuple[torch.Tensor, str]:
+    def fetch(
+        self, seg_id: str, chunk_lo: int, chunk_hi: int, skip_chunks: list[int] | None = None
+    ) -> tuple[torch.Tensor, str]:
         """KV [L, 2, T, H, D] of chunks [chunk_lo, chunk_hi) and the tier it came from. A disk
-        read is verified and promoted to the host arena. Raises CorruptSegment (and forgets the
-        segment) if the only copy is bad."""
+        read is verified and promoted to the host arena. ``skip_chunks[l]``: leading chunks of the
+        range that layer l does not need (recomputed); a disk read then skips them and is not
+        promoted (it is incomplete). Raises CorruptSegment (and forgets the segment) if the only
+        copy is bad."""
         seg = self.segments.get(seg_id)
         c = self.geometry.chunk_tokens
         if seg is None:
@@ -228,13 +233,22 @@ class TieredKVStore:
         try:
             with self._disk_lock:
                 before = self.disk.bytes_read
-                kv = self.disk.read(seg_id, 0, seg.record.n_chunks)
+                partial = skip_chunks is not None and any(skip_chunks)
+                first = [chunk_lo + k for k in skip_chunks] if partial else None
+                kv = self.disk.read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
                 self.stats.disk_bytes_read += self.disk.bytes_read - before
         except CorruptSegment:
             self.stats.corrupt_segments += 1
             self._lose(seg_id)  # deletes the bad file; the tree recomputes that history
             raise
         self.stats.load_seconds += time.perf_counter() - t0
+        self.last_disk_read = (self.disk.bytes_read - before, time.perf_counter() - t0)
+        if partial:
+            t = chunk_hi - chunk_lo
+            self.stats.disk_bytes_used += (
+                sum(t - k for k in skip_chunks) * self.geometry.chunk_tokens * (self.geometry.token_bytes_per_layer)
+            )
+            return kv, "disk"
         self.stats.disk_bytes_used += kv.numel() * kv.element_size()
         # The verified keys give the summaries back for free: reading them would cost disk bandwidth.
         summaries = key_summaries(kv[:, 0], self.geometry.chunk_tokens)

@@ -1,0 +1,203 @@
+"""Restoration plans: for each layer, how many front tokens of a returning history to recompute and
+how many to load (Krul section 6), chosen from a cost model by a planner.
+
+Why the front: under causal attention, recomputing tokens [0, s) of layer l needs only the K/V of
+[0, s) at layer l, which are being recomputed too, so recomputation never waits for a load. Why
+non-increasing in depth: layer l + 1 recomputes from the hidden states layer l produced, which
+exist only for the tokens layer l recomputed (Krul Eq. 4-5).
+
+The timeline model (:func:`simulate`) has two streams that start together once the disk part has
+been read (the tiered store verifies disk extents before a match is promised):
+
+- compute: recompute layer 0 .. N-1 (front tokens), then the new turn's extend layer by layer,
+  each extend layer waiting until that layer's load is done;
+- load: copy layer 0 .. N-1's loaded tokens into the KV pool.
+
+A bubble is time the compute stream waits for the load stream. The best plan minimises the time
+until the new turn's extend finishes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from sgl_loopkv.registry import Registry
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    """``recompute[l]`` front tokens of layer ``l`` are recomputed, the other ``total - recompute[l]``
+    loaded. Always non-increasing in depth and chunk-aligned (or == total)."""
+
+    total: int
+    recompute: tuple[int, ...]
+
+    def __post_init__(self):
+        r = self.recompute
+        if any(not 0 <= s <= self.total for s in r):
+            raise ValueError(f"recompute counts must lie in [0, {self.total}]: {r}")
+        if any(b > a for a, b in zip(r, r[1:])):
+            raise ValueError(f"recompute counts must be non-increasing with depth: {r}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.recompute)
+
+    def load(self, layer: int) -> int:
+        return self.total - self.recompute[layer]
+
+    @property
+    def recompute_tokens(self) -> int:
+        return self.recompute[0] if self.recompute else 0
+
+    @property
+    def recompute_fraction(self) -> float:
+        """Share of the history's token-layers recomputed (0 = load all, 1 = recompute all)."""
+        return sum(self.recompute) / max(1, self.total * self.num_layers)
+
+    @classmethod
+    def load_all(cls, total: int, num_layers: int) -> RestorePlan:
+        return cls(total, (0,) * num_layers)
+
+    @classmethod
+    def recompute_all(cls, total: int, num_layers: int) -> RestorePlan:
+        return cls(total, (total,) * num_layers)
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Seconds per unit of work on this machine (calibrated at start-up, refined online).
+
+    Recomputing (or extending) ``s`` rows of one layer after ``p`` cached positions costs
+    ``token_s * s + attn_s * s * (p + s / 2)`` (projections and MLP, plus causal attention pairs);
+    copying one layer of ``t`` tokens into the pool costs ``t * layer_bytes / copy_bps``; reading
+    it from disk ``t * stored_layer_bytes / disk_bps``.
+    """
+
+    token_s: float = 2e-5
+    attn_s: float = 2e-9
+    copy_bps: float = 4e9
+    disk_bps: float = 1e9
+    source: str = "default"
+
+    def rows_s(self, s: int, p: int) -> float:
+        return self.token_s * s + self.attn_s * s * (p + s / 2)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreJob:
+    """What is being restored: ``total`` stored tokens after ``prefix`` tokens already on the
+    device, ``disk_tokens`` of them still on disk; then ``new_tokens`` of the new turn."""
+
+    total: int
+    num_layers: int
+    layer_bytes: int  # pool bytes of one token of one layer (K and V)
+    prefix: int = 0
+    new_tokens: int = 1
+    disk_tokens: int = 0
+    stored_layer_bytes: float | None = None  # mean stored bytes per token-layer (compressed), default layer_bytes
+    chunk: int = 16
+
+
+@dataclass(slots=True)
+class Timeline:
+    finish_s: float  # the new turn's extend done
+    restored_s: float  # every layer restored (both streams done)
+    compute_s: float  # recompute stream busy time
+    load_s: float  # load stream busy time (disk read included)
+    bubble_s: float  # compute stream waiting for loads
+    per_layer: list[tuple[float, float]] = field(default_factory=list)  # (recompute done, load done)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.finish_s if self.finish_s > 0 else 0.0
+
+
+def simulate(plan: RestorePlan, job: RestoreJob, cost: CostModel) -> Timeline:
+    stored = job.stored_layer_bytes or job.layer_bytes
+    disk_frac = job.disk_tokens / job.total if job.total else 0.0
+    # Disk part first (verified whole before the match is promised); only loaded tokens are read.
+    disk = sum(plan.load(layer) * disk_frac for layer in range(plan.num_layers)) * stored / cost.disk_bps
+    t_c = t_l = disk
+    per_layer = []
+    for layer in range(plan.num_layers):
+        t_c += cost.rows_s(plan.recompute[layer], job.prefix)
+        t_l += plan.load(layer) * job.layer_bytes / cost.copy_bps
+        per_layer.append((t_c, t_l))
+    compute_busy, load_busy = t_c - disk, t_l
+    restored = max(t_c, t_l)
+    bubble = 0.0
+    for _, load_done in per_layer:  # the extend, layer by layer, waits for each layer's load
+        if load_done > t_c:
+            bubble += load_done - t_c
+            t_c = load_done
+        t_c += cost.rows_s(job.new_tokens, job.prefix + job.total)
+    return Timeline(t_c, restored, compute_busy, load_busy, bubble, per_layer)
+
+
+class RestorePlanner(ABC):
+    """Chooses a :class:`RestorePlan` for a job under a cost model. Every plan it returns is valid
+    (non-increasing, chunk-aligned or == total)."""
+
+    @abstractmethod
+    def plan(self, job: RestoreJob, cost: CostModel) -> RestorePlan: ...
+
+
+PLANNERS: Registry[RestorePlanner] = Registry("restore planner")
+
+
+@PLANNERS.register("load_all")
+class LoadAll(RestorePlanner):
+    def plan(self, job, cost):
+        return RestorePlan.load_all(job.total, job.num_layers)
+
+
+@PLANNERS.register("recompute_all")
+class RecomputeAll(RestorePlanner):
+    def plan(self, job, cost):
+        return RestorePlan.recompute_all(job.total, job.num_layers)
+
+
+def _chunk_floor(s: float, job: RestoreJob) -> int:
+    s = min(max(s, 0.0), job.total)
+    return job.total if s >= job.total else int(s) // job.chunk * job.chunk
+
+
+@PLANNERS.register("fixed")
+class FixedSplit(RestorePlanner):
+    """The same front share in every layer (Pensieve/Cake-style partial recompute)."""
+
+    def __init__(self, ratio: float = 0.4):
+        self.ratio = ratio
+
+    def plan(self, job, cost):
+        return RestorePlan(job.total, (_chunk_floor(self.ratio * job.total, job),) * job.num_layers)
+
+
+def pyramid(job: RestoreJob, top: float, slope: float) -> RestorePlan:
+    """``top`` tokens recomputed at layer 0, ``slope`` fewer per layer (Krul's pyramid)."""
+    return RestorePlan(job.total, tuple(_chunk_floor(top - slope * layer, job) for layer in range(job.num_layers)))
+
+
+@PLANNERS.register("krul")
+class KrulPlanner(RestorePlanner):
+    """Searches pyramids (top x slope) and keeps the one with the earliest simulated finish; load-all
+    and recompute-all are candidates too, so it is never worse than either under its cost model."""
+
+    def __init__(self, tops: int = 96, slopes: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)):
+        self.tops, self.slopes = tops, slopes
+
+    def plan(self, job, cost):
+        n = job.num_layers
+        best = RestorePlan.load_all(job.total, n)
+        best_t = simulate(best, job, cost).finish_s
+        step = max(job.chunk, -(-job.total // self.tops) // job.chunk * job.chunk)
+        tops = sorted({*range(job.chunk, job.total + 1, step), job.total})
+        for top in tops:
+            for k in self.slopes:
+                cand = pyramid(job, top, k * top / n)
+                t = simulate(cand, job, cost).finish_s
+                if t < best_t - 1e-12:
+                    best, best_t = cand, t
+        return best

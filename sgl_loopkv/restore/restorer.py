@@ -1,0 +1,171 @@
+"""The restoration scheduler of the tiered cache: plan a returning history's split, run the front
+recompute while the loader thread copies the rest, learn the machine's costs as it goes.
+
+The cost model is calibrated once on the running machine (the first time it is needed: the
+model's layers are timed on dummy tokens, and a pool-sized copy is timed) and refined online from
+every restore (exponential moving average of measured / predicted per stream).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_loopkv.restore.plan import PLANNERS, CostModel, RestoreJob, RestorePlan, RestorePlanner, simulate
+from sgl_loopkv.restore.recompute import LayerStack, recompute_front
+
+logger = logging.getLogger(__name__)
+
+EMA = 0.3  # weight of a new measurement in the online refinement
+
+
+@dataclass(slots=True)
+class RestoreStats:
+    """Counters for metrics and benchmarks (seconds are wall clock)."""
+
+    restores: int = 0
+    recomputed_token_layers: int = 0
+    loaded_token_layers: int = 0
+    recompute_seconds: float = 0.0
+    load_seconds: float = 0.0  # loader busy time
+    bubble_seconds: float = 0.0  # forward waiting for a layer's load
+    restore_seconds: float = 0.0  # admission -> every layer restored
+    last_plan: list[int] = field(default_factory=list)
+    last_predicted: dict = field(default_factory=dict)
+
+    @property
+    def recompute_fraction(self) -> float:
+        total = self.recomputed_token_layers + self.loaded_token_layers
+        return self.recomputed_token_layers / total if total else 0.0
+
+
+def calibrate(stack: LayerStack, layer_bytes: int, device: torch.device, repeats: int = 2) -> CostModel:
+    """Time the model's layers on dummy tokens (two sizes: a linear and a quadratic term) and a
+    pool-sized copy on this machine."""
+    from sgl_loopkv.restore.plan import RestorePlan
+
+    def run(s: int) -> float:
+        plan = RestorePlan.recompute_all(s, stack.num_layers)
+        ids = torch.zeros(s, dtype=torch.int64, device=device)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            recompute_front(stack, plan, ids, 0, lambda *a: None)
+            best = min(best, time.perf_counter() - t0)
+        return best / stack.num_layers
+
+    run(16)  # warm-up
+    s1, s2 = 64, 512
+    t1, t2 = run(s1), run(s2)
+    # t(s) = a s + b s^2 / 2 per layer; two sizes give a and b.
+    b = max((t2 / s2 - t1 / s1) * 2 / (s2 - s1), 0.0)
+    a = max(t1 / s1 - b * s1 / 2, 1e-9)
+    n_tok = 4096
+    src = torch.empty(n_tok * layer_bytes // 4, dtype=torch.float32, device=device).view(n_tok, -1)
+    dst = torch.empty_like(src)
+    idx = torch.randperm(n_tok, device=device)
+    dst.index_copy_(0, idx, src)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.index_copy_(0, idx, src)
+    copy = (time.perf_counter() - t0) / 3
+    return CostModel(token_s=a, attn_s=b, copy_bps=n_tok * layer_bytes / max(copy, 1e-9), source="calibrated")
+
+
+class Restorer:
+    """Plans and runs restores for one KV pool. ``stack`` gives the model's layers (None when the
+    attention backend is not loopkv: then every plan is load-all)."""
+
+    def __init__(
+        self,
+        planner: str | RestorePlanner = "krul",
+        cost: CostModel | None = None,
+        stack: Callable[[], LayerStack | None] = lambda: None,
+        calibrate_on_first_use: bool = True,
+    ):
+        self.planner = PLANNERS.create(planner) if isinstance(planner, str) else planner
+        self.cost = cost or CostModel()
+        self._stack_factory, self._stack = stack, None
+        self._calibrate = calibrate_on_first_use and cost is None
+        self.stats = RestoreStats()
+        self._lock = threading.Lock()  # stats are also updated from the loader thread
+
+    @property
+    def stack(self) -> LayerStack | None:
+        if self._stack is None:
+            self._stack = self._stack_factory()
+        return self._stack
+
+    def ensure_calibrated(self, layer_bytes: int, device: torch.device) -> None:
+        if not self._calibrate or self.stack is None:
+            return
+        self._calibrate = False
+        t0 = time.perf_counter()
+        self.cost = calibrate(self.stack, layer_bytes, device)
+        logger.info(
+            "loopkv restore cost model calibrated in %.2f s: %.3g s/token-layer + %.3g s/attention pair, "
+            "copy %.2f GB/s",
+            time.perf_counter() - t0,
+            self.cost.token_s,
+            self.cost.attn_s,
+            self.cost.copy_bps / 1e9,
+        )
+
+    def plan(self, job: RestoreJob) -> RestorePlan:
+        if self.stack is None or job.total == 0:
+            return RestorePlan.load_all(job.total, job.num_layers)
+        return self.planner.plan(job, self.cost)
+
+    def recompute(self, plan: RestorePlan, job: RestoreJob, token_ids: torch.Tensor, write, prefix_kv) -> float:
+        """Run the plan's recompute part; returns its wall seconds and refines the compute cost."""
+        if plan.recompute_tokens == 0:
+            return 0.0
+        t0 = time.perf_counter()
+        recompute_front(self.stack, plan, token_ids, job.prefix, write, prefix_kv)
+        elapsed = time.perf_counter() - t0
+        predicted = sum(self.cost.rows_s(s, job.prefix) for s in plan.recompute)
+        if predicted > 0:
+            f = (1 - EMA) + EMA * elapsed / predicted
+            self.cost.token_s *= f
+            self.cost.attn_s *= f
+        with self._lock:
+            self.stats.recompute_seconds += elapsed
+        return elapsed
+
+    def observe_copy(self, nbytes: int, seconds: float) -> None:
+        """Loader thread: a layer copy finished (refines the copy bandwidth)."""
+        if nbytes > (1 << 20) and seconds > 0:
+            self.cost.copy_bps = (1 - EMA) * self.cost.copy_bps + EMA * nbytes / seconds
+        with self._lock:
+            self.stats.load_seconds += seconds
+
+    def observe_disk(self, nbytes: int, seconds: float) -> None:
+        if nbytes > (1 << 20) and seconds > 0:
+            self.cost.disk_bps = (1 - EMA) * self.cost.disk_bps + EMA * nbytes / seconds
+
+    def observe_bubble(self, seconds: float) -> None:
+        with self._lock:
+            self.stats.bubble_seconds += seconds
+
+    def record(self, plan: RestorePlan, job: RestoreJob) -> dict:
+        tl = simulate(plan, job, self.cost)
+        predicted = {
+            "restored_s": tl.restored_s,
+            "finish_s": tl.finish_s,
+            "bubble_s": tl.bubble_s,
+            "compute_s": tl.compute_s,
+            "load_s": tl.load_s,
+        }
+        with self._lock:
+            s = self.stats
+            s.restores += 1
+            s.recomputed_token_layers += sum(plan.recompute)
+            s.loaded_token_layers += sum(plan.load(layer) for layer in range(plan.num_layers))
+            s.last_plan = list(plan.recompute)
+            s.last_predicted = predicted
+        return predicted

@@ -1,0 +1,225 @@
+"""Restoration scheduler: plans are valid under any cost model and pick the right extreme when one
+stream is cheap; the front recompute reproduces a full prefill's KV for any split (with and
+without a device prefix); the model-driven stack matches HF's layers."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from sgl_loopkv.restore.plan import (
+    PLANNERS,
+    CostModel,
+    KrulPlanner,
+    RestoreJob,
+    RestorePlan,
+    pyramid,
+    simulate,
+)
+from sgl_loopkv.restore.recompute import LayerStack, recompute_front
+
+SMOL = dict(num_layers=30, layer_bytes=2 * 3 * 64 * 4)
+
+
+def job(total=4096, **kw) -> RestoreJob:
+    return RestoreJob(total=total, **{**SMOL, **kw})
+
+
+def planners():
+    return [PLANNERS.create(n) for n in PLANNERS.names() if n != "fixed"] + [
+        PLANNERS.create("fixed", r) for r in (0.0, 0.3, 1.0)
+    ]
+
+
+def test_every_plan_is_non_increasing_and_chunk_aligned():
+    rng = random.Random(0)
+    for _ in range(60):
+        j = job(
+            total=16 * rng.randint(1, 400),
+            prefix=16 * rng.randint(0, 100),
+            new_tokens=rng.randint(1, 300),
+            disk_tokens=0,
+            num_layers=rng.choice([2, 12, 30]),
+        )
+        cost = CostModel(
+            token_s=10 ** rng.uniform(-7, -3),
+            attn_s=10 ** rng.uniform(-11, -7),
+            copy_bps=10 ** rng.uniform(7, 11),
+            disk_bps=10 ** rng.uniform(7, 10),
+        )
+        for p in planners():
+            plan = p.plan(j, cost)
+            assert plan.total == j.total and plan.num_layers == j.num_layers
+            assert all(b <= a for a, b in zip(plan.recompute, plan.recompute[1:])), (type(p).__name__, plan)
+            assert all(s % 16 == 0 or s == j.total for s in plan.recompute)
+
+
+def test_invalid_plans_are_rejected():
+    with pytest.raises(ValueError, match="non-increasing"):
+        RestorePlan(64, (16, 32))
+    with pytest.raises(ValueError):
+        RestorePlan(64, (80, 0))
+
+
+def test_planner_chooses_the_cheap_stream():
+    j = job(new_tokens=64)
+    cheap_compute = CostModel(token_s=1e-12, attn_s=1e-18, copy_bps=1e8)
+    assert KrulPlanner().plan(j, cheap_compute) == RestorePlan.recompute_all(j.total, j.num_layers)
+    cheap_load = CostModel(token_s=1e-3, attn_s=1e-7, copy_bps=1e12)
+    assert KrulPlanner().plan(j, cheap_load) == RestorePlan.load_all(j.total, j.num_layers)
+
+
+def test_planner_balances_equal_streams_and_beats_both_extremes():
+    j = job(new_tokens=64)
+    # One token-layer costs the same to recompute and to copy: the best split shares the work.
+    per_token = j.layer_bytes / 1e9
+    cost = CostModel(token_s=per_token, attn_s=0.0, copy_bps=1e9)
+    plan = KrulPlanner().plan(j, cost)
+    assert 0.2 < plan.recompute_fraction < 0.8
+    t = simulate(plan, j, cost)
+    for extreme in (RestorePlan.load_all(j.total, 30), RestorePlan.recompute_all(j.total, 30)):
+        assert t.finish_s < 0.7 * simulate(extreme, j, cost).finish_s
+    assert t.bubble_fraction < 0.1
+
+
+def test_planner_never_loses_to_its_candidates():
+    rng = random.Random(1)
+    for _ in range(20):
+        j = job(total=16 * rng.randint(10, 300), new_tokens=rng.randint(1, 200), disk_tokens=0)
+        cost = CostModel(token_s=10 ** rng.uniform(-7, -4), attn_s=1e-9, copy_bps=10 ** rng.uniform(8, 10))
+        best = simulate(KrulPlanner().plan(j, cost), j, cost).finish_s
+        for top in (0, j.total // 4, j.total):
+            assert best <= simulate(pyramid(j, top, 0), j, cost).finish_s + 1e-12
+
+
+def test_disk_reads_only_what_is_loaded():
+    j = job(disk_tokens=4096)
+    cost = CostModel(disk_bps=1e8)
+    load_all = simulate(RestorePlan.load_all(4096, 30), j, cost)
+    half = simulate(RestorePlan(4096, (2048,) * 30), j, cost)
+    assert half.load_s == pytest.approx(load_all.load_s / 2, rel=1e-6)
+
+
+# --- recompute vs a full prefill, on HF's own layers ------------------------------------------
+class HFLayerStack(LayerStack):
+    def __init__(self, model):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        self.m, self.rope = model.model, apply_rotary_pos_emb
+        cfg = model.config
+        self.num_layers = cfg.num_hidden_layers
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = self.d**-0.5
+
+    def embed(self, ids):
+        return self.m.embed_tokens(ids)
+
+    def qkv(self, layer, x, positions):
+        blk = self.m.layers[layer]
+        a, n = blk.self_attn, x.shape[0]
+        h = blk.input_layernorm(x)
+        q = a.q_proj(h).view(n, self.hq, self.d).transpose(0, 1)[None]
+        k = a.k_proj(h).view(n, self.hkv, self.d).transpose(0, 1)[None]
+        v = a.v_proj(h).view(n, self.hkv, self.d)
+        cos, sin = self.m.rotary_emb(x[None], positions[None])
+        q, k = self.rope(q, k, cos, sin)
+        return q[0].transpose(0, 1), k[0].transpose(0, 1), v
+
+    def finish(self, layer, x, attn):
+        blk = self.m.layers[layer]
+        x = x + blk.self_attn.o_proj(attn.reshape(x.shape[0], -1))
+        return x + blk.mlp(blk.post_attention_layernorm(x))
+
+
+@pytest.fixture(scope="module")
+def tiny_hf():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=5,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
+def full_kv(model, ids):
+    with torch.no_grad():
+        pkv = model(ids[None], use_cache=True).past_key_values
+    return [(pkv.layers[i].keys[0].transpose(0, 1), pkv.layers[i].values[0].transpose(0, 1)) for i in range(5)]
+
+
+@pytest.mark.parametrize("start", [0, 48])
+def test_recompute_front_equals_full_prefill_for_any_split(tiny_hf, start):
+    ids = torch.randint(0, 300, (start + 160,), generator=torch.Generator().manual_seed(2))
+    ref = full_kv(tiny_hf, ids)
+    stack = HFLayerStack(tiny_hf)
+    total = 160
+    plans = [
+        RestorePlan.recompute_all(total, 5),
+        RestorePlan(total, (160, 128, 64, 64, 16)),
+        RestorePlan(total, (96,) * 5),
+        RestorePlan(total, (32, 32, 0, 0, 0)),
+        RestorePlan.load_all(total, 5),
+    ]
+    for plan in plans:
+        got: dict[int, tuple] = {}
+        recompute_front(
+            stack,
+            plan,
+            ids[start:],
+            start,
+            lambda layer, k, v: got.__setitem__(layer, (k, v)),
+            lambda layer: (ref[layer][0][:start], ref[layer][1][:start]),
+        )
+        for layer in range(5):
+            s = plan.recompute[layer]
+            if s == 0:
+                assert layer not in got
+                continue
+            k, v = got[layer]
+            assert k.shape[0] == s
+            torch.testing.assert_close(k, ref[layer][0][start : start + s], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(v, ref[layer][1][start : start + s], atol=2e-5, rtol=1e-4)
+
+
+# --- in a real server: partial recompute + load gives the never-evicted greedy output ------------
+@pytest.mark.parametrize("planner", [["fixed", "--loopkv-restore-ratio", "0.5"], ["recompute_all"]])
+def test_server_restores_with_a_split_plan(planner, tiny_server, tiny_model_dir, server_logs, tmp_path):
+    from sgl_loopkv.server.process import ServerProcess
+    from tests.conftest import COMMON_SERVER_ARGS
+    from tests.test_tiered_cache import N_CONV, ask, tiers
+
+    reference = {i: ask(tiny_server.url, i)["output_ids"] for i in (0, N_CONV - 3)}
+    log = server_logs / f"restore-{planner[0]}.log"
+    args = [
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
+        *("--max-total-tokens", "2048"),
+        *("--loopkv-disk-dir", str(tmp_path), "--loopkv-disk-bytes", "8000000", "--loopkv-host-bytes", "2200000"),
+        *("--loopkv-restore-planner", *planner),
+    ]
+    with ServerProcess(args, log_path=log).start() as srv:
+        for i in range(N_CONV):
+            ask(srv.url, i)
+        host_hit = ask(srv.url, N_CONV - 3)
+        assert tiers(host_hit)["host"] > 800, tiers(host_hit)
+        assert host_hit["output_ids"] == reference[N_CONV - 3]
+        time.sleep(1.0)  # let the disk writer finish
+        disk_hit = ask(srv.url, 0)
+        assert tiers(disk_hit)["disk"] > 800, tiers(disk_hit)
+        assert disk_hit["output_ids"] == reference[0]
+    plans = [line for line in log.read_text().splitlines() if "loopkv: resuming" in line]
+    assert len(plans) >= 2, plans
+    for line in plans:  # the split really happened (front recomputed, the rest loaded or skipped on disk)
+        front = int(line.split("plan: recompute ")[1].split("..")[0])
+        assert front >= (800 if planner[0] == "recompute_all" else 400), line
