@@ -36,6 +36,7 @@ def create_loopkv_radix_cache(ctx):
     from sglang.srt.mem_cache.registry import default_radix_cache_factory
 
     from sgl_loopkv.cache.radix import LoopKVRadixCache
+    from sgl_loopkv.cache.sharing import LayerSharing
 
     if ctx.disable_radix_cache:
         return default_radix_cache_factory(ctx)
@@ -72,6 +73,11 @@ def create_loopkv_radix_cache(ctx):
         kv_pool=kv_pool,
         store_factory=store_factory,
         restorer=Restorer(planner, stack=restore.model_stack, calibrate_on_first_use=config.restore_planner == "krul"),
+        sharing=(
+            LayerSharing(config.share_layers, config.share_gamma, config.share_ratio, config.share_pairing)
+            if config.share_layers != "none"
+            else None
+        ),
         # Only our attention backend waits per layer for in-flight loads; others get finished copies.
         synchronous_loads=ctx.server_args.attention_backend != "loopkv",
     )

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
+from sgl_loopkv.cache.packed import PackedKV, codec_of
 
 INDEX = "index.json"
 
@@ -119,19 +120,34 @@ class DiskSegmentStore:
         header = 4096 + 16 * n_tokens_ids + 24 * self.geometry.num_layers * n_chunks
         return SegmentFileLayout(self.geometry, n_chunks, align_up(PREAMBLE_BYTES + header)).file_bytes
 
-    def write(self, record: SegmentRecord, kv: torch.Tensor, summaries: torch.Tensor) -> None:
-        """Store ``kv`` [L, 2, T, H, D] (T = n_chunks * chunk) and ``summaries`` [L, m, H, 2, D]."""
+    def write(self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor) -> None:
+        """Store ``kv`` ([L, 2, T, H, D] with T = n_chunks * chunk, or a PackedKV whose rows have
+        that shape) and ``summaries`` [L, m, H, 2, D]."""
         g = self.geometry
-        L, m, c = g.num_layers, record.n_chunks, g.chunk_tokens
-        assert kv.shape == (L, 2, m * c, g.num_kv_heads, g.head_dim), kv.shape
-        # [L, 2, m, c, H, D] -> [L, m, 2, c, H, D]: extent (l, j) = K | V of chunk j, contiguous
-        ext = kv.view(L, 2, m, c, g.num_kv_heads, g.head_dim).transpose(1, 2).contiguous()
-        raw = _to_bytes(ext).reshape(L * m, -1)
+        m, c = record.n_chunks, g.chunk_tokens
+        packed = kv if isinstance(kv, PackedKV) else None
+        rows = packed.rows if packed else kv
+        R = rows.shape[0]
+        assert rows.shape[1:] == (2, m * c, g.num_kv_heads, g.head_dim), rows.shape
+        # [R, 2, m, c, H, D] -> [R, m, 2, c, H, D]: extent (r, j) = K | V of chunk j, contiguous
+        ext = rows.view(R, 2, m, c, g.num_kv_heads, g.head_dim).transpose(1, 2).contiguous()
+        raw = _to_bytes(ext).reshape(R * m, -1)
         pad = g.extent_bytes - raw.shape[1]
         if pad:
-            raw = np.concatenate([raw, np.zeros((L * m, pad), np.uint8)], axis=1)
+            raw = np.concatenate([raw, np.zeros((R * m, pad), np.uint8)], axis=1)
         crcs = [zlib.crc32(row) for row in raw]
         summary_raw = _to_bytes(summaries.float())
+        side_raw, side_meta = np.zeros(0, np.uint8), []
+        if packed:
+            blobs = []
+            for side in packed.side:
+                entry = {}
+                for name, t in side.items():
+                    b = _to_bytes(t.cpu())
+                    entry[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), sum(len(x) for x in blobs)]
+                    blobs.append(b)
+                side_meta.append(entry)
+            side_raw = np.concatenate(blobs) if blobs else side_raw
         header = {
             "seg_id": record.seg_id,
             "parent": record.parent,
@@ -144,12 +160,18 @@ class DiskSegmentStore:
             "extent_crc32": crcs,
             "summary_crc32": zlib.crc32(summary_raw),
         }
+        if packed:
+            header |= packed.header() | {"rows": R, "side": side_meta, "side_crc32": zlib.crc32(side_raw)}
+            header["side_bytes"] = len(side_raw)
         hbytes = json.dumps(header).encode()
         kv_offset = align_up(PREAMBLE_BYTES + len(hbytes))
-        layout = SegmentFileLayout(g, m, kv_offset)
+        layout = SegmentFileLayout(g, m, kv_offset, R, len(side_raw))
         preamble = MAGIC + struct.pack("<II", len(hbytes), zlib.crc32(hbytes))
         gap = bytes(kv_offset - PREAMBLE_BYTES - len(hbytes))
-        _atomic_write(self.path(record.seg_id), [preamble, hbytes, gap, raw.tobytes(), summary_raw.tobytes()])
+        _atomic_write(
+            self.path(record.seg_id),
+            [preamble, hbytes, gap, raw.tobytes(), summary_raw.tobytes(), side_raw.tobytes()],
+        )
         record.file_bytes = layout.file_bytes
         self.records[record.seg_id] = record
         self._write_index()
@@ -177,48 +199,88 @@ class DiskSegmentStore:
         header["kv_offset"] = align_up(PREAMBLE_BYTES + hlen)
         return header
 
-    def read(self, seg_id: str, chunk_lo: int, chunk_hi: int, first_chunk: list[int] | None = None) -> torch.Tensor:
+    @staticmethod
+    def _layout(g: KVGeometry, header: dict) -> SegmentFileLayout:
+        return SegmentFileLayout(
+            g, header["n_chunks"], header["kv_offset"], header.get("rows"), header.get("side_bytes", 0)
+        )
+
+    def read(
+        self, seg_id: str, chunk_lo: int, chunk_hi: int, first_chunk: list[int] | None = None
+    ) -> torch.Tensor | PackedKV:
         """KV of chunks [chunk_lo, chunk_hi) for all layers -> [L, 2, T, H, D], every extent
         verified. One coalesced read per layer; layer l starts at chunk ``first_chunk[l]`` when given (the
-        chunks before it are left zero: the restorer recomputes them). Raises CorruptSegment."""
+        chunks before it are left zero: the restorer recomputes them). A packed segment comes back as a
+        PackedKV (one read per stored row, its side data verified too). Raises CorruptSegment."""
         g = self.geometry
         header = self.read_header(seg_id)
-        layout = SegmentFileLayout(g, header["n_chunks"], header["kv_offset"])
+        layout = self._layout(g, header)
+        layer_rows = header.get("layer_rows") or list(range(g.num_layers))
+        if first_chunk:  # a row shared by several layers is read from the earliest chunk any of them needs
+            row_first = [chunk_hi] * layout.rows
+            for layer, row in enumerate(layer_rows):
+                row_first[row] = min(row_first[row], first_chunk[layer])
+            first_chunk = row_first
         crcs = header["extent_crc32"]
         n, used = chunk_hi - chunk_lo, 2 * g.chunk_tokens * g.num_kv_heads * g.head_dim * g.itemsize
-        out = (
-            np.zeros((g.num_layers, n, used), np.uint8) if first_chunk else np.empty((g.num_layers, n, used), np.uint8)
-        )
+        out = (np.zeros if first_chunk else np.empty)((layout.rows, n, used), np.uint8)
         try:
             fd = os.open(self.path(seg_id), os.O_RDONLY)
         except OSError as e:
             raise CorruptSegment(f"segment {seg_id}: {e}") from e
         try:
-            for layer in range(g.num_layers):
-                lo = max(chunk_lo, first_chunk[layer]) if first_chunk else chunk_lo
-                for off, length in layout.runs(layer, list(range(lo, chunk_hi))):
+            for row in range(layout.rows):
+                lo = max(chunk_lo, first_chunk[row]) if first_chunk else chunk_lo
+                for off, length in layout.runs(row, list(range(lo, chunk_hi))):
                     buf = os.pread(fd, length, off)
                     self.bytes_read += len(buf)
                     if len(buf) != length:
-                        raise CorruptSegment(f"segment {seg_id}: truncated at layer {layer}")
+                        raise CorruptSegment(f"segment {seg_id}: truncated at row {row}")
                     arr = np.frombuffer(buf, np.uint8).reshape(-1, g.extent_bytes)
-                    first = (off - layout.extent_offset(layer, 0)) // g.extent_bytes
-                    for i, row in enumerate(arr):
-                        if zlib.crc32(row) != crcs[layer * layout.n_chunks + first + i]:
+                    first = (off - layout.extent_offset(row, 0)) // g.extent_bytes
+                    for i, extent in enumerate(arr):
+                        if zlib.crc32(extent) != crcs[row * layout.n_chunks + first + i]:
                             raise CorruptSegment(
-                                f"segment {seg_id}: checksum mismatch at layer {layer} chunk {first + i}"
+                                f"segment {seg_id}: checksum mismatch at row {row} chunk {first + i}"
                             )
-                    out[layer, first - chunk_lo : first - chunk_lo + len(arr)] = arr[:, :used]
+                    out[row, first - chunk_lo : first - chunk_lo + len(arr)] = arr[:, :used]
+            side = self._read_side(fd, seg_id, header, layout) if "side" in header else None
         finally:
             os.close(fd)
-        ext = torch.from_numpy(out).view(g.dtype).view(g.num_layers, n, 2, g.chunk_tokens, g.num_kv_heads, g.head_dim)
-        return ext.transpose(1, 2).reshape(g.num_layers, 2, n * g.chunk_tokens, g.num_kv_heads, g.head_dim)
+        R = layout.rows
+        ext = torch.from_numpy(out).view(g.dtype).view(R, n, 2, g.chunk_tokens, g.num_kv_heads, g.head_dim)
+        rows = ext.transpose(1, 2).reshape(R, 2, n * g.chunk_tokens, g.num_kv_heads, g.head_dim)
+        if side is None:
+            return rows
+        c, codec = g.chunk_tokens, codec_of(header["codec"])
+        return PackedKV(  # the rows cover [chunk_lo, chunk_hi), the side data the whole segment: slice it
+            rows,
+            tuple(layer_rows),
+            tuple(tuple(p) for p in header["pairs"]),
+            header["codec"],
+            [codec.slice_side(sd, chunk_lo * c, chunk_hi * c) for sd in side],
+        )
+
+    def _read_side(self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout) -> list[dict]:
+        buf = os.pread(fd, layout.side_bytes, layout.side_offset)
+        self.bytes_read += len(buf)
+        if len(buf) != layout.side_bytes or zlib.crc32(buf) != header["side_crc32"]:
+            raise CorruptSegment(f"segment {seg_id}: side data checksum mismatch")
+        raw, out = np.frombuffer(buf, np.uint8), []
+        for entry in header["side"]:
+            tensors = {}
+            for name, (dtype, shape, off) in entry.items():
+                dt = getattr(torch, dtype)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+                tensors[name] = torch.from_numpy(raw[off : off + nbytes].copy()).view(dt).view(shape)
+            out.append(tensors)
+        return out
 
     def read_summaries(self, seg_id: str) -> torch.Tensor:
         """Key summaries [L, m, H, 2, D] of a whole segment (small; read without touching KV)."""
         g = self.geometry
         header = self.read_header(seg_id)
-        layout = SegmentFileLayout(g, header["n_chunks"], header["kv_offset"])
+        layout = self._layout(g, header)
         length = g.num_layers * layout.n_chunks * g.summary_bytes_per_chunk_layer
         with open(self.path(seg_id), "rb") as f:
             f.seek(layout.summary_offset)

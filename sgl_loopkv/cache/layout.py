@@ -4,13 +4,16 @@ A *segment* is the KV of a run of whole chunks of one conversation (one radix-tr
 was stored). Segment file::
 
     offset 0        preamble   b"LOOPKV01" | u32 header_len | u32 crc32(header)        (16 B)
-    offset 16       header     JSON: geometry, token ids, parent link, per-extent crc32s
-    kv_offset       KV         layer-major:  for layer l, for chunk j:  extent(l, j)
-                               extent(l, j) = K[c, H, D] | V[c, H, D], zero-padded to 4 KiB
-                               at kv_offset + (l * n_chunks + j) * extent_bytes
+    offset 16       header     JSON: geometry, token ids, parent link, per-extent crc32s, and for
+                               a packed segment its layer -> row map, pairs, codec, side tensors
+    kv_offset       KV         row-major:  for row r, for chunk j:  extent(r, j)
+                               extent(r, j) = K[c, H, D] | V[c, H, D], zero-padded to 4 KiB
+                               at kv_offset + (r * n_chunks + j) * extent_bytes
+                               (row = layer, unless layer pairs share rows: sgl_loopkv.cache.packed)
     summary_offset  summaries  for layer l, chunk j: per KV head min and max of the keys
                                [H, 2, D] float32 (the selection step scores chunks on these
                                without reading full keys)
+    side_offset     side data  packed segments only: the codec's tensors, one crc32
 
 Why this shape: a chunk is the unit of selection, storage, I/O and caching (ContiguousKV), so
 reading any chunk set of one layer is a set of aligned extents; layer-major order makes all chunks
@@ -88,18 +91,28 @@ class SegmentFileLayout:
     geometry: KVGeometry
     n_chunks: int
     kv_offset: int
+    n_rows: int | None = None  # stored KV rows: num_layers, fewer when layer pairs share a row
+    side_bytes: int = 0  # layer-sharing side data after the summaries
 
-    def extent_offset(self, layer: int, chunk: int) -> int:
-        return self.kv_offset + (layer * self.n_chunks + chunk) * self.geometry.extent_bytes
+    @property
+    def rows(self) -> int:
+        return self.geometry.num_layers if self.n_rows is None else self.n_rows
+
+    def extent_offset(self, row: int, chunk: int) -> int:
+        return self.kv_offset + (row * self.n_chunks + chunk) * self.geometry.extent_bytes
 
     @property
     def summary_offset(self) -> int:
-        return self.extent_offset(self.geometry.num_layers, 0)
+        return self.extent_offset(self.rows, 0)
+
+    @property
+    def side_offset(self) -> int:
+        g = self.geometry
+        return self.summary_offset + g.num_layers * self.n_chunks * g.summary_bytes_per_chunk_layer
 
     @property
     def file_bytes(self) -> int:
-        g = self.geometry
-        return self.summary_offset + g.num_layers * self.n_chunks * g.summary_bytes_per_chunk_layer
+        return self.side_offset + self.side_bytes
 
     def runs(self, layer: int, chunks: list[int]) -> list[tuple[int, int]]:
         """Coalesce sorted chunk indices of one layer into (byte offset, byte length) reads."""

@@ -69,7 +69,7 @@ class LayerwiseLoader:
     def pending(self) -> bool:
         return self._done[-1] < self._submitted
 
-    def wait_layer(self, layer: int) -> None:
+    def wait_layer(self, layer: int, bubble: bool = True) -> None:
         if self._done[layer] >= self._submitted:  # fast path: nothing in flight
             return
         t0 = time.perf_counter()
@@ -77,10 +77,11 @@ class LayerwiseLoader:
             target = self._submitted
             while self._done[layer] < target:
                 self._cond.wait()
-        self.on_wait(time.perf_counter() - t0)  # a bubble: the forward had to wait for this layer
+        if bubble:  # the forward had to wait for this layer
+            self.on_wait(time.perf_counter() - t0)
 
     def wait_all(self) -> None:
-        self.wait_layer(self.num_layers - 1)
+        self.wait_layer(self.num_layers - 1, bubble=False)
 
     def _copy(self, parts: list[LoadPart]) -> None:
         for layer in range(self.num_layers):

@@ -19,6 +19,7 @@ class TierMetrics:
         from prometheus_client import Counter, Gauge
 
         self.bytes = Gauge("loopkv_tier_bytes", "Bytes held per tier", ["tier"], multiprocess_mode="mostrecent")
+        self.tokens = Gauge("loopkv_tier_tokens", "Tokens held per tier", ["tier"], multiprocess_mode="mostrecent")
         self.hits = Counter("loopkv_hit_tokens", "Cached prompt tokens served, by the tier they came from", ["tier"])
         self.disk_read = Counter("loopkv_disk_bytes_read", "Bytes read from the disk tier")
         self.disk_used = Counter(
@@ -26,12 +27,56 @@ class TierMetrics:
         )
         self.load_seconds = Counter("loopkv_load_seconds", "Seconds spent fetching and starting tier loads")
         self.corrupt = Counter("loopkv_corrupt_segments", "Stored segments rejected by their checksums")
+        self.restores = Counter("loopkv_restores", "Histories restored from the host/disk tiers")
+        self.restore_recompute = Gauge(
+            "loopkv_restore_recompute_fraction",
+            "Share of restored token-layers recomputed instead of loaded (all restores so far)",
+            multiprocess_mode="mostrecent",
+        )
+        self.restore_last_split = Gauge(
+            "loopkv_restore_last_front_tokens",
+            "Front tokens recomputed by the latest restore, at its first and last layer",
+            ["layer"],
+            multiprocess_mode="mostrecent",
+        )
+        self.restore_seconds = Counter(
+            "loopkv_restore_seconds", "Restore time by stream: recompute, load (copy into the pool), bubble", ["part"]
+        )
+        self._last_restore = None
+
+    def publish_restore(self, stats) -> None:
+        """Restorer counters (:class:`sgl_loopkv.restore.restorer.RestoreStats`); bubble = time the
+        forward waited for a layer still being copied."""
+        if not self.enabled:
+            return
+        last = self._last_restore or type(stats)()
+        self.restores.inc(stats.restores - last.restores)
+        self.restore_recompute.set(stats.recompute_fraction)
+        if stats.last_plan:
+            self.restore_last_split.labels(layer="first").set(stats.last_plan[0])
+            self.restore_last_split.labels(layer="last").set(stats.last_plan[-1])
+        for part, now, before in (
+            ("recompute", stats.recompute_seconds, last.recompute_seconds),
+            ("load", stats.load_seconds, last.load_seconds),
+            ("bubble", stats.bubble_seconds, last.bubble_seconds),
+        ):
+            self.restore_seconds.labels(part=part).inc(max(now - before, 0.0))
+        self._last_restore = type(stats)(
+            stats.restores,
+            stats.recomputed_token_layers,
+            stats.loaded_token_layers,
+            stats.recompute_seconds,
+            stats.load_seconds,
+            stats.bubble_seconds,
+        )
 
     def publish(self, stats: TierStats, device_hit_tokens: int = 0) -> None:
         if not self.enabled:
             return
         self.bytes.labels(tier="host").set(stats.host_bytes)
         self.bytes.labels(tier="disk").set(stats.disk_bytes)
+        self.tokens.labels(tier="host").set(stats.host_tokens)
+        self.tokens.labels(tier="disk").set(stats.disk_tokens)
         last = self._last
         for tier in ("host", "disk"):
             self.hits.labels(tier=tier).inc(stats.hit_tokens[tier] - last.hit_tokens[tier])

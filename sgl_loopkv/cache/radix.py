@@ -43,6 +43,8 @@ from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
+from sgl_loopkv.cache.packed import PackedKV
+from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
 from sgl_loopkv.restore.restorer import Restorer
@@ -55,9 +57,19 @@ def _ref(node: TreeNode) -> tuple[str, int, int] | None:
 
 
 class LoopKVRadixCache(RadixCache):
-    def __init__(self, params, *, kv_pool, store_factory, synchronous_loads: bool, restorer: Restorer | None = None):
+    def __init__(
+        self,
+        params,
+        *,
+        kv_pool,
+        store_factory,
+        synchronous_loads: bool,
+        restorer: Restorer | None = None,
+        sharing: LayerSharing | None = None,
+    ):
         self.store: TieredKVStore | None = None  # RadixCache.__init__ calls reset()
         self.restorer = restorer or Restorer("load_all")
+        self.sharing = sharing
         super().__init__(params)
         assert self.page_size > 1, "loopkv needs --page-size = chunk size (e.g. 16)"
         self.kv_pool = kv_pool
@@ -127,18 +139,20 @@ class LoopKVRadixCache(RadixCache):
         # token's latency instead of the first token's (the running request locks its nodes on
         # the device meanwhile, so nothing it computed can be evicted before it is stored).
         if not self.disable and req.finished() and req.last_node is not None:
-            self._store_path(req.last_node)
+            pairs = self.sharing.turn_end(req.kv.req_pool_idx, req.last_node, self.root_node) if self.sharing else []
+            self._store_path(req.last_node, pairs)
             self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
             self._touch_path(req.last_node, importance.pop(req.kv.req_pool_idx))
-            self.metrics.publish(self.store.stats)
+            self.metrics.publish(self.store.count_tokens())
+            self.metrics.publish_restore(self.restorer.stats)  # the bubbles of this turn's forward
 
-    def _store_path(self, node: TreeNode) -> None:
+    def _store_path(self, node: TreeNode, pairs: list[tuple[int, int]]) -> None:
         path = []
         while node is not self.root_node and _ref(node) is None and not node.evicted:
             path.append(node)
             node = node.parent
         for n in reversed(path):  # root first: a segment's parent must be stored before it
-            if not self._store_node(n):
+            if not self._store_node(n, pairs):
                 return
 
     def _touch_path(self, node: TreeNode, mass: torch.Tensor | None) -> None:
@@ -179,7 +193,7 @@ class LoopKVRadixCache(RadixCache):
             node = node.parent
         return pos
 
-    def _store_node(self, node: TreeNode) -> bool:
+    def _store_node(self, node: TreeNode, pairs: list[tuple[int, int]]) -> bool:
         parent_ref = _ref(node.parent) if node.parent is not self.root_node else None
         if node.parent is not self.root_node and parent_ref is None:
             return False  # its prefix is not stored: it could never be matched from the tiers
@@ -197,7 +211,10 @@ class LoopKVRadixCache(RadixCache):
             cache_salt=node.key.cache_salt,
             token_ids=list(node.key.raw_token_ids()),
         )
-        if not self.store.put(record, torch.stack([k, v], dim=1), key_summaries(k, self.page_size)):
+        kv = torch.stack([k, v], dim=1)
+        if pairs:  # similar layer pairs share one stored row (the summaries stay per layer)
+            kv = PackedKV.pack(kv, pairs, self.sharing.codec)
+        if not self.store.put(record, kv, key_summaries(k, self.page_size)):
             return False
         self._set_ref(node, (record.seg_id, 0, n_chunks))
         return True
@@ -309,7 +326,8 @@ class LoopKVRadixCache(RadixCache):
         if stored and getattr(params, "req", None) is not None:
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
-            self.metrics.publish(self.store.stats)
+            self.metrics.publish(self.store.count_tokens())
+            self.metrics.publish_restore(self.restorer.stats)
         return MatchResult(
             device_prefix_len=device_len,
             last_device_node=last_device,

@@ -21,6 +21,7 @@ import torch
 
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, slice_tokens
 from sgl_loopkv.cache.value import ValuePolicy
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StoredSegment:
     record: SegmentRecord
-    host_kv: torch.Tensor | None = None  # [L, 2, T, H, D]
+    host_kv: torch.Tensor | PackedKV | None = None  # [L, 2, T, H, D], or layer pairs sharing rows
     host_summaries: torch.Tensor | None = None  # [L, m, H, 2, D]
     on_disk: bool = False
     pending_disk: bool = False
@@ -51,6 +52,8 @@ class TierStats:
     load_seconds: float = 0.0
     corrupt_segments: int = 0
     lost_segments: int = 0
+    host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
+    disk_tokens: int = 0
 
 
 class TieredKVStore:
@@ -84,10 +87,10 @@ class TieredKVStore:
             self._writer.start()
 
     # --- in ------------------------------------------------------------------------------------
-    def put(self, record: SegmentRecord, kv: torch.Tensor, summaries: torch.Tensor) -> bool:
+    def put(self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor) -> bool:
         """Store a new segment wherever it fits: host arena now and disk in the background, or
         either alone (host-only segments are lost when the arena evicts them). False if neither."""
-        nbytes = kv.numel() * kv.element_size() + summaries.numel() * summaries.element_size()
+        nbytes = kv_nbytes(kv) + summaries.numel() * summaries.element_size()
         disk_bytes = self.disk.file_bytes(record.n_chunks, len(record.token_ids)) if self.disk else 0
         to_disk = self.disk is not None and self._make_disk_room(disk_bytes)
         in_host = self._make_host_room(nbytes, keep=None)
@@ -147,7 +150,7 @@ class TieredKVStore:
 
     # --- room ----------------------------------------------------------------------------------
     def _host_bytes(self, seg: StoredSegment) -> int:
-        return seg.host_kv.numel() * seg.host_kv.element_size() + seg.host_summaries.numel() * 4
+        return kv_nbytes(seg.host_kv) + seg.host_summaries.numel() * 4
 
     def _make_host_room(self, nbytes: int, keep: str | None) -> bool:
         if nbytes > self.host_quota:
@@ -206,6 +209,13 @@ class TieredKVStore:
             self.flush()
         self._lose(seg_id)
 
+    def count_tokens(self) -> TierStats:
+        """Refresh the per-tier token counts (for metrics) and return the stats."""
+        c = self.geometry.chunk_tokens
+        self.stats.host_tokens = sum(s.record.n_chunks * c for s in self.segments.values() if s.in_host)
+        self.stats.disk_tokens = sum(s.record.n_chunks * c for s in self.segments.values() if s.on_disk)
+        return self.stats
+
     # --- out -----------------------------------------------------------------------------------
     def tier_of(self, seg_id: str) -> str | None:
         seg = self.segments.get(seg_id)
@@ -226,7 +236,7 @@ class TieredKVStore:
         if seg is None:
             raise CorruptSegment(f"segment {seg_id} is gone")
         if seg.in_host:
-            return seg.host_kv[:, :, chunk_lo * c : chunk_hi * c], "host"
+            return slice_tokens(seg.host_kv, chunk_lo * c, chunk_hi * c), "host"
         if not seg.on_disk:
             raise CorruptSegment(f"segment {seg_id} has no copy")
         t0 = time.perf_counter()
@@ -249,14 +259,17 @@ class TieredKVStore:
                 sum(t - k for k in skip_chunks) * self.geometry.chunk_tokens * (self.geometry.token_bytes_per_layer)
             )
             return kv, "disk"
-        self.stats.disk_bytes_used += kv.numel() * kv.element_size()
-        # The verified keys give the summaries back for free: reading them would cost disk bandwidth.
-        summaries = key_summaries(kv[:, 0], self.geometry.chunk_tokens)
-        nbytes = kv.numel() * kv.element_size() + summaries.numel() * 4
+        self.stats.disk_bytes_used += kv_nbytes(kv)
+        if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
+            with self._disk_lock:
+                summaries = self.disk.read_summaries(seg_id)
+        else:  # the verified keys give the summaries back for free: reading them would cost disk bandwidth
+            summaries = key_summaries(kv[:, 0], self.geometry.chunk_tokens)
+        nbytes = kv_nbytes(kv) + summaries.numel() * 4
         if self._make_host_room(nbytes, keep=seg_id):
             seg.host_kv, seg.host_summaries = kv, summaries
             self.stats.host_bytes += nbytes
-        return kv[:, :, chunk_lo * c : chunk_hi * c], "disk"
+        return slice_tokens(kv, chunk_lo * c, chunk_hi * c), "disk"
 
     def touch(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
         if seg_id in self.segments:
