@@ -86,6 +86,41 @@ class LoopKVConfig:
         metadata={"help": "Front share recomputed in every layer by the 'fixed' restore planner.", "type": float},
     )
 
+    # --- cross-layer sharing (issue 4, Krul; defaults measured: benchmarks/results/krul_select.md) ---
+    share_layers: str = field(
+        default="none",
+        metadata={
+            "help": "Store paired layers of a finished turn as one row: 'none' (off), 'reuse' (the deep layer reuses "
+            "the shallow one's KV) or 'minicache' (SLERP-merged directions, per-token magnitudes, outliers kept).",
+            "choices": ["none", "reuse", "minicache"],
+        },
+    )
+    share_gamma: float = field(
+        default=0.5,
+        metadata={
+            "help": "Layers whose initial+recent attention mass reaches this are sharing candidates (Krul's I-R layers).",
+            "type": float,
+        },
+    )
+    share_ratio: float = field(
+        default=0.5,
+        metadata={"help": "Share of all layers that may end up in a pair (Krul's r_l).", "type": float},
+    )
+    share_pairing: str = field(
+        default="greedy",
+        metadata={
+            "help": "How pairs are picked: 'greedy' (Krul Alg. 1) or 'optimal' (min-distance matching).",
+            "choices": ["greedy", "optimal"],
+        },
+    )
+    share_stride: int = field(
+        default=1,
+        metadata={
+            "help": "Similarity estimator: count every n-th prefill row (1 = exact; decode rows always count).",
+            "type": int,
+        },
+    )
+
     # --- sparse prefill (issue 5) ---------------------------------------------------------------
     prefill_policy: str = field(
         default="dense",
@@ -150,6 +185,8 @@ class LoopKVConfig:
             raise ValueError("--loopkv-alpha must be in (0, 1] and --loopkv-streaming-fraction in [0, 1]")
         if self.block_size < 1 or self.streaming_sink % self.block_size or self.streaming_local % self.block_size:
             raise ValueError("--loopkv-streaming-sink/-local must be multiples of --loopkv-block-size")
+        if not 0 <= self.share_gamma <= 1 or not 0 <= self.share_ratio <= 1 or self.share_stride < 1:
+            raise ValueError("--loopkv-share-gamma/-ratio must be in [0, 1] and --loopkv-share-stride >= 1")
 
     @property
     def resolved_cache_dir(self) -> Path:

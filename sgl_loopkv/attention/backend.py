@@ -27,6 +27,7 @@ from sgl_loopkv.attention.policies import POLICIES, ModelShape, SelectionPolicy
 from sgl_loopkv.attention.sparse_plan import SparsePlan
 from sgl_loopkv.cache import importance as chunk_importance
 from sgl_loopkv.cache import loader as cache_loader
+from sgl_loopkv.krul import observer as krul_observer
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -124,6 +125,14 @@ class LoopKVAttnBackend(AttentionBackend):
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 layer.scaling,
             )
+        if krul_observer.wants(forward_batch.forward_mode.is_decode()):  # layer-sharing statistics (Krul)
+            rows = (
+                forward_batch.req_pool_indices_cpu
+                if forward_batch.req_pool_indices_cpu is not None
+                else forward_batch.req_pool_indices
+            ).tolist()
+            qv = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            krul_observer.record(layer.layer_id, self.forward_metadata, rows, qv, self.token_to_kv_pool, layer.scaling)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if self.sparse_seqs is not None:
@@ -184,6 +193,9 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
             num_kv_heads=mc.get_num_kv_heads(tp),
         )
         policy = POLICIES.create(config.prefill_policy, config, shape)
+    krul_observer.configure(
+        config.share_layers != "none", model_runner.model_config.num_hidden_layers, config.share_stride
+    )
     return LoopKVAttnBackend(
         model_runner,
         executor=config.attention_executor,
