@@ -179,7 +179,7 @@ def test_recompute_front_equals_full_prefill_for_any_split(tiny_hf, start):
             plan,
             ids[start:],
             start,
-            lambda layer, k, v: got.__setitem__(layer, (k, v)),
+            lambda layer, k, v, got=got: got.__setitem__(layer, (k, v)),
             lambda layer: (ref[layer][0][:start], ref[layer][1][:start]),
         )
         for layer in range(5):

@@ -81,9 +81,21 @@ def test_greedy_matches_independent_hf_forward_for_32_tokens(smollm2_server, def
     assert r.json()["output_ids"] == hf_greedy(default_model_dir, input_ids, 32)
 
 
-def test_history_resumed_from_host_and_disk_is_token_identical(smollm2_server, tmp_path, server_logs):
+@pytest.mark.parametrize(
+    "restore",
+    [
+        pytest.param([], id="default-planner"),
+        pytest.param(
+            ["--loopkv-restore-planner", "fixed", "--loopkv-restore-ratio", "0.5"],
+            marks=pytest.mark.slow,
+            id="half-recomputed",
+        ),
+    ],
+)
+def test_history_resumed_from_host_and_disk_is_token_identical(smollm2_server, tmp_path, server_logs, restore):
     """SmolLM2 with a device pool too small for three conversations: B comes back from the host
-    arena, A from disk, and both answer exactly as the server that never evicted anything."""
+    arena, A from disk, and both answer exactly as the server that never evicted anything (also
+    with half of every layer's history recomputed instead of loaded)."""
     from sgl_loopkv.server.process import ServerProcess
 
     def gen(url, text):
@@ -105,8 +117,16 @@ def test_history_resumed_from_host_and_disk_is_token_identical(smollm2_server, t
     }
     turn2 = {"A": " Question: what does the cat number 3 like?", "B": " Question: how many bridges has city 5?"}
     srv = ServerProcess(
-        ["--max-total-tokens", "4096", "--loopkv-host-bytes", "330000000", "--loopkv-disk-dir", str(tmp_path)],
-        log_path=server_logs / "smollm2-tiered.log",
+        [
+            "--max-total-tokens",
+            "4096",
+            "--loopkv-host-bytes",
+            "330000000",
+            "--loopkv-disk-dir",
+            str(tmp_path),
+            *restore,
+        ],
+        log_path=server_logs / f"smollm2-tiered{'-'.join(restore)}.log",
     ).start()
     try:
         for text in convs.values():
