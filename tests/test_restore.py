@@ -223,3 +223,41 @@ def test_server_restores_with_a_split_plan(planner, tiny_server, tiny_model_dir,
     for line in plans:  # the split really happened (front recomputed, the rest loaded or skipped on disk)
         front = int(line.split("plan: recompute ")[1].split("..")[0])
         assert front >= (800 if planner[0] == "recompute_all" else 400), line
+
+
+def _host_bytes_per_token(url: str) -> float:
+    from benchmarks.restore import metrics
+
+    m = metrics(url)
+    return m['loopkv_tier_bytes{tier="host"}'] / m['loopkv_tier_tokens{tier="host"}']
+
+
+@pytest.mark.parametrize("ratio", [pytest.param("0", marks=pytest.mark.slow), "1"])
+def test_server_shares_layers_of_stored_turns(ratio, tiny_server, tiny_model_dir, server_logs):
+    """r_l = 0: nothing shared, bytes per token of a full KV, answers exact. r_l = 1 (both layers of
+    the tiny model, every layer a candidate): one pair stored as one row, about half the bytes, and
+    the resumed conversation is served from the host tier."""
+    from sgl_loopkv.server.process import ServerProcess
+    from tests.conftest import COMMON_SERVER_ARGS
+    from tests.test_tiered_cache import N_CONV, ask, tiers
+
+    log = server_logs / f"share-{ratio}.log"
+    args = [
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
+        *("--max-total-tokens", "2048", "--enable-metrics"),
+        *("--loopkv-share-layers", "reuse", "--loopkv-share-ratio", ratio, "--loopkv-share-gamma", "0"),
+    ]
+    with ServerProcess(args, log_path=log).start() as srv:
+        for i in range(N_CONV):
+            ask(srv.url, i)
+        per_token = _host_bytes_per_token(srv.url)
+        again = ask(srv.url, 0)
+        assert tiers(again)["host"] > 800, tiers(again)
+    full = 2 * 2 * 2 * 16 * 4  # layers x K/V x kv heads x head_dim x fp32
+    summaries = 2 * 2 * 2 * 16 * 4 / 16  # per-chunk min/max keys, per token
+    shared = "shared layer pairs" in log.read_text()
+    if ratio == "0":
+        assert not shared and per_token == pytest.approx(full + summaries)
+        assert again["output_ids"] == ask(tiny_server.url, 0)["output_ids"]
+    else:
+        assert shared and per_token == pytest.approx(full / 2 + summaries)

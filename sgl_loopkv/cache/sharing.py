@@ -9,7 +9,11 @@ a new sum (its stored segments keep the pairs they were written with).
 
 from __future__ import annotations
 
+import logging
+
 from sglang.srt.mem_cache.radix_cache import TreeNode
+
+logger = logging.getLogger(__name__)
 
 
 class LayerSharing:
@@ -34,4 +38,11 @@ class LayerSharing:
             return []
         last_node.krul_stats = total
         self.last_pairs = [tuple(p) for p in select_pairs(total, self.gamma, self.ratio, self.pairing)]
+        if self.last_pairs:
+            logger.info(
+                "loopkv: turn stored with %d shared layer pairs (%s): %s",
+                len(self.last_pairs),
+                self.codec,
+                self.last_pairs,
+            )
         return self.last_pairs
