@@ -1,0 +1,513 @@
+"""Multi-turn long-context benchmark: LoopServe-style conversations (benchmarks/conversations.py)
+played over the OpenAI chat API against every system in one run on this machine.
+
+Conversations are interleaved round-robin (turn 1 of every conversation, then turn 2, ...) into a
+device KV pool smaller than their histories, so a returning conversation finds its history evicted
+and must recompute or resume it. Per turn: TTFT (streaming), decode speed, cached tokens per tier,
+the answer and its score; per system: stored bytes (``/metrics``). Dense sgl-loopkv is the
+fidelity reference; stock SGLang must produce the same greedy answers.
+
+    python -m benchmarks.multiturn --quick                 # 5 tasks x 1 conversation, 1-3K tokens
+    python -m benchmarks.multiturn                         # full matrix, 1K-8K tokens, llama.cpp included
+    python -m benchmarks.multiturn --quick --with-llamacpp # also llama.cpp (installed on demand)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import requests
+from tqdm import tqdm
+
+from benchmarks import conversations as conv
+from benchmarks.common import RESULTS, environment, md_table, median, write_results
+from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
+from sgl_loopkv.models.default_model import default_model_gguf
+from sgl_loopkv.server.process import ServerProcess, free_port
+
+KV_BYTES_PER_TOKEN_FP32 = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M: layers x KV heads x head dim x (K, V) x fp32
+LLAMACPP_VENV = Path(os.environ.get("LOOPKV_LLAMACPP_VENV", Path.home() / ".cache/sgl-loopkv/llamacpp-venv"))
+SPARSE = ("--loopkv-prefill-policy", "loopserve", "--loopkv-sparse-min-len", "512")
+
+
+@dataclass(frozen=True)
+class System:
+    """One row of the matrix. ``flags`` go to ``python -m sgl_loopkv.launch_server`` (kind sglang)."""
+
+    name: str
+    flags: tuple[str, ...] = ()
+    what: str = ""
+    kind: str = "sglang"  # "sglang" | "llamacpp"
+    budget: float = 1.0  # attention-mass coverage of sparse prefill (1 = dense)
+    quick: bool = True  # part of --quick
+    requires: str | None = None  # a LoopKVConfig field: the row runs only once that flag exists
+
+    @property
+    def available(self) -> bool:
+        return self.requires is None or self.requires in {f.name for f in fields(LoopKVConfig)}
+
+
+# name -> flags: a new component is one line. --loopkv-stock = SGLang's own CPU configuration
+# (torch_native attention, stock radix cache); the other rows add components back one at a time.
+SYSTEMS = [
+    System("stock", ("--loopkv-stock",), "stock SGLang 0.5.23 (torch_native, stock radix cache)"),
+    System("attn", ("--loopkv-stock", "--attention-backend", "loopkv"), "loopkv attention alone"),
+    System(
+        "tiered",
+        ("--loopkv-stock", "--radix-cache-backend", "loopkv", "--page-size", "16"),
+        "tiered radix cache alone (torch_native attention)",
+    ),
+    System(
+        "sparse",
+        ("--loopkv-stock", "--attention-backend", "loopkv", *SPARSE),
+        "loopkv attention + LoopServe sparse prefill (alpha 0.95), stock radix cache",
+        budget=0.95,
+    ),
+    System("dense", (), "sgl-loopkv defaults: loopkv attention + tiered cache, dense (fidelity reference)"),
+    System("all", SPARSE, "everything: loopkv attention + tiered cache + LoopServe sparse prefill", budget=0.95),
+    # score vs budget (full mode)
+    System("all-a0.9", (*SPARSE, "--loopkv-alpha", "0.9"), "all, alpha 0.9", budget=0.9, quick=False),
+    System("all-a0.8", (*SPARSE, "--loopkv-alpha", "0.8"), "all, alpha 0.8", budget=0.8, quick=False),
+    # HOOK (issue 4): Krul layer sharing / restore planner; runs once its flag is in LoopKVConfig.
+    System(
+        "krul",
+        ("--loopkv-restore-planner", "krul"),
+        "sgl-loopkv defaults + Krul restore planner",
+        quick=False,
+        requires="restore_planner",
+    ),
+    System("llamacpp", (), "llama.cpp server (llama-cpp-python), same GGUF, prompt cache on", kind="llamacpp"),
+]
+
+
+# --- llama.cpp peer ------------------------------------------------------------------------------
+def llamacpp_python() -> Path:
+    return LLAMACPP_VENV / "bin" / "python"
+
+
+def install_llamacpp() -> None:
+    """llama-cpp-python[server] into its own venv (compiles llama.cpp: minutes on 2 cores)."""
+    if not llamacpp_python().exists():
+        subprocess.run(["python3", "-m", "venv", str(LLAMACPP_VENV)], check=True)
+    subprocess.run(
+        [str(llamacpp_python()), "-m", "pip", "install", "-q", "llama-cpp-python[server]"],
+        check=True,
+        env={**os.environ, "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count())},
+    )
+
+
+def llamacpp_version() -> str | None:
+    if not llamacpp_python().exists():
+        return None
+    r = subprocess.run(
+        [str(llamacpp_python()), "-c", "import llama_cpp; print(llama_cpp.__version__)"], capture_output=True, text=True
+    )
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+# llama_cpp.server with weight repacking off: llama-cpp-python 0.3.36's CPU repack ("extra buffer
+# types") segfaults in llama_decode on this machine's CPU (AVX-512 + AMX) with the Q4_1 GGUF; the
+# plain CPU path runs. The model-params default is the only switch the server does not expose.
+_LLAMACPP_MAIN = """
+import sys, llama_cpp.llama_cpp as C
+from llama_cpp.server.__main__ import main
+_default = C.llama_model_default_params
+def _params():
+    p = _default()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _params
+sys.argv[0] = "llama_cpp.server"
+main()
+"""
+
+
+@dataclass
+class LlamaCppServer:
+    n_ctx: int
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300) -> LlamaCppServer:
+        threads = str(os.cpu_count())
+        cmd = [
+            str(llamacpp_python()), "-c", _LLAMACPP_MAIN, "--model", str(default_model_gguf()),
+            "--model_alias", DEFAULT_MODEL_NAME, "--n_ctx", str(self.n_ctx), "--n_threads", threads,
+            "--n_threads_batch", threads, "--seed", "0", "--verbose", "true",
+            # its prompt cache: the KV state of earlier prompts in RAM, reused for a longest prefix
+            "--cache", "true", "--cache_type", "ram", "--cache_size", str(2 << 30),
+            "--host", "127.0.0.1", "--port", str(self.port),
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        while time.perf_counter() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama.cpp server exited; log: {self.log_path}")
+            try:
+                if requests.get(f"{self.url}/v1/models", timeout=5).status_code == 200:
+                    self.startup_s = time.perf_counter() - t0
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"llama.cpp server not ready; log: {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+# --- one turn ----------------------------------------------------------------------------------------
+def chat_turn(url: str, messages: list[dict], max_tokens: int, kind: str) -> dict:
+    """Stream one greedy chat completion; TTFT = first chunk carrying text."""
+    body = {
+        "model": "default" if kind == "sglang" else DEFAULT_MODEL_NAME,  # "default": whatever model is served
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if kind == "sglang":
+        body["return_cached_tokens_details"] = True
+    else:  # llama-cpp-python's server defaults to repeat_penalty 1.1 and top_k 40: plain greedy instead
+        body.update(repeat_penalty=1.0, top_k=1, top_p=1.0, min_p=0.0, seed=0)
+    t0 = time.perf_counter()
+    ttft, text, chunks, usage, details = None, "", 0, None, None
+    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            usage = msg.get("usage") or usage
+            details = (msg.get("sglext") or {}).get("cached_tokens_details") or details
+            for ch in msg.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft or time.perf_counter() - t0
+                    text += piece
+                    chunks += 1
+    total = time.perf_counter() - t0
+    n_out = (usage or {}).get("completion_tokens") or chunks
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    decode_s = total - (ttft or total)
+    return {
+        "ttft_s": ttft if ttft is not None else total,
+        "total_s": total,
+        "completion_tokens": n_out,
+        "tpot_s": decode_s / (n_out - 1) if n_out > 1 else None,
+        "cached_tokens": cached,
+        "cached_details": details,
+        "answer": text,
+    }
+
+
+def tier_bytes(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    try:
+        for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("loopkv_tier_bytes{"):
+                tier = line.split('tier="', 1)[1].split('"', 1)[0]
+                out[tier] = float(line.rsplit(" ", 1)[1])
+    except requests.RequestException:
+        pass
+    return out
+
+
+# --- one system ------------------------------------------------------------------------------------
+def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar) -> dict:
+    log = RESULTS / f"multiturn_{sys_.name}.log"
+    disk = Path(tempfile.mkdtemp(prefix="loopkv-multiturn-"))
+    if sys_.kind == "llamacpp":
+        srv = LlamaCppServer(n_ctx=pool, log_path=log)
+    else:
+        tiers = ["--loopkv-host-bytes", str(host_bytes), "--loopkv-disk-dir", str(disk)]
+        srv = ServerProcess([*sys_.flags, "--max-total-tokens", str(pool), "--enable-metrics", *tiers], log_path=log)
+    turns, stored = [], {}
+    try:
+        srv.start()
+        for t in range(max(len(c.turns) for c in convs)):  # round-robin: histories get evicted, then resumed
+            for c in convs:
+                if t >= len(c.turns):
+                    continue
+                bar.set_postfix_str(f"{sys_.name} {c.id} turn {t}")
+                turn = c.turns[t]
+                res = chat_turn(srv.url, c.messages(t), turn.max_tokens, sys_.kind)
+                res.update(
+                    conv=c.id,
+                    task=c.task,
+                    turn=t,
+                    position=turn.position,
+                    evidence_earlier_only=max(turn.depends_on) < t,
+                    history_tokens=hist_tokens[c.id][t],
+                    score=conv.score(turn, res["answer"]),
+                )
+                turns.append(res)
+                bar.update()
+        if sys_.kind == "sglang":
+            stored = tier_bytes(srv.url)
+    finally:
+        srv.stop()
+        shutil.rmtree(disk, ignore_errors=True)
+    return {"startup_s": srv.startup_s, "turns": turns, "tier_bytes": stored}
+
+
+# --- report ----------------------------------------------------------------------------------------
+def mean(xs) -> float | None:
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(results: dict, systems: list[System], history_total: int) -> dict:
+    dense = {(x["conv"], x["turn"]): x for x in results["dense"]["turns"]}
+    groups = {"all": lambda x: True, **{p: (lambda x, p=p: x["position"] == p) for p in conv.POSITIONS}}
+    per = {}
+    for s in systems:
+        rows = results[s.name]["turns"]
+        score = {g: mean(x["score"] for x in rows if f(x)) for g, f in groups.items()}
+        dscore = {g: mean(x["score"] for x in dense.values() if f(x)) for g, f in groups.items()}
+        tb = results[s.name]["tier_bytes"]
+        kept = tb.get("disk") or tb.get("host")  # host is written through to disk: count one copy
+        tiers = defaultdict(int)
+        for x in rows:
+            for k, v in (x["cached_details"] or {}).items():
+                if isinstance(v, int):
+                    tiers[k] += v
+        per[s.name] = {
+            "what": s.what,
+            "budget": s.budget,
+            "score": score,
+            "score_by_task": {t: mean(x["score"] for x in rows if x["task"] == t) for t in conv.TASKS},
+            "score_evidence_earlier_only": mean(x["score"] for x in rows if x["evidence_earlier_only"]),
+            "score_ratio_vs_dense": {g: (score[g] / dscore[g] if dscore[g] else None) for g in groups},
+            "same_answer_as_dense": mean(x["answer"] == dense[(x["conv"], x["turn"])]["answer"] for x in rows),
+            "ttft_median_s": median([x["ttft_s"] for x in rows]),
+            "tpot_median_s": median([x["tpot_s"] for x in rows if x["tpot_s"]])
+            if any(x["tpot_s"] for x in rows)
+            else None,
+            "prompt_tokens": sum(x["history_tokens"] for x in rows),
+            "cached_tokens": {k: v for k, v in tiers.items()} or {"total": sum(x["cached_tokens"] or 0 for x in rows)},
+            "stored_bytes": tb,
+            "stored_bytes_per_token": kept / history_total if kept else None,
+            "startup_s": results[s.name]["startup_s"],
+        }
+    for s in per.values():
+        s["ttft_ratio_vs_stock"] = per["stock"]["ttft_median_s"] / s["ttft_median_s"]
+    return per
+
+
+def report_md(payload: dict) -> str:
+    sm, per = payload["summary"], payload["summary"]["per_system"]
+    pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+    rows = []
+    for name in sm["systems"]:
+        p = per[name]
+        c = p["cached_tokens"]
+        cached = "/".join(str(c.get(k, 0)) for k in ("device", "host", "storage")) if "device" in c else "-"
+        rows.append(
+            [
+                name,
+                pct(p["score"]["all"]),
+                *(pct(p["score"][q]) for q in conv.POSITIONS),
+                pct(p["score_evidence_earlier_only"]),
+                pct(p["score_ratio_vs_dense"]["all"]),
+                pct(p["same_answer_as_dense"]),
+                p["ttft_median_s"],
+                p["ttft_ratio_vs_stock"],
+                "-" if p["tpot_median_s"] is None else round(1000 * p["tpot_median_s"], 1),
+                cached,
+                "-" if p["stored_bytes_per_token"] is None else round(p["stored_bytes_per_token"]),
+            ]
+        )
+    env = payload["env"]
+    head = (
+        f"# multiturn ({env['when']}, {payload['config']['mode']}: {len(payload['conversations'])} conversations, "
+        f"{payload['n_turns']} turns, {min(payload['config']['lengths'])}-{max(payload['config']['lengths'])} tokens, "
+        f"device pool {payload['config']['pool_tokens']} tokens; load avg {env['loadavg_start']:.1f} -> "
+        f"{env['loadavg_end']:.1f})\n\n"
+    )
+    t1 = md_table(
+        [
+            "system",
+            "score",
+            *(f"score q@{q}" for q in conv.POSITIONS),
+            "score, evidence only in earlier turns",
+            "score / dense",
+            "same answer as dense",
+            "TTFT median s",
+            "TTFT stock / system x",
+            "TPOT median ms",
+            "cached tokens device/host/disk",
+            "stored bytes/token",
+        ],
+        rows,
+    )
+    t2 = md_table(
+        ["system", *conv.TASKS], [[n, *(pct(per[n]["score_by_task"][t]) for t in conv.TASKS)] for n in sm["systems"]]
+    )
+    whats = "\n".join(f"- `{n}`: {per[n]['what']}" for n in sm["systems"])
+    return (
+        head
+        + t1
+        + "\nScore by task:\n\n"
+        + t2
+        + f"\nDense sgl-loopkv answers identical to stock SGLang (greedy, every turn): "
+        f"**{sm['dense_identical_to_stock']}**. llama.cpp: {payload['config']['llamacpp_version'] or 'not run'}.\n\n"
+        + whats
+        + "\n\n![multiturn TTFT](multiturn_ttft.png)\n\n![multiturn budget](multiturn_budget.png)\n"
+    )
+
+
+def plot(payload: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sm, results = payload["summary"], payload["results"]
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    edges = [0, 1024, 2048, 4096, 8192, 1 << 20]
+    for i, name in enumerate(sm["systems"]):
+        rows = results[name]["turns"]
+        xs, ys = [], []
+        for lo, hi in zip(edges, edges[1:]):
+            b = [x for x in rows if lo <= x["history_tokens"] < hi]
+            if b:
+                xs.append(median([x["history_tokens"] for x in b]))
+                ys.append(median([x["ttft_s"] for x in b]))
+        ax.plot(xs, ys, "-o", color=f"C{i}", label=name, alpha=0.85)
+    ax.set(xscale="log", yscale="log", xlabel="prompt incl. history (tokens, bin median)", ylabel="TTFT (s, median)")
+    ax.set_title("Multi-turn TTFT vs history length (interleaved conversations)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "multiturn_ttft.png", dpi=110)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    per = sm["per_system"]
+    for i, name in enumerate(sm["systems"]):
+        if name == "llamacpp":
+            continue
+        ax.scatter(per[name]["budget"], per[name]["score"]["all"], color=f"C{i}", label=name)
+    ax.set(xlabel="sparse-prefill budget (attention mass kept; 1 = dense)", ylabel="mean score")
+    ax.set_title("Score vs sparse-prefill budget")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "multiturn_budget.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="quick subset (under 10 minutes on 2 cores)")
+    ap.add_argument("--with-llamacpp", action="store_true", help="include llama.cpp (install it if missing)")
+    ap.add_argument("--systems", nargs="+", help="run only these systems (stock and dense are always run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--convs-per-task", type=int)
+    args = ap.parse_args()
+    quick = args.quick
+    lengths = [1024, 2048, 3072] if quick else [1024, 2048, 4096, 8192]
+    n_per_task = args.convs_per_task or (1 if quick else 4)
+    turn_range = (2, 3) if quick else (2, 5)
+
+    systems = [s for s in SYSTEMS if s.available and (s.quick or not quick)]
+    if args.systems:
+        systems = [s for s in systems if s.name in {*args.systems, "stock", "dense"}]
+    want_llama = any(s.kind == "llamacpp" for s in systems) and (args.with_llamacpp or not quick)
+    if want_llama and llamacpp_version() is None:
+        print("installing llama-cpp-python[server] into", LLAMACPP_VENV, "(compiles; several minutes)")
+        install_llamacpp()
+    systems = [s for s in systems if s.kind != "llamacpp" or (want_llama and llamacpp_version())]
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    convs = conv.suite(conv.TASKS, n_per_task, lengths, turn_range, args.seed, count)
+    hist_tokens = {}
+    for c in convs:
+        conv.attach_token_spans(c, tok)
+        hist_tokens[c.id] = [
+            count(tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True))
+            for t in range(len(c.turns))
+        ]
+    longest = max(max(h) for h in hist_tokens.values())
+    pool = (longest + 64 + 15) // 16 * 16 + 256  # fits the longest request, not two histories
+    # every conversation's final history (last prompt + reply): what a tiered cache ends up keeping
+    history_total = sum(hist_tokens[c.id][-1] + count(c.turns[-1].gold_reply) for c in convs)
+    host_bytes = int(0.25 * history_total * KV_BYTES_PER_TOKEN_FP32)  # a quarter in RAM: the rest from disk
+    n_turns = sum(len(c.turns) for c in convs)
+
+    env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
+    results = {}
+    with tqdm(total=n_turns * len(systems), desc="multiturn") as bar:
+        for s in systems:
+            results[s.name] = run_system(s, convs, hist_tokens, pool, host_bytes, bar)
+    env["loadavg_end"] = os.getloadavg()[0]
+
+    per = summarize(results, systems, history_total)
+    dense_ans = [x["answer"] for x in results["dense"]["turns"]]
+    summary = {
+        "systems": [s.name for s in systems],
+        "score_ratio_vs_dense": {n: p["score_ratio_vs_dense"] for n, p in per.items()},
+        "ttft_median_s": {n: p["ttft_median_s"] for n, p in per.items()},
+        "tpot_median_s": {n: p["tpot_median_s"] for n, p in per.items()},
+        "dense_identical_to_stock": dense_ans == [x["answer"] for x in results["stock"]["turns"]],
+        "per_system": per,
+    }
+    payload = {
+        "summary": summary,
+        "config": {
+            "mode": "quick" if quick else "full",
+            "seed": args.seed,
+            "lengths": lengths,
+            "turns": turn_range,
+            "convs_per_task": n_per_task,
+            "pool_tokens": pool,
+            "host_bytes": host_bytes,
+            "systems": {s.name: asdict(s) for s in systems},
+            "llamacpp_version": llamacpp_version() if any(s.kind == "llamacpp" for s in systems) else None,
+        },
+        "n_turns": n_turns,
+        "conversations": [
+            {"id": c.id, "task": c.task, "turns": len(c.turns), "history_tokens": hist_tokens[c.id]} for c in convs
+        ],
+        "results": results,
+        "env": env,
+    }
+    md = report_md(payload)
+    json_path, _ = write_results("multiturn", payload, md)
+    plot(payload)
+    print(md)
+    print(f"-> {json_path}")
+
+
+def _git_state() -> dict:
+    root = Path(__file__).resolve().parent.parent
+    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return {"commit": run("rev-parse", "HEAD"), "dirty_files": run("status", "--porcelain", "--untracked-files=no")}
+
+
+if __name__ == "__main__":
+    main()
