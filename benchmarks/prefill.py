@@ -66,6 +66,12 @@ SYSTEMS: dict[str, list[str]] = {  # name -> sgl-loopkv flags (defaults of every
     "block": ["--loopkv-prefill-policy", "block", *MIN_LEN],
     "lserve": ["--loopkv-prefill-policy", "lserve", *MIN_LEN],
 }
+# attention only: the headline policy across alpha (its other flags at their defaults), the
+# "score vs budget" curve: density, attention-mass recall and attention speedup per alpha
+SWEEP_ALPHAS = [0.8, 0.9, 0.95, 0.97, 0.99]
+SWEEP: dict[str, list[str]] = {
+    f"{HEADLINE}@{a}": ["--loopkv-prefill-policy", HEADLINE, "--loopkv-alpha", str(a), *MIN_LEN] for a in SWEEP_ALPHAS
+}
 FULL_BUDGET: dict[str, list[str]] = {
     "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1"],
     "block": ["--loopkv-prefill-policy", "block", "--loopkv-alpha", "1"],
@@ -286,7 +292,7 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(20, 4))
     for name in SYSTEMS:
         style = "--ok" if name == "dense" else "-o"
         ax1.plot(lengths, [results["attention"][L][name]["attention_s"] for L in lengths], style, label=name)
@@ -308,6 +314,15 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
     ax3.set_xticks(list(xs), policies)
     ax3.set(ylim=(0, 1.05), title=f"{L} tokens: work kept vs attention mass kept")
     ax3.legend(fontsize=8)
+    for L in lengths:  # score vs budget: the headline policy across alpha
+        a = results["attention"][L]
+        xs = [a[n]["density"] for n in SWEEP]
+        ax4.plot(xs, [a[n]["recall"] for n in SWEEP], "-o", label=f"{L}: attention recall")
+        ax4.plot(xs, [a[n]["attention_speedup"] / 4 for n in SWEEP], ":s", label=f"{L}: attention speedup / 4")
+    for x, alpha in zip([results["attention"][L][n]["density"] for n in SWEEP], SWEEP_ALPHAS):
+        ax4.annotate(f"a={alpha}", (x, 0.02), fontsize=7)
+    ax4.set(xlabel="density (attended / causal cells)", ylim=(0, 1.05), title=f"{HEADLINE}: score vs budget (alpha)")
+    ax4.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -339,11 +354,12 @@ def main() -> None:
     model = load_capturing_model(model_dir)
     cfg = model.config
     shape = ModelShape(model_dir.name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
-    configs = {name: config_of(flags) for name, flags in SYSTEMS.items() if name != "dense"}
-    policies = {name: POLICIES.create(c.prefill_policy, c, shape) for name, c in configs.items()}
+    configs = {name: config_of(flags) for name, flags in {**SYSTEMS, **SWEEP}.items() if name != "dense"}
+    timed = {name: POLICIES.create(c.prefill_policy, c, shape) for name, c in configs.items()}
+    policies = {name: timed[name] for name in SYSTEMS if name != "dense"}
     for L in tqdm(lengths, desc="attention only"):
         layers, _ = capture_qkv(model, synthetic_ids(tokenizer, L, seed=5 + L))
-        results["attention"][L] = measure_attention(layers, policies, attn_repeats)
+        results["attention"][L] = measure_attention(layers, timed, attn_repeats)
         del layers
         (log_dir / "attention_partial.json").write_text(json.dumps(results["attention"], indent=1))
     del model
@@ -400,13 +416,16 @@ def main() -> None:
                     "alpha",
                     "block_size",
                     "sparse_min_len",
+                    "sparse_dense_tail",
+                    "sparse_tail_samples",
+                    "sparse_full_density",
                     "streaming_fraction",
                     "streaming_sink",
                     "streaming_local",
                 )
             },
         }
-        for name, flags in SYSTEMS.items()
+        for name, flags in {**SYSTEMS, **SWEEP}.items()
     }
     env = {**environment(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     payload = {
@@ -484,6 +503,15 @@ def main() -> None:
                 "greedy agreement",
             ],
             rows,
+        )
+        + f"\nScore vs budget, attention only: `{HEADLINE}` across `--loopkv-alpha` (other flags at their defaults):\n\n"
+        + md_table(
+            ["tokens", "alpha", "density", "attn recall", "attn speedup", "select CPU s"],
+            [
+                [L, a, r["density"], r["recall"], r["attention_speedup"], r["select_s"]]
+                for L in lengths
+                for a, r in zip(SWEEP_ALPHAS, (results["attention"][L][n] for n in SWEEP))
+            ],
         )
         + f"\nAt full budget (alpha = 1 / window >= prompt), greedy {GEN_TOKENS} tokens at {L8} tokens vs dense:\n\n"
         + md_table(

@@ -146,6 +146,25 @@ class LoopKVConfig:
             "type": int,
         },
     )
+    sparse_dense_tail: int = field(
+        default=0,
+        metadata={
+            "help": "loopserve/block: the query blocks holding the last this many new rows attend to every key "
+            "(they produce the first token).",
+            "type": int,
+        },
+    )
+    sparse_tail_samples: int = field(
+        default=0,
+        metadata={"help": "loopserve: how many of the 48 sampled rows are the last rows.", "type": int},
+    )
+    sparse_full_density: float = field(
+        default=1.0,
+        metadata={
+            "help": "loopserve/block: a KV head whose plan reaches this density runs dense (1 = never).",
+            "type": float,
+        },
+    )
     streaming_fraction: float = field(
         default=0.5,
         metadata={"help": "lserve: fraction of (layer, KV head) pairs that stream.", "type": float},

@@ -94,7 +94,9 @@ def test_chunked_execution_equals_single_chunk(monkeypatch):
     q = torch.randn(250, 4, 8, generator=g)
     k, v = torch.randn(300, 2, 8, generator=g), torch.randn(300, 2, 8, generator=g)
     whole = sparse_attention(q, k, v, mask, 0.3)
-    monkeypatch.setattr(sx, "_CHUNK_BYTES", 1)  # one query block per chunk
+    monkeypatch.setattr(sx, "_CHUNK_BYTES", 1)  # one item per call
+    torch.testing.assert_close(sparse_attention(q, k, v, mask, 0.3), whole, atol=1e-6, rtol=1e-6)
+    monkeypatch.setattr(sx, "_PAD", 1)  # no padding: every key-list length its own call
     torch.testing.assert_close(sparse_attention(q, k, v, mask, 0.3), whole, atol=1e-6, rtol=1e-6)
 
 

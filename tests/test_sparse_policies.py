@@ -200,3 +200,45 @@ def test_policies_are_created_by_name_from_the_config():
     assert int(lserve.streaming.sum()) == round(0.25 * 90) and lserve.local == 256
     with pytest.raises(ValueError, match="multiples"):
         LoopKVConfig(block_size=64, streaming_local=100)
+
+
+@pytest.mark.parametrize("L,n", [(512, 512), (512, 190), (300, 77)])
+def test_dense_tail_rows_see_every_key_and_tail_samples_are_the_last_rows(L, n):
+    q, k, v = (x.double() for x in qkv(10, L, n))
+    for policy in (
+        VerticalSlashPolicy(alpha=0.5, block_size=16, dense_tail=20, tail_samples=8),
+        BlockTopPolicy(alpha=0.5, block_size=16, dense_tail=20),
+    ):
+        mask = policy.select(2, q, k, 0.25)
+        causal = torch.ones(n, L).tril(L - n).bool()
+        for h in range(mask.num_heads):
+            seen = mask.dense_mask(h)
+            assert torch.equal(seen[-20:], causal[-20:])  # the tail: every causal key
+            assert not torch.equal(seen, causal)  # the rest is still sparse
+        torch.testing.assert_close(
+            sparse_attention(q, k, v, mask, 0.25), masked_reference(q, k, v, mask, 0.25), atol=1e-10, rtol=1e-10
+        )
+    rows = sample_rows(n, 48, 3, tail=8)
+    assert len(rows) == min(48, n) and len(set(rows.tolist())) == len(rows)
+    assert set(range(n - 8, n)) <= set(rows.tolist())
+
+
+def test_heads_over_the_full_density_run_dense_and_stay_monotone():
+    q, k, v = (x.double() for x in qkv(11, 512, 512))
+    base = VerticalSlashPolicy(alpha=0.9, block_size=16).select(0, q, k, 0.25)
+    per_head = [c / (512 * 513 // 2) for c in base.visible_cells()]
+    cut = max(per_head)  # the densest head goes full, the other stays sparse
+    mask = VerticalSlashPolicy(alpha=0.9, block_size=16, full_density=cut).select(0, q, k, 0.25)
+    assert mask.full == [d >= cut for d in per_head] and any(mask.full) and not all(mask.full)
+    for h in range(2):
+        assert not (base.dense_mask(h) & ~mask.dense_mask(h)).any()  # a superset of the selection
+    torch.testing.assert_close(
+        sparse_attention(q, k, v, mask, 0.25), masked_reference(q, k, v, mask, 0.25), atol=1e-10, rtol=1e-10
+    )
+    prev = None
+    for alpha in ALPHAS:
+        m = VerticalSlashPolicy(alpha=alpha, block_size=16, full_density=0.5).select(0, q, k, 0.25)
+        seen = [m.dense_mask(h) for h in range(2)]
+        if prev is not None:
+            assert all(not (a & ~b).any() for a, b in zip(prev, seen))
+        prev = seen

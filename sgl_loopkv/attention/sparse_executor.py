@@ -1,16 +1,20 @@
 """Sparse executors: run a :class:`SparsePlan` exactly. One interface, chosen by name.
 
-``torch`` is the CPU path: the selected key blocks of each (query block, KV head) are gathered and
-run through torch's CPU flash-attention kernel, many query blocks per call. How it was chosen
-(one-off measurements while building it, 8K tokens, SmolLM2 shapes, 2 cores; the benchmark's own
+``torch`` is the CPU path (:func:`sparse_attention`): per (KV head, query block) the selected keys
+are gathered once and run through torch's CPU flash-attention kernel, many items per call. How it
+was chosen (one-off measurements, SmolLM2 shapes at 8K tokens, one thread; the benchmark's own
 numbers are in benchmarks/results/prefill.md):
-- ``flex_attention`` compiled for CPU (inductor C++ template, block mask): ~17 s of compilation per
-  new shape, then 155 ms for a streaming mask of 8% density where dense causal attention took
-  267 ms; recompiling for every prompt length rules it out for serving anyway;
-- boolean-mask SDPA: ~2x slower than the same call with an additive float mask;
-- gather + flash (this file): at 14-42% density it costs ~1.7-2.1x the dense kernel per attended
-  cell (gathers, more and smaller kernel calls), i.e. 3.2x faster than dense at 14% density and
-  1.4x at 42%.
+- torch's CPU flash kernel costs ~2.3-2.5 ns per (row, key) cell, dense causal or on gathered
+  keys; a plain bmm + softmax + bmm costs ~6 ns per cell, so every path here ends in that kernel.
+  A [items, 1, 1, keys] padding mask broadcast over rows adds ~5%; a materialized per-row mask
+  ~20% (why the causal diagonal block is a call of its own, merged by log-sum-exp);
+- ``flex_attention`` compiled for CPU (inductor C++ template, block mask): ~17 s of compilation
+  per new shape, then 155 ms for a streaming mask of 8% density where dense causal attention
+  took 267 ms; recompiling for every prompt length rules it out for serving anyway;
+- the previous gather executor (items grouped by exact block count, columns as a separate call
+  with a broadcast key set) spent ~1.7-2.1x the dense cost per attended cell; this one spends
+  ~1.2-1.3x (gathers of K/V ~10%, the diagonal call and the layout copies the rest), e.g. 2.3x
+  faster than dense at 18% density, 3.3x at 8% (selection included).
 """
 
 from __future__ import annotations
@@ -83,9 +87,12 @@ class TorchSparseExecutor(SparseExecutor):
         return out
 
 
-# Gathered keys + values per call stay under this many bytes (q blocks are processed in chunks):
+# Gathered keys + values per call stay under this many bytes (items are processed in chunks):
 # small enough that the allocator reuses freed buffers instead of page-faulting fresh ones in.
 _CHUNK_BYTES = 16 << 20
+# Off-diagonal key lists are padded to a multiple of this many keys (masked), so that items of
+# similar length share one kernel call; the padding costs < PAD / 2 keys per item on average.
+_PAD = 64
 
 
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: SeqMask, scale: float) -> torch.Tensor:
@@ -93,12 +100,15 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Se
 
     q: [n, Hq, D]; k, v: [L, Hkv, D] (the sequence's keys in position order) -> [n, Hq, Dv].
 
-    Work items are (query block, sparse head) with the head's GQA group folded into the rows,
-    sorted by (head, number of selected blocks). Items with the same count run as one batched
-    flash-attention call over their gathered key blocks: no padding, and since each item's
-    diagonal block comes last, one additive mask [rows, keys] (zeros, then the causal triangle)
-    serves the whole call. A head's columns (keys shared by all its blocks) are one more call per
-    chunk of its items, merged by log-sum-exp. Full heads run :func:`dense_attention`.
+    Work items are (sparse KV head, query block), the head's GQA group stacked into the rows (all
+    rows of an item share one key set). Each item is split in two exact parts, merged by
+    log-sum-exp:
+    - the diagonal block: one causal flash-attention call for every item at once (GQA);
+    - everything before it (selected blocks and columns, each key once): the item's key list is
+      gathered once; items sorted by list length, padded to a multiple of ``_PAD`` keys, run as
+      batched flash-attention calls with a [items, 1, 1, keys] padding mask broadcast over rows.
+    So every selected (row, key) cell is computed once by torch's CPU flash kernel, and nothing
+    else is, up to the padding. Full heads run :func:`dense_attention`.
     """
     n, Hq, D = q.shape
     L, H, Dv = v.shape
@@ -117,61 +127,80 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Se
 
     B, qb0, nqb, nb = mask.block_size, mask.first_q_block, mask.num_q_blocks, mask.num_blocks
     Hs, hs = len(sparse), torch.tensor(sparse)
-    R = B * G  # rows of an item: row r of the block, group member g at r * G + g
     front = mask.prefix_len - qb0 * B  # cached-prefix rows before the first new row of the first block
-    aligned = front == 0 and n == nqb * B
-    if aligned:
-        qp = q
-    else:  # pad to whole blocks (pad rows are computed and dropped)
-        qp = q.new_empty(nqb * B, Hq, D)
-        qp[:front].zero_()
-        qp[front + n :].zero_()
+    # q padded to whole blocks, item-major: [Hs * nqb, G, B, D] (pad rows are computed and dropped)
+    qp = q.new_zeros(nqb * B, Hq, D) if front or n != nqb * B else None
+    if qp is not None:
         qp[front : front + n] = q
-    # head-major copies (item id = j * nqb + query block): gathers below are index_select on rows,
-    # far faster on CPU than multi-dimensional fancy indexing
-    qh = qp.view(nqb, B, H, G, D).permute(2, 0, 1, 3, 4)
-    qh = (qh if Hs == H else qh[hs]).reshape(Hs * nqb, R * D)
-    kb, vb = _as_blocks(k, hs, nb, B), _as_blocks(v, hs, nb, B)  # [Hs * nb, B * D], row = j * nb + block
+    qi = (q if qp is None else qp).view(nqb, B, H, G, D)[:, :, hs].permute(2, 0, 3, 1, 4).reshape(Hs * nqb, G, B, D)
+    kt, vt = _head_major(k, hs, nb * B), _head_major(v, hs, nb * B)  # [Hs, nb * B, D], zero past L
 
-    item_j, item_qb = torch.arange(Hs).repeat_interleave(nqb), torch.arange(nqb).repeat(Hs)
-    csr_row = item_qb + hs[item_j] * nqb
-    starts = mask.block_indptr[csr_row]
-    counts = mask.block_indptr[csr_row + 1] - starts
-    key = item_j * (nb + 1) + counts
-    perm = torch.sort(key, stable=True).indices  # by (head, block count): each group is a contiguous range
-    identity = bool((perm == torch.arange(len(perm))).all())  # e.g. streaming heads: counts grow with the block
-    if not identity:
-        item_j, item_qb, starts, counts, key = item_j[perm], item_qb[perm], starts[perm], counts[perm], key[perm]
-    qs = (qh if identity else qh.index_select(0, perm)).view(-1, R, D)
-    os = q.new_empty(Hs * nqb, R, Dv)
-    lse = q.new_empty(Hs * nqb, R)
-    tri = torch.ones(B, B, dtype=torch.bool).triu(1).repeat_interleave(G, 0)  # [R, B]: key after the row
-    sizes = torch.unique_consecutive(key, return_counts=True)[1]
-    bounds = [0, *torch.cumsum(sizes, 0).tolist()]
-    for s0, s1 in zip(bounds[:-1], bounds[1:]):
-        count = int(counts[s0])
-        mask_add = torch.zeros(R, count * B, dtype=q.dtype)
-        mask_add[:, -B:].masked_fill_(tri, -math.inf)
-        step = max(1, _CHUNK_BYTES // (count * B * (D + Dv) * q.element_size()))
-        for c0 in range(s0, s1, step):
-            c1 = min(s1, c0 + step)
-            blocks = mask.block_indices[starts[c0:c1, None] + torch.arange(count)]  # [m, count], diagonal last
-            flat = (blocks + item_j[c0:c1, None] * nb).reshape(-1)
-            part_o, part_lse = _attend(
-                qs[c0:c1].view(c1 - c0, 1, R, D),
-                kb.index_select(0, flat).view(c1 - c0, 1, count * B, D),
-                vb.index_select(0, flat).view(c1 - c0, 1, count * B, Dv),
-                scale,
-                mask_add.view(1, 1, R, -1),
-            )
-            os[c0:c1] = part_o.view(c1 - c0, R, Dv)
-            lse[c0:c1] = part_lse.view(c1 - c0, R)
-    if mask.col_indices.numel():
-        _add_columns(mask, hs, item_qb, item_j, qs, kb, vb, os, lse, scale)
+    # 1. diagonal blocks, causal (key block qb0 + j is query block j's own positions)
+    diag = lambda x: x[:, qb0 * B :].reshape(Hs * nqb, 1, B, -1)  # noqa: E731
+    o, lse = _attend(qi, diag(kt), diag(vt), scale, causal=True)  # [items, G, B, Dv], [items, G, B]
 
-    if not identity:
-        os = torch.empty_like(os).index_copy_(0, perm, os)
-    o = os.view(Hs, nqb * B, G, Dv)[:, front : front + n].permute(1, 0, 2, 3)  # [n, Hs, G, Dv]
+    # 2. keys before the diagonal block: per item, its selected earlier blocks, then its columns
+    # that lie before the block and in no selected block (each key once; order is irrelevant)
+    table = mask.block_table()[hs]  # [Hs, nqb, nb]
+    table[:, torch.arange(nqb), torch.arange(nqb) + qb0] = False  # the diagonal is part 1
+    table = table.view(Hs * nqb, nb)
+    blk_item, blk = table.nonzero(as_tuple=True)  # item-major, ascending
+    nblk = table.sum(-1, dtype=torch.int64)
+    blk_flat = blk + blk_item // nqb * nb  # block row of the head-major [Hs * nb, B, D] view
+    col_count, col_parts = torch.zeros(Hs * nqb, dtype=torch.int64), []
+    for j, h in enumerate(sparse):
+        c = mask.cols(h)
+        if len(c):
+            start = (torch.arange(nqb) + qb0) * B
+            ok = (c[None, :] < start[:, None]) & ~table[j * nqb : (j + 1) * nqb].gather(1, (c // B).expand(nqb, -1))
+            item, which = ok.nonzero(as_tuple=True)
+            col_count[j * nqb : (j + 1) * nqb] = ok.sum(-1, dtype=torch.int64)
+            col_parts.append(c[which] + j * nb * B)
+    # one trailing sentinel each: torch.where below evaluates both sides for every slot
+    col_flat = torch.cat([*col_parts, torch.zeros(1, dtype=torch.int64)])
+    blk_flat = torch.cat([blk_flat, torch.zeros(1, dtype=torch.int64)])
+    blk_off, col_off = nblk.cumsum(0) - nblk, col_count.cumsum(0) - col_count
+    counts = nblk * B + col_count
+    order = torch.sort(counts, stable=True).indices
+    order = order[counts[order] > 0]
+    if len(order):
+        kf, vf = kt.view(-1, D), vt.view(-1, Dv)
+        po = q.new_empty(len(order), G, B, Dv)  # in `order`
+        pl = lse.new_empty(len(order), G, B)
+        padded = (counts[order] + _PAD - 1) // _PAD * _PAD
+        i0 = 0
+        for width, size in zip(*(x.tolist() for x in torch.unique_consecutive(padded, return_counts=True))):
+            step = max(1, _CHUNK_BYTES // (width * (D + Dv) * q.element_size()))
+            for c0 in range(i0, i0 + size, step):
+                c1 = min(i0 + size, c0 + step)
+                items = order[c0:c1]
+                m, cnt, nk = c1 - c0, counts[items, None], nblk[items, None] * B
+                slot = torch.arange(width)[None, :]
+                at = torch.minimum(slot, cnt - 1)  # padding repeats the last key (masked below)
+                idx = torch.where(
+                    at < nk,
+                    blk_flat[(blk_off[items, None] + at // B).clamp(max=len(blk_flat) - 1)] * B + at % B,
+                    col_flat[(col_off[items, None] + at - nk).clamp(min=0, max=len(col_flat) - 1)],
+                ).view(-1)
+                pad = torch.zeros(m, 1, 1, width, dtype=q.dtype).masked_fill_(
+                    (slot >= cnt).view(m, 1, 1, width), -math.inf
+                )
+                part_o, part_lse = _attend(
+                    qi.index_select(0, items).view(m, 1, G * B, D),
+                    kf.index_select(0, idx).view(m, 1, width, D),
+                    vf.index_select(0, idx).view(m, 1, width, Dv),
+                    scale,
+                    pad,
+                )
+                po[c0:c1] = part_o.view(m, G, B, Dv)
+                pl[c0:c1] = part_lse.view(m, G, B)
+            i0 += size
+        # softmax over both key sets: o + (o_c - o) * w_c / (w + w_c), w_c / (w + w_c) = sigmoid(lse_c - lse)
+        od, ld = o.index_select(0, order), lse.index_select(0, order)
+        od.lerp_(po, torch.sigmoid(pl - ld)[..., None])
+        o.index_copy_(0, order, od)
+
+    o = o.view(Hs, nqb, G, B, Dv).permute(1, 3, 0, 2, 4).reshape(nqb * B, Hs, G, Dv)[front : front + n]
     if Hs == H:
         out.view(n, H, G, Dv).copy_(o)
     else:
@@ -179,52 +208,13 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Se
     return out
 
 
-def _as_blocks(x: torch.Tensor, heads: torch.Tensor, nb: int, B: int) -> torch.Tensor:
-    """[L, H, D] -> [len(heads) * nb, B * D] (row = head index * nb + block), zero past L."""
+def _head_major(x: torch.Tensor, heads: torch.Tensor, length: int) -> torch.Tensor:
+    """[L, H, D] -> [len(heads), length, D] (positions past L are zero)."""
     L, H, D = x.shape
-    out = x.new_empty(len(heads), nb * B, D)
+    out = x.new_empty(len(heads), length, D)
     out[:, :L] = x.transpose(0, 1) if len(heads) == H else x[:, heads].transpose(0, 1)
     out[:, L:].zero_()
-    return out.view(len(heads) * nb, B * D)
-
-
-def _add_columns(mask: SeqMask, hs, item_qb, item_j, qs, kb, vb, os, lse, scale) -> None:
-    """Merge each head's columns into its items' partial results (os, lse), in place. An item
-    counts a column when it lies before the item's block and no selected block holds it."""
-    B, qb0 = mask.block_size, mask.first_q_block
-    R, D, Dv = qs.shape[1], qs.shape[2], os.shape[2]
-    table = mask.block_table()
-    kt, vt = kb.view(len(hs), -1, D), vb.view(len(hs), -1, Dv)  # [Hs, positions, D]
-    for j, h in enumerate(hs.tolist()):
-        cols = mask.cols(h)
-        if not len(cols):
-            continue
-        kc, vc = kt[j, cols], vt[j, cols]  # [C, D]
-        lo, hi = (int(x) for x in torch.searchsorted(item_j, torch.tensor([j, j + 1])))
-        step = max(1, _CHUNK_BYTES // (len(cols) * R * 4))  # bounds the [items, rows, columns] scores
-        for c0 in range(lo, hi, step):
-            c1 = min(hi, c0 + step)
-            qb = item_qb[c0:c1]
-            block_start = (qb + qb0) * B
-            width = int(torch.searchsorted(cols, block_start.max()))  # later columns count nowhere here
-            if width == 0:
-                continue
-            c = cols[:width]
-            ok = (c[None, :] < block_start[:, None]) & ~table[h][qb[:, None], (c // B)[None, :]]
-            if not bool(ok.any()):
-                continue
-            m = c1 - c0
-            part_o, part_lse = _attend(
-                qs[c0:c1].view(m, 1, R, D),
-                kc[:width].expand(m, 1, width, D),  # shared by the items: a broadcast, no copy
-                vc[:width].expand(m, 1, width, Dv),
-                scale,
-                torch.zeros(ok.shape, dtype=qs.dtype).masked_fill_(~ok, -math.inf).view(m, 1, 1, width),
-            )
-            part_lse = part_lse.view(m, R).to(lse.dtype).masked_fill(~ok.any(-1, keepdim=True), -math.inf)
-            # softmax over both key sets: o + (o_c - o) * w_c / (w + w_c), w_c / (w + w_c) = sigmoid(lse_c - lse)
-            os[c0:c1].lerp_(part_o.view(m, R, Dv), torch.sigmoid(part_lse - lse[c0:c1])[..., None])
-            lse[c0:c1] = torch.logaddexp(lse[c0:c1], part_lse)
+    return out
 
 
 _flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)

@@ -50,6 +50,37 @@ class SelectionPolicy(ABC):
     def select(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, scale: float) -> SeqMask: ...
 
 
+def dense_tail_blocks(table: torch.Tensor, kv_len: int, q_len: int, block_size: int, tail: int) -> torch.Tensor:
+    """Select every block for the query blocks that hold the last ``tail`` new rows, in place
+    (table [H, num_q_blocks, num_blocks] as :meth:`SeqMask.from_block_table` takes it).
+
+    The last rows produce the first generated token, and in a chat prompt they are the question:
+    their attention is exact in every layer for the price of ``tail / n`` of the dense work
+    (LoopServe and MInference likewise look at the final query window). A superset of any
+    selection, so coverage and monotonicity in alpha are kept."""
+    if tail > 0:
+        first = (kv_len - min(tail, q_len)) // block_size - (kv_len - q_len) // block_size
+        table[:, first:] = True
+    return table
+
+
+def full_heads(mask: SeqMask, density: float) -> SeqMask:
+    """``mask`` with the heads whose planned density is >= ``density`` made full (dense).
+
+    Above roughly 0.6 a gathered sparse head costs about what dense attention does on CPU, and a
+    full head is the dense kernel's most efficient call; every causal key is a superset of the
+    selection, so fidelity only improves. ``density >= 1`` never converts."""
+    if density >= 1:
+        return mask
+    L, P = mask.kv_len, mask.prefix_len
+    causal = (L * (L + 1) - P * (P + 1)) // 2
+    full = [f or cells >= density * causal for f, cells in zip(mask.full, mask.visible_cells())]
+    if full == mask.full:
+        return mask
+    cols = [torch.empty(0, dtype=torch.int64) if f else mask.cols(h) for h, f in enumerate(full)]
+    return SeqMask.from_block_table(mask.block_table(), L, mask.q_len, mask.block_size, cols, full)
+
+
 #: name -> factory(config: LoopKVConfig, model: ModelShape) -> SelectionPolicy
 POLICIES: Registry[SelectionPolicy] = Registry("prefill selection policy")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_loopkv.attention.policies import POLICIES, SelectionPolicy
+from sgl_loopkv.attention.policies import POLICIES, SelectionPolicy, dense_tail_blocks, full_heads
 from sgl_loopkv.attention.sparse_plan import SeqMask
 
 
@@ -25,6 +25,8 @@ from sgl_loopkv.attention.sparse_plan import SeqMask
 class BlockTopPolicy(SelectionPolicy):
     alpha: float = 0.95
     block_size: int = 64
+    dense_tail: int = 0  # see policies.dense_tail_blocks
+    full_density: float = 1.0  # see policies.full_heads
 
     def select(self, layer_id, q, k, scale):
         n, L, H, B = q.shape[0], k.shape[0], k.shape[1], self.block_size
@@ -41,12 +43,18 @@ class BlockTopPolicy(SelectionPolicy):
         count = ((kept < self.alpha).sum(-1, keepdim=True) + 1).clamp(max=nb)  # [H, nqb, 1]
         take = torch.arange(nb)[None, None, :] < count
         table = torch.zeros(H, nqb, nb, dtype=torch.bool).scatter_(-1, order, take)
-        return SeqMask.from_block_table(table, L, n, B)
+        dense_tail_blocks(table, L, n, B, self.dense_tail)
+        return full_heads(SeqMask.from_block_table(table, L, n, B), self.full_density)
 
 
 @POLICIES.register("block")
 def _create(config, model) -> BlockTopPolicy:
-    return BlockTopPolicy(alpha=config.alpha, block_size=config.block_size)
+    return BlockTopPolicy(
+        alpha=config.alpha,
+        block_size=config.block_size,
+        dense_tail=config.sparse_dense_tail,
+        full_density=config.sparse_full_density,
+    )
 
 
 def block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:

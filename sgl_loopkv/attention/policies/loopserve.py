@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sgl_loopkv.attention.policies import POLICIES, SelectionPolicy
+from sgl_loopkv.attention.policies import POLICIES, SelectionPolicy, dense_tail_blocks, full_heads
 from sgl_loopkv.attention.sparse_plan import SeqMask
 
 
@@ -41,13 +41,16 @@ class VerticalSlashPolicy(SelectionPolicy):
     block_size: int = 64
     sample_rows: int = 48  # the paper's |X~|
     seed: int = 0
+    dense_tail: int = 0  # the query blocks holding the last rows see every key (see dense_tail_blocks)
+    tail_samples: int = 0  # of the sampled rows, this many are the last ones (MInference's last_q)
+    full_density: float = 1.0  # a head whose plan reaches this density runs dense (see full_heads)
 
     def select(self, layer_id, q, k, scale):
         n, L, H, B = q.shape[0], k.shape[0], k.shape[1], self.block_size
         if self.alpha >= 1:
             return SeqMask.all_blocks(H, L, n, B)
         P = L - n
-        pos = P + sample_rows(n, self.sample_rows, self.seed * 1_000_003 + layer_id)
+        pos = P + sample_rows(n, self.sample_rows, self.seed * 1_000_003 + layer_id, self.tail_samples)
         attn = sampled_attention(q[pos - P], k, pos, scale)  # [H, s, L]
         nb, qb0 = -(-L // B), P // B
         table = torch.zeros(H, nb - qb0, nb, dtype=torch.bool)
@@ -59,20 +62,30 @@ class VerticalSlashPolicy(SelectionPolicy):
             on[slashes] = True
             table[h] = on[(qb - kb).clamp(min=0)] & (kb <= qb)
             cols.append(verticals)
-        return SeqMask.from_block_table(table, L, n, B, cols)
+        dense_tail_blocks(table, L, n, B, self.dense_tail)
+        return full_heads(SeqMask.from_block_table(table, L, n, B, cols), self.full_density)
 
 
 @POLICIES.register("loopserve")
 def _create(config, model) -> VerticalSlashPolicy:
-    return VerticalSlashPolicy(alpha=config.alpha, block_size=config.block_size)
+    return VerticalSlashPolicy(
+        alpha=config.alpha,
+        block_size=config.block_size,
+        dense_tail=config.sparse_dense_tail,
+        tail_samples=config.sparse_tail_samples,
+        full_density=config.sparse_full_density,
+    )
 
 
-def sample_rows(n: int, count: int, seed: int) -> torch.Tensor:
-    """``min(count, n)`` distinct row indices in 0..n-1, ascending, deterministic in ``seed``."""
+def sample_rows(n: int, count: int, seed: int, tail: int = 0) -> torch.Tensor:
+    """``min(count, n)`` distinct row indices in 0..n-1, ascending, deterministic in ``seed``: the
+    last ``min(tail, count)`` rows, the rest uniform over the rows before them."""
     if count >= n:
         return torch.arange(n)
+    tail = min(tail, count)
     g = torch.Generator().manual_seed(seed)
-    return torch.randperm(n, generator=g)[:count].sort().values
+    head = torch.randperm(n - tail, generator=g)[: count - tail]
+    return torch.cat([head, torch.arange(n - tail, n)]).sort().values
 
 
 def sampled_attention(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
