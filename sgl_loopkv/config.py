@@ -46,8 +46,11 @@ class LoopKVConfig:
 
     stock: bool = field(
         default=False,
-        metadata={"help": "Serve with none of sgl-loopkv's components (SGLang's own attention and radix cache): "
-                  "the baseline the benchmarks compare against.", "action": "store_true"},
+        metadata={
+            "help": "Serve with none of sgl-loopkv's components (SGLang's own attention and radix cache): "
+            "the baseline the benchmarks compare against.",
+            "action": "store_true",
+        },
     )
     host_bytes: int = field(
         default=2 << 30,
@@ -79,6 +82,14 @@ class LoopKVConfig:
             "model calibrated on this machine), 'load_all', 'recompute_all', or 'fixed' (--loopkv-restore-ratio of "
             "the front recomputed in every layer).",
             "choices": ["krul", "load_all", "recompute_all", "fixed"],
+        },
+    )
+    store_dtype: str = field(
+        default="pool",
+        metadata={
+            "help": "dtype of the KV kept in the host and disk tiers: 'pool' (the KV pool's own, exact) or a "
+            "narrower one ('bfloat16', 'float16': half the bytes of an fp32 pool, lossy; loads cast back).",
+            "choices": ["pool", "bfloat16", "float16"],
         },
     )
     restore_ratio: float = field(
@@ -147,7 +158,7 @@ class LoopKVConfig:
         },
     )
     sparse_dense_tail: int = field(
-        default=0,
+        default=64,
         metadata={
             "help": "loopserve/block: the query blocks holding the last this many new rows attend to every key "
             "(they produce the first token).",
@@ -155,11 +166,11 @@ class LoopKVConfig:
         },
     )
     sparse_tail_samples: int = field(
-        default=0,
+        default=16,
         metadata={"help": "loopserve: how many of the 48 sampled rows are the last rows.", "type": int},
     )
     sparse_full_density: float = field(
-        default=1.0,
+        default=0.6,
         metadata={
             "help": "loopserve/block: a KV head whose plan reaches this density runs dense (1 = never).",
             "type": float,
@@ -204,6 +215,8 @@ class LoopKVConfig:
             raise ValueError("--loopkv-alpha must be in (0, 1] and --loopkv-streaming-fraction in [0, 1]")
         if self.block_size < 1 or self.streaming_sink % self.block_size or self.streaming_local % self.block_size:
             raise ValueError("--loopkv-streaming-sink/-local must be multiples of --loopkv-block-size")
+        if self.sparse_dense_tail < 0 or self.sparse_tail_samples < 0 or not 0 < self.sparse_full_density <= 1:
+            raise ValueError("--loopkv-sparse-dense-tail/-tail-samples must be >= 0, -full-density in (0, 1]")
         if not 0 <= self.share_gamma <= 1 or not 0 <= self.share_ratio <= 1 or self.share_stride < 1:
             raise ValueError("--loopkv-share-gamma/-ratio must be in [0, 1] and --loopkv-share-stride >= 1")
 

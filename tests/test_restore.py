@@ -235,8 +235,9 @@ def _host_bytes_per_token(url: str) -> float:
 @pytest.mark.parametrize("ratio", [pytest.param("0", marks=pytest.mark.slow), "1"])
 def test_server_shares_layers_of_stored_turns(ratio, tiny_server, tiny_model_dir, server_logs):
     """r_l = 0: nothing shared, bytes per token of a full KV, answers exact. r_l = 1 (both layers of
-    the tiny model, every layer a candidate): one pair stored as one row, about half the bytes, and
-    the resumed conversation is served from the host tier."""
+    the tiny model, every layer a candidate) and bf16 tiers: one pair stored as one row in half the
+    bytes per value (a quarter of the KV bytes), and the resumed conversation is served from the
+    host tier."""
     from sgl_loopkv.server.process import ServerProcess
     from tests.conftest import COMMON_SERVER_ARGS
     from tests.test_tiered_cache import N_CONV, ask, tiers
@@ -246,6 +247,7 @@ def test_server_shares_layers_of_stored_turns(ratio, tiny_server, tiny_model_dir
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
         *("--max-total-tokens", "2048", "--enable-metrics"),
         *("--loopkv-share-layers", "reuse", "--loopkv-share-ratio", ratio, "--loopkv-share-gamma", "0"),
+        *(["--loopkv-store-dtype", "bfloat16"] if ratio == "1" else []),
     ]
     with ServerProcess(args, log_path=log).start() as srv:
         for i in range(N_CONV):
@@ -260,4 +262,4 @@ def test_server_shares_layers_of_stored_turns(ratio, tiny_server, tiny_model_dir
         assert not shared and per_token == pytest.approx(full + summaries)
         assert again["output_ids"] == ask(tiny_server.url, 0)["output_ids"]
     else:
-        assert shared and per_token == pytest.approx(full / 2 + summaries)
+        assert shared and per_token == pytest.approx(full / 4 + summaries)

@@ -9,6 +9,8 @@ import logging
 import os
 from pathlib import Path
 
+import torch
+
 from sgl_loopkv.cache.layout import KVGeometry
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
@@ -73,6 +75,7 @@ def create_loopkv_radix_cache(ctx):
         kv_pool=kv_pool,
         store_factory=store_factory,
         restorer=Restorer(planner, stack=restore.model_stack, calibrate_on_first_use=config.restore_planner == "krul"),
+        store_dtype=None if config.store_dtype == "pool" else getattr(torch, config.store_dtype),
         sharing=(
             LayerSharing(config.share_layers, config.share_gamma, config.share_ratio, config.share_pairing)
             if config.share_layers != "none"

@@ -240,9 +240,7 @@ class DiskSegmentStore:
                     first = (off - layout.extent_offset(row, 0)) // g.extent_bytes
                     for i, extent in enumerate(arr):
                         if zlib.crc32(extent) != crcs[row * layout.n_chunks + first + i]:
-                            raise CorruptSegment(
-                                f"segment {seg_id}: checksum mismatch at row {row} chunk {first + i}"
-                            )
+                            raise CorruptSegment(f"segment {seg_id}: checksum mismatch at row {row} chunk {first + i}")
                     out[row, first - chunk_lo : first - chunk_lo + len(arr)] = arr[:, :used]
             side = self._read_side(fd, seg_id, header, layout) if "side" in header else None
         finally:

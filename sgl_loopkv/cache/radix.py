@@ -66,6 +66,7 @@ class LoopKVRadixCache(RadixCache):
         synchronous_loads: bool,
         restorer: Restorer | None = None,
         sharing: LayerSharing | None = None,
+        store_dtype: torch.dtype | None = None,
     ):
         self.store: TieredKVStore | None = None  # RadixCache.__init__ calls reset()
         self.restorer = restorer or Restorer("load_all")
@@ -90,7 +91,10 @@ class LoopKVRadixCache(RadixCache):
         loader_mod.set_active(self.loader)
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
-        self.store = store_factory(self.geometry, self._on_segment_lost, self._segment_is_leaf)
+        # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
+        # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
+        self.store_geometry = replace(self.geometry, dtype=store_dtype or self.geometry.dtype)
+        self.store = store_factory(self.store_geometry, self._on_segment_lost, self._segment_is_leaf)
         self.metrics = TierMetrics(params.enable_metrics)
         importance.configure(self.geometry.num_layers // 2, self.page_size)
         self._rebuild_from_store()
@@ -211,7 +215,7 @@ class LoopKVRadixCache(RadixCache):
             cache_salt=node.key.cache_salt,
             token_ids=list(node.key.raw_token_ids()),
         )
-        kv = torch.stack([k, v], dim=1)
+        kv = torch.stack([k, v], dim=1).to(self.store_geometry.dtype)
         if pairs:  # similar layer pairs share one stored row (the summaries stay per layer)
             kv = PackedKV.pack(kv, pairs, self.sharing.codec)
         if not self.store.put(record, kv, key_summaries(k, self.page_size)):
@@ -372,6 +376,7 @@ class LoopKVRadixCache(RadixCache):
             total=sum(len(nd.key) for nd in stored),
             num_layers=self.geometry.num_layers,
             layer_bytes=self.geometry.token_bytes_per_layer,
+            stored_layer_bytes=self.store_geometry.token_bytes_per_layer,
             prefix=device_len,
             new_tokens=max(key_len - device_len - sum(len(nd.key) for nd in stored), 1),
             disk_tokens=sum(len(nd.key) for nd in stored if self.store.tier_of(_ref(nd)[0]) == "disk"),
