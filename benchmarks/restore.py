@@ -11,7 +11,8 @@ so one filler request evicts it to the host tier):
 - fixed: tiered cache, ``--loopkv-restore-planner fixed --loopkv-restore-ratio 0.4`` (Krul's 2:3
   recompute:load, the same front share in every layer);
 - loopkv_planner: tiered cache, ``krul`` planner (cost model calibrated on this machine), no sharing;
-- loopkv: the same plus cross-layer sharing at its defaults (when the build has it).
+- loopkv: the same plus compressed storage: cross-layer sharing (minicache codec, selection at its
+  defaults) and bf16 tiers.
 
 Fidelity: greedy agreement = fraction of 128 greedy tokens before the first divergence from
 full_load; first-token KL(full_load || system) over full_load's top-20 tokens plus the lumped tail.
@@ -45,12 +46,14 @@ FULL_KV_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2, fp32, per token
 
 
 def sharing_flags() -> list[str]:
-    """Cross-layer sharing at its defaults, if this build has it (issue 4's selector)."""
-    names = {f for f in LoopKVConfig.__dataclass_fields__}
-    if "share_layers" not in names:
-        return []
-    codec = os.environ.get("LOOPKV_BENCH_CODEC", "minicache")
-    return ["--loopkv-share-layers", codec]
+    """Compressed storage: cross-layer sharing (codec from $LOOPKV_BENCH_CODEC, default minicache;
+    gamma, r_l and pairing at their defaults) and bf16 tiers."""
+    return [
+        "--loopkv-share-layers",
+        os.environ.get("LOOPKV_BENCH_CODEC", "minicache"),
+        "--loopkv-store-dtype",
+        "bfloat16",
+    ]
 
 
 def systems() -> dict[str, list[str] | None]:
@@ -60,8 +63,7 @@ def systems() -> dict[str, list[str] | None]:
         "fixed": ["--loopkv-restore-planner", "fixed", "--loopkv-restore-ratio", "0.4"],
         "loopkv_planner": ["--loopkv-restore-planner", "krul"],
     }
-    if sharing_flags():
-        out["loopkv"] = ["--loopkv-restore-planner", "krul", *sharing_flags()]
+    out["loopkv"] = ["--loopkv-restore-planner", "krul", *sharing_flags()]
     return out
 
 
@@ -210,7 +212,7 @@ def main() -> None:
             r["greedy_agreement"] = agreement(r["output_ids"], ref["output_ids"])
             ours = {**r["logprobs"]["top"], **r["logprobs"]["chosen"]}
             r["first_token_kl"] = kl_topk(ref["logprobs"]["top"], ours) if name != "full_load" else 0.0
-    head = "loopkv" if "loopkv" in results else "loopkv_planner"
+    head = "loopkv"
     h4 = results[head][4096]
     summary = {
         "headline_system": head,
