@@ -37,7 +37,10 @@ from sgl_loopkv.server.process import ServerProcess, free_port
 
 KV_BYTES_PER_TOKEN_FP32 = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M: layers x KV heads x head dim x (K, V) x fp32
 LLAMACPP_VENV = Path(os.environ.get("LOOPKV_LLAMACPP_VENV", Path.home() / ".cache/sgl-loopkv/llamacpp-venv"))
+# min-len 512: the per-turn extends here are 0.3-3K tokens; the default (2048) would leave most dense
 SPARSE = ("--loopkv-prefill-policy", "loopserve", "--loopkv-sparse-min-len", "512")
+# Krul's compressed storage as benchmarks/restore.py runs it: minicache layer sharing + bf16 tiers
+KRUL = ("--loopkv-share-layers", "minicache", "--loopkv-store-dtype", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -64,8 +67,16 @@ SYSTEMS = [
     System("attn", ("--loopkv-stock", "--attention-backend", "loopkv"), "loopkv attention alone"),
     System(
         "tiered",
-        ("--loopkv-stock", "--radix-cache-backend", "loopkv", "--page-size", "16"),
-        "tiered radix cache alone (torch_native attention)",
+        (
+            "--loopkv-stock",
+            "--radix-cache-backend",
+            "loopkv",
+            "--page-size",
+            "16",
+            "--loopkv-restore-planner",
+            "load_all",
+        ),
+        "tiered radix cache alone (torch_native attention, loads every stored layer)",
     ),
     System(
         "sparse",
@@ -73,19 +84,26 @@ SYSTEMS = [
         "loopkv attention + LoopServe sparse prefill (alpha 0.95), stock radix cache",
         budget=0.95,
     ),
-    System("dense", (), "sgl-loopkv defaults: loopkv attention + tiered cache, dense (fidelity reference)"),
-    System("all", SPARSE, "everything: loopkv attention + tiered cache + LoopServe sparse prefill", budget=0.95),
-    # score vs budget (full mode)
-    System("all-a0.9", (*SPARSE, "--loopkv-alpha", "0.9"), "all, alpha 0.9", budget=0.9, quick=False),
-    System("all-a0.8", (*SPARSE, "--loopkv-alpha", "0.8"), "all, alpha 0.8", budget=0.8, quick=False),
-    # HOOK (issue 4): Krul layer sharing / restore planner; runs once its flag is in LoopKVConfig.
+    System(
+        "dense",
+        (),
+        "sgl-loopkv defaults: loopkv attention + tiered cache + Krul restore planner, dense (fidelity reference)",
+    ),
     System(
         "krul",
-        ("--loopkv-restore-planner", "krul"),
-        "sgl-loopkv defaults + Krul restore planner",
-        quick=False,
-        requires="restore_planner",
+        KRUL,
+        "dense + Krul cross-layer sharing (minicache) + bf16 tiers",
+        requires="share_layers",
     ),
+    System(
+        "all",
+        (*SPARSE, *KRUL),
+        "everything: loopkv attention + tiered cache + Krul (planner, sharing, bf16) + LoopServe sparse prefill",
+        budget=0.95,
+    ),
+    # score vs budget (full mode)
+    System("all-a0.9", (*SPARSE, *KRUL, "--loopkv-alpha", "0.9"), "all, alpha 0.9", budget=0.9, quick=False),
+    System("all-a0.8", (*SPARSE, *KRUL, "--loopkv-alpha", "0.8"), "all, alpha 0.8", budget=0.8, quick=False),
     System("llamacpp", (), "llama.cpp server (llama-cpp-python), same GGUF, prompt cache on", kind="llamacpp"),
 ]
 
@@ -246,7 +264,7 @@ def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar
     else:
         tiers = ["--loopkv-host-bytes", str(host_bytes), "--loopkv-disk-dir", str(disk)]
         srv = ServerProcess([*sys_.flags, "--max-total-tokens", str(pool), "--enable-metrics", *tiers], log_path=log)
-    turns, stored = [], {}
+    turns, stored, t0 = [], {}, time.perf_counter()
     try:
         srv.start()
         for t in range(max(len(c.turns) for c in convs)):  # round-robin: histories get evicted, then resumed
@@ -272,7 +290,7 @@ def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar
     finally:
         srv.stop()
         shutil.rmtree(disk, ignore_errors=True)
-    return {"startup_s": srv.startup_s, "turns": turns, "tier_bytes": stored}
+    return {"startup_s": srv.startup_s, "wall_s": time.perf_counter() - t0, "turns": turns, "tier_bytes": stored}
 
 
 # --- report ----------------------------------------------------------------------------------------
@@ -377,6 +395,7 @@ def report_md(payload: dict) -> str:
         + f"\nDense sgl-loopkv answers identical to stock SGLang (greedy, every turn): "
         f"**{sm['dense_identical_to_stock']}**. llama.cpp: {payload['config']['llamacpp_version'] or 'not run'}.\n\n"
         + whats
+        + "".join(f"\n- `{n}` failed: {e}" for n, e in sm.get("failed", {}).items())
         + "\n\n![multiturn TTFT](multiturn_ttft.png)\n\n![multiturn budget](multiturn_budget.png)\n"
     )
 
@@ -389,7 +408,7 @@ def plot(payload: dict) -> None:
 
     sm, results = payload["summary"], payload["results"]
     fig, ax = plt.subplots(figsize=(7, 4.4))
-    edges = [0, 1024, 2048, 4096, 8192, 1 << 20]
+    edges = [0, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 1 << 20]
     for i, name in enumerate(sm["systems"]):
         rows = results[name]["turns"]
         xs, ys = [], []
@@ -425,7 +444,13 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", help="run only these systems (stock and dense are always run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--convs-per-task", type=int)
+    ap.add_argument("--report-only", action="store_true", help="re-render the table and plots from multiturn.json")
     args = ap.parse_args()
+    if args.report_only:
+        payload = json.loads((RESULTS / "multiturn.json").read_text())
+        (RESULTS / "multiturn.md").write_text(report_md(payload))
+        plot(payload)
+        return
     quick = args.quick
     lengths = [1024, 2048, 3072] if quick else [1024, 2048, 4096, 8192]
     n_per_task = args.convs_per_task or (1 if quick else 4)
@@ -460,11 +485,19 @@ def main() -> None:
     n_turns = sum(len(c.turns) for c in convs)
 
     env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
-    results = {}
+    results, failed = {}, {}
     with tqdm(total=n_turns * len(systems), desc="multiturn") as bar:
         for s in systems:
-            results[s.name] = run_system(s, convs, hist_tokens, pool, host_bytes, bar)
+            try:
+                results[s.name] = run_system(s, convs, hist_tokens, pool, host_bytes, bar)
+            except Exception as e:  # one broken system must not cost the others' measurements
+                if s.name in ("stock", "dense"):
+                    raise
+                failed[s.name] = repr(e)
+                print(f"[multiturn] {s.name} failed: {e!r}")
+    systems = [s for s in systems if s.name in results]
     env["loadavg_end"] = os.getloadavg()[0]
+    env["git_end"] = _git_state()  # others commit to this tree meanwhile: what the last server ran
 
     per = summarize(results, systems, history_total)
     dense_ans = [x["answer"] for x in results["dense"]["turns"]]
@@ -474,6 +507,7 @@ def main() -> None:
         "ttft_median_s": {n: p["ttft_median_s"] for n, p in per.items()},
         "tpot_median_s": {n: p["tpot_median_s"] for n, p in per.items()},
         "dense_identical_to_stock": dense_ans == [x["answer"] for x in results["stock"]["turns"]],
+        "failed": failed,
         "per_system": per,
     }
     payload = {
