@@ -1,7 +1,8 @@
 """Sparse prefill benchmark: SmolLM2 at 2K/4K/8K-token prompts, dense vs every policy, one run.
 
 Per prompt length and system (dense; loopserve, block, lserve at their default flags; loopserve at
-alpha 0.8 to show the speed/fidelity trade-off):
+alpha 0.99 and 0.8, the fidelity and the speed ends of its trade-off; and, attention only,
+loopserve across alpha: the "score vs budget" curve):
 - attention-only time: all 30 layers' prefill attention of a real prompt, on q/k/v captured from
   the model (HF, fp32): ``dense_attention`` vs ``policy.select`` + the torch sparse executor,
   interleaved layer by layer, after a warm-up, best of ``--attn-repeats`` totals, in CPU seconds of
@@ -62,15 +63,10 @@ MIN_LEN = ["--loopkv-sparse-min-len", "1024"]  # every benchmarked length goes s
 SYSTEMS: dict[str, list[str]] = {  # name -> sgl-loopkv flags (defaults of every other flag)
     "dense": [],
     "loopserve": ["--loopkv-prefill-policy", "loopserve", *MIN_LEN],
+    "loopserve-a0.99": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "0.99", *MIN_LEN],
     "loopserve-a0.8": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "0.8", *MIN_LEN],
     "block": ["--loopkv-prefill-policy", "block", *MIN_LEN],
     "lserve": ["--loopkv-prefill-policy", "lserve", *MIN_LEN],
-}
-# attention only: the headline policy across alpha (its other flags at their defaults), the
-# "score vs budget" curve: density, attention-mass recall and attention speedup per alpha
-SWEEP_ALPHAS = [0.8, 0.9, 0.95, 0.97, 0.99]
-SWEEP: dict[str, list[str]] = {
-    f"{HEADLINE}@{a}": ["--loopkv-prefill-policy", HEADLINE, "--loopkv-alpha", str(a), *MIN_LEN] for a in SWEEP_ALPHAS
 }
 FULL_BUDGET: dict[str, list[str]] = {
     "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1"],
@@ -84,6 +80,19 @@ def config_of(flags: list[str]) -> LoopKVConfig:
     parser = argparse.ArgumentParser()
     LoopKVConfig.add_cli_args(parser)
     return LoopKVConfig.from_cli_args(parser.parse_args(flags))
+
+
+# attention only: the headline policy across alpha, its other flags at their defaults (the "score
+# vs budget" curve: density, attention-mass recall, attention speedup). CURVE: alpha -> system name,
+# a system above where one has that alpha, else an attention-only entry of SWEEP.
+SWEEP_ALPHAS = [0.8, 0.9, 0.95, 0.97, 0.99]
+CURVE: dict[float, str] = {}
+SWEEP: dict[str, list[str]] = {}
+for _a in SWEEP_ALPHAS:
+    _same = [n for n, f in SYSTEMS.items() if n.startswith(HEADLINE) and config_of(f).alpha == _a]
+    CURVE[_a] = _same[0] if _same else f"{HEADLINE}@{_a}"
+    if not _same:
+        SWEEP[CURVE[_a]] = ["--loopkv-prefill-policy", HEADLINE, "--loopkv-alpha", str(_a), *MIN_LEN]
 
 
 # --- attention only ---------------------------------------------------------------------------
@@ -316,11 +325,11 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
     ax3.legend(fontsize=8)
     for L in lengths:  # score vs budget: the headline policy across alpha
         a = results["attention"][L]
-        xs = [a[n]["density"] for n in SWEEP]
-        ax4.plot(xs, [a[n]["recall"] for n in SWEEP], "-o", label=f"{L}: attention recall")
-        ax4.plot(xs, [a[n]["attention_speedup"] / 4 for n in SWEEP], ":s", label=f"{L}: attention speedup / 4")
-    for x, alpha in zip([results["attention"][L][n]["density"] for n in SWEEP], SWEEP_ALPHAS):
-        ax4.annotate(f"a={alpha}", (x, 0.02), fontsize=7)
+        xs = [a[n]["density"] for n in CURVE.values()]
+        ax4.plot(xs, [a[n]["recall"] for n in CURVE.values()], "-o", label=f"{L}: attention recall")
+        ax4.plot(xs, [a[n]["attention_speedup"] / 4 for n in CURVE.values()], ":s", label=f"{L}: attention speedup / 4")
+    for alpha, n in CURVE.items():
+        ax4.annotate(f"a={alpha}", (results["attention"][L][n]["density"], 0.02), fontsize=7)
     ax4.set(xlabel="density (attended / causal cells)", ylim=(0, 1.05), title=f"{HEADLINE}: score vs budget (alpha)")
     ax4.legend(fontsize=7)
     fig.tight_layout()
@@ -510,7 +519,7 @@ def main() -> None:
             [
                 [L, a, r["density"], r["recall"], r["attention_speedup"], r["select_s"]]
                 for L in lengths
-                for a, r in zip(SWEEP_ALPHAS, (results["attention"][L][n] for n in SWEEP))
+                for a, r in ((a, results["attention"][L][n]) for a, n in CURVE.items())
             ],
         )
         + f"\nAt full budget (alpha = 1 / window >= prompt), greedy {GEN_TOKENS} tokens at {L8} tokens vs dense:\n\n"
