@@ -425,14 +425,16 @@ def plot(payload: dict) -> None:
     fig.savefig(RESULTS / "multiturn_ttft.png", dpi=110)
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    per = sm["per_system"]
-    for i, name in enumerate(sm["systems"]):
-        if name == "llamacpp":
-            continue
-        ax.scatter(per[name]["budget"], per[name]["score"]["all"], color=f"C{i}", label=name)
+    per, points = sm["per_system"], defaultdict(list)
+    for name in sm["systems"]:
+        if name != "llamacpp":  # no budget knob
+            points[(per[name]["budget"], round(per[name]["score"]["all"], 4))].append(name)
+    for i, ((x, y), names) in enumerate(sorted(points.items())):
+        ax.scatter(x, y, color=f"C{i}")
+        ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(-8, 6), ha="right", fontsize=8)
+    ax.margins(x=0.3, y=0.2)
     ax.set(xlabel="sparse-prefill budget (attention mass kept; 1 = dense)", ylabel="mean score")
     ax.set_title("Score vs sparse-prefill budget")
-    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "multiturn_budget.png", dpi=110)
 
