@@ -337,7 +337,7 @@ def summarize(results: dict, systems: list[System], history_total: int) -> dict:
     return per
 
 
-def report_md(payload: dict) -> str:
+def report_md(payload: dict, out: str = "multiturn") -> str:
     sm, per = payload["summary"], payload["summary"]["per_system"]
     pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     rows = []
@@ -396,11 +396,11 @@ def report_md(payload: dict) -> str:
         f"**{sm['dense_identical_to_stock']}**. llama.cpp: {payload['config']['llamacpp_version'] or 'not run'}.\n\n"
         + whats
         + "".join(f"\n- `{n}` failed: {e}" for n, e in sm.get("failed", {}).items())
-        + "\n\n![multiturn TTFT](multiturn_ttft.png)\n\n![multiturn budget](multiturn_budget.png)\n"
+        + f"\n\n![multiturn TTFT]({out}_ttft.png)\n\n![multiturn budget]({out}_budget.png)\n"
     )
 
 
-def plot(payload: dict) -> None:
+def plot(payload: dict, out: str = "multiturn") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -422,7 +422,7 @@ def plot(payload: dict) -> None:
     ax.set_title("Multi-turn TTFT vs history length (interleaved conversations)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "multiturn_ttft.png", dpi=110)
+    fig.savefig(RESULTS / f"{out}_ttft.png", dpi=110)
 
     fig, ax = plt.subplots(figsize=(6, 4))
     per, points = sm["per_system"], defaultdict(list)
@@ -436,7 +436,7 @@ def plot(payload: dict) -> None:
     ax.set(xlabel="sparse-prefill budget (attention mass kept; 1 = dense)", ylabel="mean score")
     ax.set_title("Score vs sparse-prefill budget")
     fig.tight_layout()
-    fig.savefig(RESULTS / "multiturn_budget.png", dpi=110)
+    fig.savefig(RESULTS / f"{out}_budget.png", dpi=110)
 
 
 def main() -> None:
@@ -446,12 +446,13 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", help="run only these systems (stock and dense are always run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--convs-per-task", type=int)
-    ap.add_argument("--report-only", action="store_true", help="re-render the table and plots from multiturn.json")
+    ap.add_argument("--report-only", action="store_true", help="re-render the table and plots from <out>.json")
+    ap.add_argument("--out", default="multiturn", help="results name under benchmarks/results (default multiturn)")
     args = ap.parse_args()
     if args.report_only:
-        payload = json.loads((RESULTS / "multiturn.json").read_text())
-        (RESULTS / "multiturn.md").write_text(report_md(payload))
-        plot(payload)
+        payload = json.loads((RESULTS / f"{args.out}.json").read_text())
+        (RESULTS / f"{args.out}.md").write_text(report_md(payload, args.out))
+        plot(payload, args.out)
         return
     quick = args.quick
     lengths = [1024, 2048, 3072] if quick else [1024, 2048, 4096, 8192]
@@ -532,9 +533,9 @@ def main() -> None:
         "results": results,
         "env": env,
     }
-    md = report_md(payload)
-    json_path, _ = write_results("multiturn", payload, md)
-    plot(payload)
+    md = report_md(payload, args.out)
+    json_path, _ = write_results(args.out, payload, md)
+    plot(payload, args.out)
     print(md)
     print(f"-> {json_path}")
 
