@@ -232,9 +232,9 @@ def greedy(url: str, input_ids: list[int]) -> list[int]:
 
 def measure_servers(prompts: dict, fidelity: dict, vocab: int, log_dir: Path, bar) -> dict:
     """The dense server runs throughout; each policy's server runs next to it in turn (two servers
-    at a time: five at once do not fit in 24 GB). Every timed prompt goes to the dense server
-    (cache flushed first) and then to the policy's, so each speedup is a paired ratio under the
-    same machine load."""
+    at a time: five at once do not fit in 24 GB). Every timed prompt goes to the dense server and
+    then to the policy's, both caches flushed first, so each speedup is a paired ratio under the
+    same machine load and the same cache state."""
     dense = ServerProcess([*SERVER_ARGS], log_path=log_dir / "prefill_dense.log").start()
     out: dict = {"dense": {L: {"ttfts_s": []} for L in prompts}}
     try:
@@ -250,7 +250,11 @@ def measure_servers(prompts: dict, fidelity: dict, vocab: int, log_dir: Path, ba
                 for L in prompts:
                     e = out[name][L]
                     for ids in prompts[L]:
-                        requests.post(f"{dense.url}/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
+                        # both flushed: the dense server must not hit this prompt from an earlier round,
+                        # and the first request after a flush pays for it (a one-sided flush made the
+                        # dense side up to ~1 s slower at 2K in an earlier run of this script)
+                        for url in (dense.url, srv.url):
+                            requests.post(f"{url}/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
                         for url, key in ((dense.url, "dense_ttfts_s"), (srv.url, "ttfts_s")):
                             r = timed_generate(url, ids, 1)
                             assert r["meta_info"]["cached_tokens"] < 64, "a timed prompt hit the radix cache"
