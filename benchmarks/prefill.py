@@ -246,13 +246,17 @@ def measure_servers(prompts: dict, fidelity: dict, vocab: int, log_dir: Path, ba
                 continue
             srv = ServerProcess([*SERVER_ARGS, *flags], log_path=log_dir / f"prefill_{name}.log").start()
             try:
+                # untimed warm-up of both: in an earlier run the first dense request after a policy
+                # server started took 2-3x its later ones at 2K (the new server's start-up work
+                # competes for the 2 cores), a bias against dense
+                for url in (dense.url, srv.url):
+                    timed_generate(url, prompts[min(prompts)][0], 1)
                 out[name] = {L: {"ttfts_s": [], "dense_ttfts_s": []} for L in prompts}
                 for L in prompts:
                     e = out[name][L]
                     for ids in prompts[L]:
-                        # both flushed: the dense server must not hit this prompt from an earlier round,
-                        # and the first request after a flush pays for it (a one-sided flush made the
-                        # dense side up to ~1 s slower at 2K in an earlier run of this script)
+                        # both flushed: the dense server must not hit this prompt from an earlier round
+                        # (nor the policy's the warm-up), and both start from the same cache state
                         for url in (dense.url, srv.url):
                             requests.post(f"{url}/flush_cache", params={"timeout": 60}, timeout=90).raise_for_status()
                         for url, key in ((dense.url, "dense_ttfts_s"), (srv.url, "ttfts_s")):
