@@ -493,7 +493,7 @@ def main() -> None:
                 ]
             )
     md = (
-        f"# prefill ({env['when']}; `python -m benchmarks.prefill{' --quick' if args.quick else ''}`)\n\n"
+        f"# prefill ({env['when']}; `python -m benchmarks.prefill{''.join(' ' + a for a in sys.argv[1:])}`)\n\n"
         f"SmolLM2-135M-Instruct, fp32, CPU ({env['torch_threads']} torch threads; load average "
         f"{load_start[0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end; the machine is shared). Attention only: "
         f"best of {attn_repeats} passes over the 30 layers of one captured prompt, CPU seconds of one torch thread "
