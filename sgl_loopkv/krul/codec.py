@@ -86,7 +86,9 @@ class MiniCacheCodec(PairCodec):
     originals up to rounding; retained tokens are bit-exact; a merged row's cosine to its original is
     ``cos(t * angle)`` (shallow) and ``cos((1 - t) * angle)`` (deep), angle <= the smallest retained
     angle. ``t = 0`` keeps the shallow layer bit-exact (row = shallow) and gives the deep layer the
-    shallow direction with its own magnitudes. Defaults: benchmarks/results/krul_select.md.
+    shallow direction with its own magnitudes. t = 0.5 minimises the larger of the two angular
+    errors and measured best (mean greedy agreement 0.746 vs 0.611 for t = 0 and 0.641 for reuse over
+    benchmarks/results/krul_select.md); retain = 0.05 is MiniCache's order of magnitude (~3% bytes).
     """
 
     name = "minicache"
