@@ -5,7 +5,7 @@ blocks (a causal mask only bites in the diagonal block), then the head's columns
 skipped when a selected block already holds it, or when it is not before the query block), with
 an online softmax, FlashAttention style. Only the listed work is done, like LServe's iterator.
 
-Tested on CPU with ``TRITON_INTERPRET=1`` on small sizes (tests/test_sparse_triton.py); on a GPU
+Tested on CPU with ``TRITON_INTERPRET=1`` on small sizes (tests/test_sparse_kernels.py); on a GPU
 the same kernel compiles (block size and head dim must then be powers of two >= 16).
 """
 
