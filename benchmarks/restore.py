@@ -127,8 +127,10 @@ def run_system(name: str, flags: list[str] | None, tok, L: int, repeats: int, re
         if flags is not None:
             timed_generate(srv.url, hist, 1)  # the earlier turn: now stored
         for r in range(repeats):
-            if flags is not None:  # evict the history to the host tier
-                timed_generate(srv.url, synthetic_ids(tok, FILLER, seed=10_000 + 100 * L + r), 1)
+            if flags is not None:  # evict the history to the host tier (over 4K it may be two radix nodes)
+                timed_generate(
+                    srv.url, synthetic_ids(tok, FILLER + (4096 if L > 4096 else 0), seed=10_000 + 100 * L + r), 1
+                )
                 m0 = metrics(srv.url)
             res = timed_generate(srv.url, prompt, GEN)
             if flags is not None:
