@@ -88,8 +88,9 @@ class LoopKVConfig:
         default="pool",
         metadata={
             "help": "dtype of the KV kept in the host and disk tiers: 'pool' (the KV pool's own, exact) or a "
-            "narrower one ('bfloat16', 'float16': half the bytes of an fp32 pool, lossy; loads cast back).",
-            "choices": ["pool", "bfloat16", "float16"],
+            "narrower one ('bfloat16', 'float16': half the bytes of an fp32 pool; 'int8': 8-bit values with a "
+            "float32 scale per token and KV head, 3.8x fewer bytes than fp32; lossy; loads decode back).",
+            "choices": ["pool", "bfloat16", "float16", "int8"],
         },
     )
     restore_ratio: float = field(

@@ -26,7 +26,9 @@ def segment(n_chunks: int, seed: int, geo: KVGeometry = GEO, parent=None, start=
 
 def test_layout_extents_are_aligned_and_layer_major():
     lay = SegmentFileLayout(GEO, n_chunks=5, kv_offset=4096)
-    assert GEO.extent_bytes % 4096 == 0 and lay.kv_offset % 4096 == 0
+    assert GEO.extent_bytes % 512 == 0 and lay.kv_offset % 4096 == 0
+    smollm2 = KVGeometry(30, 3, 64, torch.float32, 16)  # fp32 / bf16 chunks are whole 4 KiB pages
+    assert smollm2.extent_bytes == 6 * 4096 and KVGeometry(30, 3, 64, torch.bfloat16, 16).extent_bytes == 3 * 4096
     assert lay.extent_offset(1, 0) == lay.extent_offset(0, 4) + GEO.extent_bytes  # layer-major, contiguous
     assert lay.runs(2, [0, 1, 2, 4]) == [
         (lay.extent_offset(2, 0), 3 * GEO.extent_bytes),

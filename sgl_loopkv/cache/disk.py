@@ -21,6 +21,7 @@ import torch
 
 from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV, codec_of
+from sgl_loopkv.cache.quant import QuantKV
 
 INDEX = "index.json"
 
@@ -129,9 +130,14 @@ class DiskSegmentStore:
         rows = packed.rows if packed else kv
         R = rows.shape[0]
         assert rows.shape[1:] == (2, m * c, g.num_kv_heads, g.head_dim), rows.shape
-        # [R, 2, m, c, H, D] -> [R, m, 2, c, H, D]: extent (r, j) = K | V of chunk j, contiguous
-        ext = rows.view(R, 2, m, c, g.num_kv_heads, g.head_dim).transpose(1, 2).contiguous()
-        raw = _to_bytes(ext).reshape(R * m, -1)
+        assert isinstance(rows, QuantKV) == g.quantized, "stored rows do not match the tier's dtype"
+
+        def extents(t: torch.Tensor) -> np.ndarray:
+            # [R, 2, m, c, H, ...] -> [R, m, 2, c, H, ...]: extent (r, j) = K | V of chunk j, contiguous
+            t = t.reshape(R, 2, m, c, *t.shape[3:]).transpose(1, 2).contiguous()
+            return _to_bytes(t).reshape(R * m, -1)
+
+        raw = np.concatenate([extents(rows.q), extents(rows.scale)], 1) if g.quantized else extents(rows)
         pad = g.extent_bytes - raw.shape[1]
         if pad:
             raw = np.concatenate([raw, np.zeros((R * m, pad), np.uint8)], axis=1)
@@ -222,7 +228,7 @@ class DiskSegmentStore:
                 row_first[row] = min(row_first[row], first_chunk[layer])
             first_chunk = row_first
         crcs = header["extent_crc32"]
-        n, used = chunk_hi - chunk_lo, 2 * g.chunk_tokens * g.num_kv_heads * g.head_dim * g.itemsize
+        n, used = chunk_hi - chunk_lo, g.chunk_tokens * g.token_bytes_per_layer
         out = (np.zeros if first_chunk else np.empty)((layout.rows, n, used), np.uint8)
         try:
             fd = os.open(self.path(seg_id), os.O_RDONLY)
@@ -245,9 +251,7 @@ class DiskSegmentStore:
             side = self._read_side(fd, seg_id, header, layout) if "side" in header else None
         finally:
             os.close(fd)
-        R = layout.rows
-        ext = torch.from_numpy(out).view(g.dtype).view(R, n, 2, g.chunk_tokens, g.num_kv_heads, g.head_dim)
-        rows = ext.transpose(1, 2).reshape(R, 2, n * g.chunk_tokens, g.num_kv_heads, g.head_dim)
+        rows = self._rows_of_extents(torch.from_numpy(out))
         if side is None:
             return rows
         c, codec = g.chunk_tokens, codec_of(header["codec"])
@@ -258,6 +262,20 @@ class DiskSegmentStore:
             header["codec"],
             [codec.slice_side(sd, chunk_lo * c, chunk_hi * c) for sd in side],
         )
+
+    def _rows_of_extents(self, raw: torch.Tensor) -> torch.Tensor | QuantKV:
+        """[R, n, used bytes] of verified extents -> rows [R, 2, n * c, H, D] (a QuantKV for int8)."""
+        g = self.geometry
+        R, n, c, H, D = raw.shape[0], raw.shape[1], g.chunk_tokens, g.num_kv_heads, g.head_dim
+
+        def rows(b: torch.Tensor, dtype: torch.dtype, *tail: int) -> torch.Tensor:
+            x = b.contiguous().view(dtype).view(R, n, 2, c, H, *tail)
+            return x.transpose(1, 2).reshape(R, 2, n * c, H, *tail)
+
+        if not g.quantized:
+            return rows(raw, g.dtype, D)
+        qb = 2 * c * H * D
+        return QuantKV(rows(raw[..., :qb], torch.int8, D), rows(raw[..., qb:], torch.float32))
 
     def _read_side(self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout) -> list[dict]:
         buf = os.pread(fd, layout.side_bytes, layout.side_offset)

@@ -7,7 +7,8 @@ was stored). Segment file::
     offset 16       header     JSON: geometry, token ids, parent link, per-extent crc32s, and for
                                a packed segment its layer -> row map, pairs, codec, side tensors
     kv_offset       KV         row-major:  for row r, for chunk j:  extent(r, j)
-                               extent(r, j) = K[c, H, D] | V[c, H, D], zero-padded to 4 KiB
+                               extent(r, j) = K[c, H, D] | V[c, H, D], zero-padded to 512 B
+                               (int8 tiers: | K scales[c, H] | V scales[c, H], float32)
                                at kv_offset + (r * n_chunks + j) * extent_bytes
                                (row = layer, unless layer pairs share rows: sgl_loopkv.cache.packed)
     summary_offset  summaries  for layer l, chunk j: per KV head min and max of the keys
@@ -18,8 +19,10 @@ was stored). Segment file::
 Why this shape: a chunk is the unit of selection, storage, I/O and caching (ContiguousKV), so
 reading any chunk set of one layer is a set of aligned extents; layer-major order makes all chunks
 of a layer (and of a period of consecutive layers) one contiguous run, so a selected set coalesces
-into one read per run of adjacent chunk indices. ``kv_offset`` and ``extent_bytes`` are multiples
-of 4 KiB (O_DIRECT-compatible).
+into one read per run of adjacent chunk indices. ``kv_offset`` is a multiple of 4 KiB and
+``extent_bytes`` of 512 B (a sector: O_DIRECT-compatible on 512-byte-sector devices); fp32 and
+bf16 extents of the served models are whole 4 KiB pages anyway, while an int8 chunk (6.4 KB for
+SmolLM2) would waste a fifth of its bytes if padded to two pages.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 ALIGN = 4096
+SECTOR = 512
 MAGIC = b"LOOPKV01"
 PREAMBLE_BYTES = 16
 
@@ -39,7 +43,8 @@ def align_up(n: int, a: int = ALIGN) -> int:
 
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
-    """Shape of one token's KV across the model. ``dtype`` is the KV pool's storage dtype."""
+    """Shape of one token's KV across the model. ``dtype`` is the stored dtype (the pool's, or a
+    narrower tier dtype; ``int8`` carries a float32 scale per token, KV head and K/V)."""
 
     num_layers: int
     num_kv_heads: int
@@ -52,14 +57,23 @@ class KVGeometry:
         return torch.empty(0, dtype=self.dtype).element_size()
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype == torch.int8
+
+    @property
+    def scale_bytes(self) -> int:
+        """Per token, KV head and K/V: the int8 scale (0 for float dtypes)."""
+        return 4 if self.quantized else 0
+
+    @property
     def token_bytes_per_layer(self) -> int:
-        """K and V of one token in one layer (bytes)."""
-        return 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        """K and V of one token in one layer (bytes, scales included)."""
+        return 2 * self.num_kv_heads * (self.head_dim * self.itemsize + self.scale_bytes)
 
     @property
     def extent_bytes(self) -> int:
-        """One chunk of one layer on disk, padded to 4 KiB."""
-        return align_up(self.chunk_tokens * self.token_bytes_per_layer)
+        """One chunk of one layer on disk, padded to a 512-byte sector."""
+        return align_up(self.chunk_tokens * self.token_bytes_per_layer, SECTOR)
 
     @property
     def summary_bytes_per_chunk_layer(self) -> int:

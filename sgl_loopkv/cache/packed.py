@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_loopkv.cache.quant import QuantKV
+
 
 def codec_of(name: str):
     from sgl_loopkv.krul.codec import CODECS
@@ -22,7 +24,7 @@ def codec_of(name: str):
 
 @dataclass(slots=True)
 class PackedKV:
-    rows: torch.Tensor  # [R, 2, T, H, D]
+    rows: torch.Tensor | QuantKV  # [R, 2, T, H, D]
     layer_rows: tuple[int, ...]  # per layer: its row index in ``rows``
     pairs: tuple[tuple[int, int], ...]  # (shallow, deep) layer pairs; each shares one row
     codec: str
@@ -58,8 +60,7 @@ class PackedKV:
 
     @property
     def nbytes(self) -> int:
-        n = self.rows.numel() * self.rows.element_size()
-        return n + sum(t.numel() * t.element_size() for s in self.side for t in s.values())
+        return kv_nbytes(self.rows) + sum(t.numel() * t.element_size() for s in self.side for t in s.values())
 
     def __getitem__(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s [2, T, H, D], decoded if it is in a pair."""
@@ -81,7 +82,7 @@ class PackedKV:
     def slice_tokens(self, t0: int, t1: int) -> PackedKV:
         c = codec_of(self.codec)
         return PackedKV(
-            self.rows[:, :, t0:t1],
+            slice_tokens(self.rows, t0, t1),
             self.layer_rows,
             self.pairs,
             self.codec,
@@ -94,9 +95,23 @@ class PackedKV:
 
 
 def slice_tokens(kv, t0: int, t1: int):
-    """Tokens [t0, t1) of a stored segment's KV (a [L, 2, T, H, D] tensor or a PackedKV)."""
-    return kv.slice_tokens(t0, t1) if isinstance(kv, PackedKV) else kv[:, :, t0:t1]
+    """Tokens [t0, t1) of a stored segment's KV (a [L, 2, T, H, D] tensor, a QuantKV or a PackedKV)."""
+    return kv[:, :, t0:t1] if isinstance(kv, torch.Tensor) else kv.slice_tokens(t0, t1)
 
 
 def kv_nbytes(kv) -> int:
-    return kv.nbytes if isinstance(kv, PackedKV) else kv.numel() * kv.element_size()
+    return kv.numel() * kv.element_size() if isinstance(kv, torch.Tensor) else kv.nbytes
+
+
+def quantize_rows(kv):
+    """int8 tiers: the stored rows of a float [L, 2, T, H, D] tensor or of a PackedKV, quantized
+    (a PackedKV's side data stays as its codec made it)."""
+    if isinstance(kv, PackedKV):
+        kv.rows = QuantKV.quantize(kv.rows)
+        return kv
+    return QuantKV.quantize(kv)
+
+
+def stored_keys(kv) -> torch.Tensor:
+    """Keys of every layer of an unpacked stored segment, [L, T, H, D] (decoded if int8)."""
+    return kv.keys() if isinstance(kv, QuantKV) else kv[:, 0]

@@ -43,7 +43,7 @@ from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
-from sgl_loopkv.cache.packed import PackedKV
+from sgl_loopkv.cache.packed import PackedKV, quantize_rows
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
@@ -215,9 +215,14 @@ class LoopKVRadixCache(RadixCache):
             cache_salt=node.key.cache_salt,
             token_ids=list(node.key.raw_token_ids()),
         )
-        kv = torch.stack([k, v], dim=1).to(self.store_geometry.dtype)
+        kv = torch.stack([k, v], dim=1)
+        quantized = self.store_geometry.quantized
+        if not quantized:
+            kv = kv.to(self.store_geometry.dtype)
         if pairs:  # similar layer pairs share one stored row (the summaries stay per layer)
             kv = PackedKV.pack(kv, pairs, self.sharing.codec)
+        if quantized:  # after packing: the pair codec sees the pool's values
+            kv = quantize_rows(kv)
         if not self.store.put(record, kv, key_summaries(k, self.page_size)):
             return False
         self._set_ref(node, (record.seg_id, 0, n_chunks))

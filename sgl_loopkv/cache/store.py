@@ -21,7 +21,8 @@ import torch
 
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
-from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, slice_tokens
+from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, slice_tokens, stored_keys
+from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.value import ValuePolicy
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class StoredSegment:
     record: SegmentRecord
-    host_kv: torch.Tensor | PackedKV | None = None  # [L, 2, T, H, D], or layer pairs sharing rows
+    host_kv: torch.Tensor | QuantKV | PackedKV | None = None  # [L, 2, T, H, D], int8, or pairs sharing rows
     host_summaries: torch.Tensor | None = None  # [L, m, H, 2, D]
     on_disk: bool = False
     pending_disk: bool = False
@@ -264,7 +265,7 @@ class TieredKVStore:
             with self._disk_lock:
                 summaries = self.disk.read_summaries(seg_id)
         else:  # the verified keys give the summaries back for free: reading them would cost disk bandwidth
-            summaries = key_summaries(kv[:, 0], self.geometry.chunk_tokens)
+            summaries = key_summaries(stored_keys(kv), self.geometry.chunk_tokens)
         nbytes = kv_nbytes(kv) + summaries.numel() * 4
         if self._make_host_room(nbytes, keep=seg_id):
             seg.host_kv, seg.host_summaries = kv, summaries

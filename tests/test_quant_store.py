@@ -1,0 +1,137 @@
+"""int8 tiers (``--loopkv-store-dtype int8``): the quantizer's error bound, and int8 segments in the
+host and disk tiers: bit-identical round trips (whole, cut, partial), checksummed, under a third of
+the fp32 bytes, packed layer pairs included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.packed import PackedKV, quantize_rows
+from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.cache.store import TieredKVStore
+from sgl_loopkv.cache.value import VALUE_POLICIES
+
+GEO = KVGeometry(num_layers=4, num_kv_heads=3, head_dim=64, dtype=torch.int8, chunk_tokens=16)
+
+
+def segment(n_chunks: int, seed: int) -> tuple[SegmentRecord, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = n_chunks * GEO.chunk_tokens
+    kv = torch.randn(GEO.num_layers, 2, t, GEO.num_kv_heads, GEO.head_dim, generator=g) * 3
+    kv[1, 0, 5] = 0.0  # an all-zero token: scale 0, decodes to 0 (no NaN)
+    rec = SegmentRecord(f"q{seed}", None, 0, n_chunks, 0, token_ids=list(range(t)))
+    return rec, kv, key_summaries(kv[:, 0], GEO.chunk_tokens)
+
+
+def same(a: QuantKV, b: QuantKV) -> bool:
+    return torch.equal(a.q, b.q) and torch.equal(a.scale, b.scale)
+
+
+def test_quantize_error_is_within_half_a_step():
+    _, kv, _ = segment(2, 0)
+    qkv = QuantKV.quantize(kv)
+    assert qkv.q.dtype == torch.int8 and qkv.scale.shape == kv.shape[:-1]
+    for r in range(kv.shape[0]):
+        err = (qkv[r] - kv[r]).abs()
+        assert torch.all(err <= qkv.scale[r][..., None] / 2 + 1e-6)
+    assert torch.equal(qkv[1][0, 5], torch.zeros_like(kv[1, 0, 5]))
+    assert torch.equal(qkv.keys(), torch.stack([qkv[r][0] for r in range(kv.shape[0])]))
+    # per token and head: one token's scale does not depend on another token
+    assert same(qkv.slice_tokens(16, 32), QuantKV.quantize(kv[:, :, 16:32]))
+
+
+def test_int8_tier_bytes_are_under_a_third_of_fp32():
+    fp32 = KVGeometry(30, 3, 64, torch.float32, 16)
+    int8 = KVGeometry(30, 3, 64, torch.int8, 16)
+    assert int8.token_bytes_per_layer == 2 * 3 * (64 + 4)
+    assert int8.extent_bytes == 13 * 512  # 6528 bytes sector-padded, not two 4 KiB pages (8192)
+    assert fp32.extent_bytes / int8.extent_bytes > 3.6
+    _, kv, _ = segment(2, 1)
+    assert QuantKV.quantize(kv).nbytes * 3.7 < kv.numel() * 4
+
+
+def test_disk_roundtrip_is_bit_identical_and_checksummed(tmp_path):
+    disk = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    rec, kv, summ = segment(4, 2)
+    qkv = QuantKV.quantize(kv)
+    disk.write(rec, qkv, summ)
+    assert same(disk.read(rec.seg_id, 0, 4), qkv)
+    assert same(disk.read(rec.seg_id, 1, 3), qkv.slice_tokens(16, 48))
+    first = [2, 0, 3, 1]  # a partial read: layer l from chunk first[l]; the skipped chunks are left zero
+    part = disk.read(rec.seg_id, 0, 4, first)
+    for layer, f in enumerate(first):
+        assert torch.equal(part[layer][:, 16 * f :], qkv[layer][:, 16 * f :])
+        assert not part[layer][:, : 16 * f].any()
+    path = disk.path(rec.seg_id)
+    data = bytearray(path.read_bytes())
+    data[-len(summ.numel() * b"1234") - 100] ^= 0xFF  # inside the last extent (its scales)
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptSegment):
+        disk.read(rec.seg_id, 0, 4)
+
+
+def test_packed_pairs_with_int8_rows_roundtrip(tmp_path):
+    disk = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    rec, kv, summ = segment(3, 3)
+    packed = quantize_rows(PackedKV.pack(kv, [(1, 2)], "minicache"))
+    assert isinstance(packed.rows, QuantKV) and packed.rows.shape[0] == 3
+    disk.write(rec, packed, summ)
+    back = disk.read(rec.seg_id, 0, 3)
+    assert isinstance(back, PackedKV) and torch.equal(back.unpack(), packed.unpack())
+    assert torch.equal(back.slice_tokens(16, 32).unpack(), packed.unpack()[:, :, 16:32])
+    torch.testing.assert_close(packed.unpack()[0], kv[0], atol=0.05, rtol=0.02)  # unpaired layer: int8 only
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_store_serves_int8_segments_from_either_tier(tmp_path, tier):
+    store = TieredKVStore(
+        GEO,
+        VALUE_POLICIES.create("lru"),
+        host_quota_bytes=0 if tier == "disk" else 1 << 30,
+        disk_dir=tmp_path,
+        disk_quota_bytes=1 << 30,
+    )
+    rec, kv, summ = segment(4, 4)
+    qkv = QuantKV.quantize(kv)
+    assert store.put(rec, qkv, summ)
+    store.flush()
+    got, where = store.fetch(rec.seg_id, 1, 4)
+    assert where == tier and same(got, qkv.slice_tokens(16, 64))
+    if tier == "disk":  # promoted to the host arena? (quota 0: no) -- summaries come from the decoded keys
+        assert store.tier_of(rec.seg_id) == "disk"
+    assert store.stats.host_bytes <= (1 << 30)
+    store.close()
+
+
+def test_server_resumes_int8_histories_from_host_and_disk(tiny_server, tiny_model_dir, server_logs, tmp_path):
+    """A real server with int8 tiers: evicted conversations come back from the host arena and, after a
+    restart, from disk; the answers equal a server that never evicted (int8 error is far below the
+    tiny model's logit gaps here); the host tier holds int8 bytes per token."""
+    from benchmarks.restore import metrics
+    from sgl_loopkv.server.process import ServerProcess
+    from tests.conftest import COMMON_SERVER_ARGS
+    from tests.test_tiered_cache import N_CONV, ask, tiers
+
+    reference = {i: ask(tiny_server.url, i)["output_ids"] for i in (0, N_CONV - 3)}
+    args = [
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
+        *("--max-total-tokens", "2048", "--enable-metrics", "--loopkv-store-dtype", "int8"),
+        *("--loopkv-disk-dir", str(tmp_path)),
+    ]
+    with ServerProcess(args, log_path=server_logs / "int8-1.log").start() as srv:
+        for i in range(N_CONV):
+            ask(srv.url, i)
+        host_hit = ask(srv.url, N_CONV - 3)
+        assert tiers(host_hit)["host"] > 800, tiers(host_hit)
+        assert host_hit["output_ids"] == reference[N_CONV - 3]
+        m = metrics(srv.url)
+        per_token = m['loopkv_tier_bytes{tier="host"}'] / m['loopkv_tier_tokens{tier="host"}']
+    kv, summaries = 2 * 2 * 2 * (16 + 4), 2 * 2 * 2 * 16 * 4 / 16  # tiny model: 2 layers, 2 KV heads, dim 16
+    assert per_token == pytest.approx(kv + summaries)
+    with ServerProcess(args, log_path=server_logs / "int8-2.log").start() as srv:
+        resumed = ask(srv.url, 0)
+        assert tiers(resumed)["disk"] > 800, tiers(resumed)
+        assert resumed["output_ids"] == reference[0]
