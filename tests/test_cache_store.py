@@ -58,7 +58,7 @@ def test_disk_roundtrip_is_bit_identical(tmp_path, dtype):
     store.write(rec, kv, summ)
     assert torch.equal(store.read(rec.seg_id, 0, 4), kv)
     assert torch.equal(store.read(rec.seg_id, 1, 3), kv[:, :, 16:48])
-    torch.testing.assert_close(store.read_summaries(rec.seg_id), summ)
+    assert torch.equal(store.read_summaries(rec.seg_id), summ.to(geo.summary_dtype))  # fp16 next to bf16 KV
     # a new process finds it through the index
     again = DiskSegmentStore(tmp_path, 1 << 30, geo)
     assert list(again.records) == [rec.seg_id] and again.read_header(rec.seg_id)["token_ids"] == rec.token_ids

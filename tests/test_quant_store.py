@@ -67,7 +67,7 @@ def test_disk_roundtrip_is_bit_identical_and_checksummed(tmp_path):
         assert not part[layer][:, : 16 * f].any()
     path = disk.path(rec.seg_id)
     data = bytearray(path.read_bytes())
-    data[-len(summ.numel() * b"1234") - 100] ^= 0xFF  # inside the last extent (its scales)
+    data[-summ.numel() * 2 - 100] ^= 0xFF  # inside the last extent (its scales); summaries are fp16
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptSegment):
         disk.read(rec.seg_id, 0, 4)
@@ -129,7 +129,7 @@ def test_server_resumes_int8_histories_from_host_and_disk(tiny_server, tiny_mode
         assert host_hit["output_ids"] == reference[N_CONV - 3]
         m = metrics(srv.url)
         per_token = m['loopkv_tier_bytes{tier="host"}'] / m['loopkv_tier_tokens{tier="host"}']
-    kv, summaries = 2 * 2 * 2 * (16 + 4), 2 * 2 * 2 * 16 * 4 / 16  # tiny model: 2 layers, 2 KV heads, dim 16
+    kv, summaries = 2 * 2 * 2 * (16 + 4), 2 * 2 * 2 * 16 * 2 / 16  # tiny model: 2 layers, 2 KV heads, dim 16; fp16
     assert per_token == pytest.approx(kv + summaries)
     with ServerProcess(args, log_path=server_logs / "int8-2.log").start() as srv:
         resumed = ask(srv.url, 0)

@@ -142,7 +142,7 @@ class DiskSegmentStore:
         if pad:
             raw = np.concatenate([raw, np.zeros((R * m, pad), np.uint8)], axis=1)
         crcs = [zlib.crc32(row) for row in raw]
-        summary_raw = _to_bytes(summaries.float())
+        summary_raw = _to_bytes(summaries.to(g.summary_dtype))
         side_raw, side_meta = np.zeros(0, np.uint8), []
         if packed:
             blobs = []
@@ -293,7 +293,7 @@ class DiskSegmentStore:
         return out
 
     def read_summaries(self, seg_id: str) -> torch.Tensor:
-        """Key summaries [L, m, H, 2, D] of a whole segment (small; read without touching KV)."""
+        """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment (small; read without touching KV)."""
         g = self.geometry
         header = self.read_header(seg_id)
         layout = self._layout(g, header)
@@ -304,6 +304,6 @@ class DiskSegmentStore:
         self.bytes_read += len(buf)
         if len(buf) != length or zlib.crc32(buf) != header["summary_crc32"]:
             raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch")
-        return torch.frombuffer(bytearray(buf), dtype=torch.float32).view(
+        return torch.frombuffer(bytearray(buf), dtype=g.summary_dtype).view(
             g.num_layers, layout.n_chunks, g.num_kv_heads, 2, g.head_dim
         )

@@ -12,7 +12,7 @@ was stored). Segment file::
                                at kv_offset + (r * n_chunks + j) * extent_bytes
                                (row = layer, unless layer pairs share rows: sgl_loopkv.cache.packed)
     summary_offset  summaries  for layer l, chunk j: per KV head min and max of the keys
-                               [H, 2, D] float32 (the selection step scores chunks on these
+                               [H, 2, D] float32 (float16 for narrower tiers; the selection step scores chunks on these
                                without reading full keys)
     side_offset     side data  packed segments only: the codec's tensors, one crc32
 
@@ -76,8 +76,15 @@ class KVGeometry:
         return align_up(self.chunk_tokens * self.token_bytes_per_layer, SECTOR)
 
     @property
+    def summary_dtype(self) -> torch.dtype:
+        """Key summaries are float32 next to fp32 KV, float16 next to narrower KV (where float32
+        summaries would be a quarter of an int8 tier's bytes); fp16 rounding loosens the min/max
+        bounds by at most 2^-11 relative, harmless for chunk scoring."""
+        return torch.float32 if self.dtype == torch.float32 else torch.float16
+
+    @property
     def summary_bytes_per_chunk_layer(self) -> int:
-        return self.num_kv_heads * 2 * self.head_dim * 4
+        return self.num_kv_heads * 2 * self.head_dim * torch.empty(0, dtype=self.summary_dtype).element_size()
 
     def segment_host_bytes(self, n_chunks: int) -> int:
         """RAM of a host-resident segment: KV of all layers plus key summaries."""

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class StoredSegment:
     record: SegmentRecord
     host_kv: torch.Tensor | QuantKV | PackedKV | None = None  # [L, 2, T, H, D], int8, or pairs sharing rows
-    host_summaries: torch.Tensor | None = None  # [L, m, H, 2, D]
+    host_summaries: torch.Tensor | None = None  # [L, m, H, 2, D] in geometry.summary_dtype
     on_disk: bool = False
     pending_disk: bool = False
 
@@ -91,6 +91,7 @@ class TieredKVStore:
     def put(self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor) -> bool:
         """Store a new segment wherever it fits: host arena now and disk in the background, or
         either alone (host-only segments are lost when the arena evicts them). False if neither."""
+        summaries = summaries.to(self.geometry.summary_dtype)
         nbytes = kv_nbytes(kv) + summaries.numel() * summaries.element_size()
         disk_bytes = self.disk.file_bytes(record.n_chunks, len(record.token_ids)) if self.disk else 0
         to_disk = self.disk is not None and self._make_disk_room(disk_bytes)
@@ -151,7 +152,7 @@ class TieredKVStore:
 
     # --- room ----------------------------------------------------------------------------------
     def _host_bytes(self, seg: StoredSegment) -> int:
-        return kv_nbytes(seg.host_kv) + seg.host_summaries.numel() * 4
+        return kv_nbytes(seg.host_kv) + seg.host_summaries.numel() * seg.host_summaries.element_size()
 
     def _make_host_room(self, nbytes: int, keep: str | None) -> bool:
         if nbytes > self.host_quota:
@@ -265,8 +266,8 @@ class TieredKVStore:
             with self._disk_lock:
                 summaries = self.disk.read_summaries(seg_id)
         else:  # the verified keys give the summaries back for free: reading them would cost disk bandwidth
-            summaries = key_summaries(stored_keys(kv), self.geometry.chunk_tokens)
-        nbytes = kv_nbytes(kv) + summaries.numel() * 4
+            summaries = key_summaries(stored_keys(kv), self.geometry.chunk_tokens).to(self.geometry.summary_dtype)
+        nbytes = kv_nbytes(kv) + summaries.numel() * summaries.element_size()
         if self._make_host_room(nbytes, keep=seg_id):
             seg.host_kv, seg.host_summaries = kv, summaries
             self.stats.host_bytes += nbytes
