@@ -1,19 +1,30 @@
 """Block-sparse prefill attention in Triton, driven by a :class:`~sgl_loopkv.attention.sparse_plan.SeqMask`.
 
-One program per (query block, query head): it walks the CSR list of its KV head's selected key
+One program per (query head, query block): it walks the CSR list of its KV head's selected key
 blocks (a causal mask only bites in the diagonal block), then the head's columns in chunks (each
 skipped when a selected block already holds it, or when it is not before the query block), with
 an online softmax, FlashAttention style. Only the listed work is done, like LServe's iterator.
 
-Tested on CPU with ``TRITON_INTERPRET=1`` on small sizes (tests/test_sparse_kernels.py); on a GPU
-the same kernel compiles (block size and head dim must then be powers of two >= 16).
+q, k, v are read in place (any row/head strides, e.g. a view into the KV pool); rows before the
+new rows (cached prefix) and past ``kv_len`` are masked, not padded. Programs are ordered query
+block outermost, last block first (the causally heaviest go first) and the query heads of one KV
+head adjacent (they read the same key blocks, which then come from L2).
+
+Block size and head dim: powers of two >= 16 on a GPU (``tl.dot``); any head dim is padded. fp16 and
+bf16 run the tensor cores with fp32 accumulation; fp32 inputs use IEEE fp32 dots (no tf32).
+Tested on CPU under ``TRITON_INTERPRET=1`` (tests/test_sparse_kernels.py) and on an H100
+(tests/test_sparse_gpu.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+
+_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -21,37 +32,52 @@ def _block_sparse_attn_kernel(
     Q,
     K,
     V,
-    Out,  # Q/Out [rows, Hq, D] padded to whole query blocks; K/V [nb * B, Hkv, D]
+    Out,  # Q/Out [n, Hq, D] (the new rows only); K/V [L, Hkv, D]
     block_indptr,
     block_indices,
     col_indptr,
+    col_end,  # [Hkv * nqb]: end of the head's columns before the query block (they are sorted)
     col_indices,
-    member,  # member: [Hkv, nqb, nb] uint8
-    stride_q,
+    member,  # [Hkv, nqb, nb] uint8: 1 where a key block is selected (columns in it are skipped)
+    stride_qn,
     stride_qh,
-    stride_k,
+    stride_kn,
     stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_on,
+    stride_oh,
     num_q_blocks,
     num_blocks,
     first_q_block,
+    prefix_len,
     kv_len,
-    scale,
+    qk_scale,  # scale * log2(e): the softmax runs in base 2
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
     COL_CHUNK: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    qb = tl.program_id(0)
-    hq = tl.program_id(1)
+    hq = tl.program_id(0)
+    qb = num_q_blocks - 1 - tl.program_id(1)
     h = hq // GROUP
     rows = tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, D_PAD)
+    dim_ok = dims < HEAD_DIM
     start = (first_q_block + qb) * BLOCK  # absolute position of the block's first row
     pos = start + rows
-    q = tl.load(Q + (qb * BLOCK + rows)[:, None] * stride_q + hq * stride_qh + dims[None, :])
+    row_ok = (pos >= prefix_len) & (pos < kv_len)
+    q_row = (pos - prefix_len).to(tl.int64)
+    q = tl.load(
+        Q + q_row[:, None] * stride_qn + hq * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     m_i = tl.full([BLOCK], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
-    acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK, D_PAD], tl.float32)
 
     row = h * num_q_blocks + qb
     lo = tl.load(block_indptr + row)
@@ -59,19 +85,23 @@ def _block_sparse_attn_kernel(
     for j in range(lo, hi):
         kb = tl.load(block_indices + j)
         keys = kb * BLOCK + rows
-        kv_off = keys[:, None] * stride_k + h * stride_kh + dims[None, :]
-        k = tl.load(K + kv_off)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where((keys[None, :] <= pos[:, None]) & (keys[None, :] < kv_len), s, float("-inf"))
+        key_ok = keys < kv_len
+        ld = key_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + keys.to(tl.int64)[:, None] * stride_kn + h * stride_kh + dims[None, :], mask=ld, other=0.0)
+        v = tl.load(V + keys.to(tl.int64)[:, None] * stride_vn + h * stride_vh + dims[None, :], mask=ld, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where((keys[None, :] <= pos[:, None]) & key_ok[None, :], s, float("-inf"))
+        # every row sees key `start` of its diagonal block, so m_new is finite once that block ran;
+        # blocks before it are fully visible: no row's max is -inf at any step
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), tl.load(V + kv_off).to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     c_lo = tl.load(col_indptr + h)
-    c_hi = tl.load(col_indptr + h + 1)
+    c_hi = tl.load(col_end + row)  # later columns are causally invisible to the whole block
     offs = tl.arange(0, COL_CHUNK)
     for c0 in range(c_lo, c_hi, COL_CHUNK):
         idx = c0 + offs
@@ -79,49 +109,93 @@ def _block_sparse_attn_kernel(
         col = tl.load(col_indices + idx, mask=inside, other=0)
         held = tl.load(member + row * num_blocks + col // BLOCK, mask=inside, other=1)
         ok = inside & (col < start) & (held == 0)
-        kv_off = col[:, None] * stride_k + h * stride_kh + dims[None, :]
-        k = tl.load(K + kv_off, mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        ld = ok[:, None] & dim_ok[None, :]
+        k = tl.load(K + col.to(tl.int64)[:, None] * stride_kn + h * stride_kh + dims[None, :], mask=ld, other=0.0)
+        v = tl.load(V + col.to(tl.int64)[:, None] * stride_vn + h * stride_vh + dims[None, :], mask=ld, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         s = tl.where(ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + kv_off, mask=ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float32), v.to(tl.float32))
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    tl.store(Out + (qb * BLOCK + rows)[:, None] * stride_q + hq * stride_qh + dims[None, :], out)
+    tl.store(
+        Out + q_row[:, None] * stride_on + hq * stride_oh + dims[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
 
 
-def block_sparse_attention(q, k, v, mask, scale: float, col_chunk: int = 16) -> torch.Tensor:
-    """Same contract as :func:`sgl_loopkv.attention.sparse_executor.sparse_attention` (full heads
-    are run as every causal block). q [n, Hq, D]; k, v [L, Hkv, D] -> [n, Hq, D]."""
-    n, Hq, D = q.shape
-    L, H, _ = k.shape
-    B, qb0, nqb, nb = mask.block_size, mask.first_q_block, mask.num_q_blocks, mask.num_blocks
-    if any(mask.full):  # the kernel walks lists: spell full heads out as every causal block
+@dataclass(slots=True)
+class KernelPlan:
+    """A mask's index tensors on the kernel's device (built once per layer and sequence)."""
+
+    block_indptr: torch.Tensor
+    block_indices: torch.Tensor
+    col_indptr: torch.Tensor
+    col_end: torch.Tensor
+    col_indices: torch.Tensor
+    member: torch.Tensor
+    num_q_blocks: int
+    num_blocks: int
+    first_q_block: int
+    prefix_len: int
+    kv_len: int
+    block_size: int
+
+
+def prepare(mask, device) -> KernelPlan:
+    """Host mask -> device tensors. Full heads are spelled out as every causal block (the kernel
+    walks lists; a full head then costs what the dense causal triangle does)."""
+    if any(mask.full):
         from sgl_loopkv.attention.sparse_plan import SeqMask
 
         table = mask.block_table()
         table[torch.tensor(mask.full)] = True
-        cols = [mask.cols(h) for h in range(H)]
-        mask = SeqMask.from_block_table(table, L, n, B, cols)
-    front = mask.prefix_len - qb0 * B
-    dev = q.device
-    qp = q.new_zeros(nqb * B, Hq, D)
-    qp[front : front + n] = q
-    kp, vp = k.new_zeros(nb * B, H, D), v.new_zeros(nb * B, H, D)
-    kp[:L], vp[:L] = k, v
-    out = torch.empty_like(qp)
-    i32 = lambda t: t.to(device=dev, dtype=torch.int32).contiguous()  # noqa: E731
-    member = mask.block_table().to(device=dev, dtype=torch.uint8).contiguous()
-    _block_sparse_attn_kernel[(nqb, Hq)](
-        qp, kp, vp, out,
-        i32(mask.block_indptr), i32(mask.block_indices), i32(mask.col_indptr), i32(mask.col_indices), member,
-        qp.stride(0), qp.stride(1), kp.stride(0), kp.stride(1),
-        nqb, nb, qb0, L, scale,
-        GROUP=Hq // H, BLOCK=B, HEAD_DIM=D, COL_CHUNK=col_chunk,
+        cols = [mask.cols(h) for h in range(mask.num_heads)]
+        mask = SeqMask.from_block_table(table, mask.kv_len, mask.q_len, mask.block_size, cols)
+    H, nqb, nb, B = mask.num_heads, mask.num_q_blocks, mask.num_blocks, mask.block_size
+    starts = (torch.arange(nqb) + mask.first_q_block) * B
+    col_end = torch.cat([mask.col_indptr[h] + torch.searchsorted(mask.cols(h), starts) for h in range(H)])
+    parts = [mask.block_indptr, mask.block_indices, mask.col_indptr, col_end, mask.col_indices]
+    # one upload (a few small copies each cost a launch and a sync); member is built on the device
+    dev = torch.cat(parts).to(torch.int32).to(device, non_blocking=True).split([len(x) for x in parts])
+    rows = torch.repeat_interleave(
+        torch.arange(H * nqb, device=device), dev[0].diff(), output_size=len(mask.block_indices)
+    )
+    member = torch.zeros(H * nqb * nb, dtype=torch.uint8, device=device)
+    member[rows * nb + dev[1]] = 1
+    return KernelPlan(*dev, member, nqb, nb, mask.first_q_block, mask.prefix_len, mask.kv_len, B)
+
+
+def block_sparse_attention(
+    q, k, v, mask, scale: float, col_chunk: int | None = None, plan: KernelPlan | None = None, out=None
+) -> torch.Tensor:
+    """Same contract as :func:`sgl_loopkv.attention.sparse_executor.sparse_attention` (full heads
+    are run as every causal block). q [n, Hq, D]; k, v [L, Hkv, D] -> [n, Hq, D]. ``plan``: a
+    :func:`prepare` of ``mask`` (else built here); ``out``: written in place when given;
+    ``col_chunk``: columns per step (default the block size: one full-size dot per step)."""
+    n, Hq, D = q.shape
+    L, H, _ = k.shape
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    plan = plan or prepare(mask, q.device)
+    assert (plan.kv_len, plan.kv_len - plan.prefix_len) == (L, n), "mask does not match q/k"
+    B = plan.block_size
+    if q.device.type == "cuda":
+        assert B >= 16 and B & (B - 1) == 0, f"block size {B}: the GPU kernel needs a power of two >= 16"
+    out = q.new_empty(n, Hq, D) if out is None else out
+    _block_sparse_attn_kernel[(Hq, plan.num_q_blocks)](
+        q, k, v, out,
+        plan.block_indptr, plan.block_indices, plan.col_indptr, plan.col_end, plan.col_indices, plan.member,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        plan.num_q_blocks, plan.num_blocks, plan.first_q_block, plan.prefix_len, L, scale * _LOG2E,
+        GROUP=Hq // H, BLOCK=B, HEAD_DIM=D, D_PAD=max(16, triton.next_power_of_2(D)), COL_CHUNK=col_chunk or max(16, B),
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if B >= 64 else 2,
     )  # fmt: skip
-    return out[front : front + n]
+    return out

@@ -160,3 +160,21 @@ def test_attention_over_pool_runs_equals_reference(n, hq, hkv):
     plan = build_dense_plan(slots.view(1, -1).to(torch.int32), [0], [180], [n])
     out = EXECUTORS.create("torch").run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attention_over_pool_runs_in_half_precision(dtype):
+    """A half-precision pool (bf16 on CPU, fp16/bf16 on GPU) read run by run: no dtype error, and
+    the reference's numbers within half-precision rounding."""
+    from sgl_loopkv.attention.executor import attention_over_runs
+    from sgl_loopkv.attention.plan import slot_runs
+
+    g = torch.Generator().manual_seed(7)
+    slots = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in (5, 2, 9, 0)])
+    k_cache, v_cache = torch.randn(160, 2, 16, generator=g), torch.randn(160, 2, 16, generator=g)
+    q = torch.randn(3, 6, 16, generator=g)
+    ref = reference_attention(q, k_cache[slots], v_cache[slots], 0.25)
+    half = [t.to(dtype) for t in (q, k_cache, v_cache)]
+    out = attention_over_runs(*half, slot_runs(slots), 0.25, True)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

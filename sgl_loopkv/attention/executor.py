@@ -57,10 +57,18 @@ def dense_attention(
     elif causal and n > 1:
         pos = torch.arange(L - n, L, device=q.device).unsqueeze(1)
         mask = torch.arange(L, device=q.device).unsqueeze(0) <= pos  # [n, L] True = attend
+    # 4-D: with 3-D inputs CUDA SDPA falls back to its math kernel (65x slower at 8K on an H100,
+    # out of memory at 32K); the CPU kernels are indifferent.
     o = F.scaled_dot_product_attention(
-        qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=qh.shape[0] != kh.shape[0]
+        qh[None],
+        kh[None],
+        vh[None],
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=qh.shape[0] != kh.shape[0],
     )
-    return o.transpose(0, 1)
+    return o[0].transpose(0, 1)
 
 
 def attention_over_runs(
@@ -86,7 +94,10 @@ def attention_over_runs(
     pos = 0
     for first, length in runs:
         k = k_cache[first : first + length].transpose(0, 1)  # [Hkv, r, D] view
-        torch.bmm(qg, k.transpose(1, 2), out=scores[:, :, pos : pos + length])
+        if k.dtype == torch.float32:  # written in place
+            torch.bmm(qg, k.transpose(1, 2), out=scores[:, :, pos : pos + length])
+        else:  # bmm's out= must match its (half) inputs; softmax in fp32 all the same
+            scores[:, :, pos : pos + length] = torch.bmm(qg, k.transpose(1, 2))
         pos += length
     scores.mul_(scale)
     if causal and n > 1:
