@@ -132,6 +132,19 @@ def stored_fraction(pairs, codec_name, codec, cache, num_layers) -> float:
     return ((num_layers - len(pairs)) * per_layer + side) / (num_layers * per_layer)
 
 
+def greedy(model, cache, new_ids, rep=None, n: int = CONT) -> tuple[list[int], torch.Tensor]:
+    """``n`` greedy tokens after ``new_ids`` on a copy of ``cache`` (layers replaced by ``rep``), and
+    the first token's logits [1, V]."""
+    with torch.no_grad():
+        tokens, c = [], clone_cache(cache, rep)
+        logits = model(torch.tensor([new_ids]), past_key_values=c).logits[0, -1:]
+        first = logits.float()
+        for _ in range(n):
+            tokens.append(int(logits[-1].argmax()))
+            logits = model(torch.tensor([[tokens[-1]]]), past_key_values=c).logits[0]
+    return tokens, first
+
+
 def fidelity(model, cache, new_ids, ref_tokens, ref_logits, rep) -> tuple[float, float]:
     x = torch.tensor([new_ids + ref_tokens[:-1]])
     with torch.no_grad():
@@ -234,14 +247,7 @@ def main():
         est_rows.append(est)
         print(est, flush=True)
 
-        # reference continuation
-        with torch.no_grad():
-            ref_tokens, c2 = [], clone_cache(cache)
-            logits = model(torch.tensor([new]), past_key_values=c2).logits[0, -1:]
-            ref_first = logits.float()
-            for _ in range(CONT):
-                ref_tokens.append(int(logits[-1].argmax()))
-                logits = model(torch.tensor([[ref_tokens[-1]]]), past_key_values=c2).logits[0]
+        ref_tokens, ref_first = greedy(model, cache, new)  # reference continuation
         ir = stats.ir_score().tolist()
         convs.append(
             {

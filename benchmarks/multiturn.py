@@ -39,8 +39,10 @@ KV_BYTES_PER_TOKEN_FP32 = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M: layers x KV heads
 LLAMACPP_VENV = Path(os.environ.get("LOOPKV_LLAMACPP_VENV", Path.home() / ".cache/sgl-loopkv/llamacpp-venv"))
 # min-len 512: the per-turn extends here are 0.3-3K tokens; the default (2048) would leave most dense
 SPARSE = ("--loopkv-prefill-policy", "loopserve", "--loopkv-sparse-min-len", "512")
-# Krul's compressed storage as benchmarks/restore.py runs it: minicache layer sharing + bf16 tiers
-KRUL = ("--loopkv-share-layers", "minicache", "--loopkv-store-dtype", "bfloat16")
+# compressed tiers as benchmarks/restore.py runs them: int8 ("loopkv"), plus Krul's minicache layer
+# sharing ("loopkv_share")
+INT8 = ("--loopkv-store-dtype", "int8")
+KRUL = (*INT8, "--loopkv-share-layers", "minicache")
 
 
 @dataclass(frozen=True)
@@ -89,16 +91,12 @@ SYSTEMS = [
         (),
         "sgl-loopkv defaults: loopkv attention + tiered cache + Krul restore planner, dense (fidelity reference)",
     ),
-    System(
-        "krul",
-        KRUL,
-        "dense + Krul cross-layer sharing (minicache) + bf16 tiers",
-        requires="share_layers",
-    ),
+    System("int8", INT8, "dense + int8 tiers"),
+    System("krul", KRUL, "dense + int8 tiers + Krul cross-layer sharing (minicache)", requires="share_layers"),
     System(
         "all",
         (*SPARSE, *KRUL),
-        "everything: loopkv attention + tiered cache + Krul (planner, sharing, bf16) + LoopServe sparse prefill",
+        "everything: loopkv attention + tiered cache + Krul (planner, sharing) + int8 tiers + LoopServe sparse prefill",
         budget=0.95,
     ),
     # score vs budget (full mode)
@@ -365,7 +363,9 @@ def report_md(payload: dict, out: str = "multiturn") -> str:
         f"# multiturn ({env['when']}, {payload['config']['mode']}: {len(payload['conversations'])} conversations, "
         f"{payload['n_turns']} turns, {min(payload['config']['lengths'])}-{max(payload['config']['lengths'])} tokens, "
         f"device pool {payload['config']['pool_tokens']} tokens; load avg {env['loadavg_start']:.1f} -> "
-        f"{env['loadavg_end']:.1f})\n\n"
+        f"{env['loadavg_end']:.1f}"
+        + (f"; {env['wall_s'] / 60:.1f} min wall for {len(sm['systems'])} systems" if "wall_s" in env else "")
+        + ")\n\n"
     )
     t1 = md_table(
         [
@@ -488,6 +488,7 @@ def main() -> None:
     n_turns = sum(len(c.turns) for c in convs)
 
     env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
+    t_start = time.monotonic()  # after any llama.cpp install: the run itself
     results, failed = {}, {}
     with tqdm(total=n_turns * len(systems), desc="multiturn") as bar:
         for s in systems:
@@ -500,6 +501,7 @@ def main() -> None:
                 print(f"[multiturn] {s.name} failed: {e!r}")
     systems = [s for s in systems if s.name in results]
     env["loadavg_end"] = os.getloadavg()[0]
+    env["wall_s"] = time.monotonic() - t_start
     env["git_end"] = _git_state()  # others commit to this tree meanwhile: what the last server ran
 
     per = summarize(results, systems, history_total)

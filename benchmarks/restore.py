@@ -1,27 +1,32 @@
 """Restore benchmark (Krul): TTFT of a returning conversation's turn when its evicted history is
 recomputed, loaded whole, partly recomputed with a fixed split, or restored by sgl-loopkv (the
-cost-model planner, with cross-layer sharing when it is on); stored bytes per token; fidelity vs
-dense; bubble fraction.
+cost-model planner, over compressed tiers); from the host arena and from disk; stored bytes per
+token; fidelity vs dense; bubble fraction.
 
-Systems (one server per system and history length; a device pool just larger than the history,
-so one filler request evicts it to the host tier):
+Systems (one server per system, tier and history length; a device pool just larger than the
+history, so one filler request evicts it):
 - full_recompute: sgl-loopkv attention, radix cache off (the history is prefilled again);
-- full_load: tiered cache, ``--loopkv-restore-planner load_all``, no sharing (exact: the dense
-  reference for fidelity);
-- fixed: tiered cache, ``--loopkv-restore-planner fixed --loopkv-restore-ratio 0.4`` (Krul's 2:3
-  recompute:load, the same front share in every layer);
-- loopkv_planner: tiered cache, ``krul`` planner (cost model calibrated on this machine), no sharing;
-- loopkv: the same plus compressed storage: cross-layer sharing (minicache codec, selection at its
-  defaults) and bf16 tiers.
+- full_load: tiered cache, ``load_all``, no compression (exact: the fidelity reference);
+- fixed: ``fixed --loopkv-restore-ratio 0.4`` (Krul's 2:3 recompute:load in every layer);
+- loopkv_planner: the ``krul`` planner (cost model calibrated on this machine), no compression;
+- loopkv: the planner over int8 tiers (``--loopkv-store-dtype int8``): sgl-loopkv's compressed config;
+- loopkv_share: loopkv plus Krul's cross-layer sharing (minicache codec, selection at its defaults).
 
-Fidelity: greedy agreement = fraction of 128 greedy tokens before the first divergence from
-full_load; first-token KL(full_load || system) over full_load's top-20 tokens plus the lumped tail.
-Bubble fraction = seconds the forward waited for a layer's load (``loopkv_restore_seconds{part=
-"bubble"}``) / TTFT of the returning turn. Stored bytes per token = host tier bytes / host tier
-tokens (key summaries included for every system).
+Tiers: ``host`` (the history evicted from the device pool into the host arena) and ``disk`` (no
+host arena; the segment files are dropped from the OS page cache before each resume).
 
-    python -m benchmarks.restore                 # 2K/4K/8K, 1 repeat
-    python -m benchmarks.restore --quick         # 4K only
+Per configuration: the history is stored, then one untimed evict + resume (warm-up) and
+``--repeats`` timed ones (TTFT of a 1-token request, median); then the restored KV (on the device
+by then) generates 128 greedy tokens and scores full_load's 128 tokens teacher-forced.
+Fidelity vs full_load (host): ``greedy_agreement`` = share of the 128 reference positions whose
+top-1 token the system predicts given the reference prefix (teacher forced); ``prefix_agreement`` =
+share of the system's own 128 greedy tokens before the first divergence (strict: one near-tie flips
+the rest); first-token KL(full_load || system) over full_load's top-20 tokens plus the lumped tail.
+Bubble fraction = seconds the forward waited for a layer's load / TTFT. Stored bytes per token =
+tier bytes / tier tokens (key summaries, scales and file headers included).
+
+    python -m benchmarks.restore                 # 2K/4K/8K, 3 repeats
+    python -m benchmarks.restore --quick         # 4K only, 1 repeat
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import tempfile
 from pathlib import Path
 
 import requests
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, environment, md_table, median, synthetic_ids, timed_generate, write_results
+from benchmarks.resume import drop_page_cache
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
@@ -42,29 +49,20 @@ from sgl_loopkv.server.process import ServerProcess
 GEN = 128
 TOPK = 20
 FILLER = 1100
-FULL_KV_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2, fp32, per token
+FULL_KV_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2's fp32 KV pool, per token (no summaries)
+HEAD = "loopkv"
 
-
-def sharing_flags() -> list[str]:
-    """Compressed storage: cross-layer sharing (codec from $LOOPKV_BENCH_CODEC, default minicache;
-    gamma, r_l and pairing at their defaults) and bf16 tiers."""
-    return [
-        "--loopkv-share-layers",
-        os.environ.get("LOOPKV_BENCH_CODEC", "minicache"),
-        "--loopkv-store-dtype",
-        "bfloat16",
-    ]
-
-
-def systems() -> dict[str, list[str] | None]:
-    out: dict[str, list[str] | None] = {
-        "full_recompute": None,
-        "full_load": ["--loopkv-restore-planner", "load_all"],
-        "fixed": ["--loopkv-restore-planner", "fixed", "--loopkv-restore-ratio", "0.4"],
-        "loopkv_planner": ["--loopkv-restore-planner", "krul"],
-    }
-    out["loopkv"] = ["--loopkv-restore-planner", "krul", *sharing_flags()]
-    return out
+SYSTEMS: dict[str, tuple[list[str] | None, tuple[str, ...]]] = {  # name -> (flags, tiers)
+    "full_recompute": (None, ("-",)),
+    "full_load": (["--loopkv-restore-planner", "load_all"], ("host", "disk")),
+    "fixed": (["--loopkv-restore-planner", "fixed", "--loopkv-restore-ratio", "0.4"], ("host",)),
+    "loopkv_planner": (["--loopkv-restore-planner", "krul"], ("host", "disk")),
+    "loopkv": (["--loopkv-restore-planner", "krul", "--loopkv-store-dtype", "int8"], ("host", "disk")),
+    "loopkv_share": (
+        ["--loopkv-restore-planner", "krul", "--loopkv-store-dtype", "int8", "--loopkv-share-layers", "minicache"],
+        ("host", "disk"),
+    ),
+}
 
 
 def turn_ids(tok) -> list[int]:
@@ -82,6 +80,12 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def _generate(url: str, body: dict) -> dict:
+    r = requests.post(f"{url}/generate", json=body, timeout=900)
+    r.raise_for_status()
+    return r.json()["meta_info"]
+
+
 def first_token_logprobs(url: str, ids: list[int], token_ids: list[int] | None) -> dict:
     body = {
         "input_ids": ids,
@@ -91,12 +95,26 @@ def first_token_logprobs(url: str, ids: list[int], token_ids: list[int] | None) 
     }
     if token_ids:
         body["token_ids_logprob"] = token_ids
-    r = requests.post(f"{url}/generate", json=body, timeout=600)
-    r.raise_for_status()
-    m = r.json()["meta_info"]
+    m = _generate(url, body)
     top = {int(t): float(lp) for lp, t, *_ in m["output_top_logprobs"][0]}
     chosen = {int(t): float(lp) for lp, t, *_ in (m.get("output_token_ids_logprobs") or [[]])[0] or []}
-    return {"top": top, "chosen": chosen, "cached": m["cached_tokens"]}
+    return {"top": top, "chosen": chosen}
+
+
+def teacher_forced_top1(url: str, prompt: list[int], ref: list[int]) -> list[int]:
+    """The server's top-1 token at each of ``ref``'s positions, given the prompt and ref's prefix."""
+    body = {
+        "input_ids": prompt + ref[:-1],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        # SGLang gives no prediction for the first position of the logprob range: start one earlier
+        "logprob_start_len": len(prompt) - 1,
+        "top_logprobs_num": 1,
+    }
+    m = _generate(url, body)
+    inputs = m["input_top_logprobs"][1:]  # the predictions of ref[0 .. n-2]
+    assert len(inputs) == len(ref) - 1, (len(inputs), len(ref))
+    return [int(e[0][1]) for e in inputs] + [int(m["output_top_logprobs"][0][0][1])]
 
 
 def kl_topk(ref: dict[int, float], ours: dict[int, float]) -> float:
@@ -108,55 +126,58 @@ def kl_topk(ref: dict[int, float], ours: dict[int, float]) -> float:
     return kl + pt * (math.log(pt) - math.log(qt))
 
 
-def agreement(ours: list[int], ref: list[int]) -> float:
+def prefix_agreement(ours: list[int], ref: list[int]) -> float:
     n = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
     return n / len(ref)
 
 
-def run_system(name: str, flags: list[str] | None, tok, L: int, repeats: int, ref_top: list[int] | None) -> dict:
+def run_config(name: str, tier: str, tok, L: int, repeats: int, ref: dict | None) -> dict:
+    flags, _ = SYSTEMS[name]
     hist = synthetic_ids(tok, L, seed=L)
     prompt = hist + turn_ids(tok)
-    log = RESULTS / f"restore_{name}_{L}.log"
+    pool = ["--max-total-tokens", str(L + 1024)]
+    disk_dir = Path(tempfile.mkdtemp(prefix="loopkv-restore-")) if tier == "disk" else None
     if flags is None:
-        args = ["--disable-radix-cache", "--max-total-tokens", str(L + 1024)]
+        args = ["--disable-radix-cache", *pool]
     else:
-        args = ["--max-total-tokens", str(L + 1024), "--enable-metrics", "--loopkv-host-bytes", str(4 << 30), *flags]
-    srv = ServerProcess(args, log_path=log).start()
+        host = ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk_dir)] if disk_dir else []
+        args = [*pool, "--enable-metrics", *host, *flags]
+    srv = ServerProcess(args, log_path=RESULTS / f"restore_{name}_{tier}_{L}.log").start()
+    bubble = 'loopkv_restore_seconds_total{part="bubble"}'
     try:
         runs = []
         if flags is not None:
             timed_generate(srv.url, hist, 1)  # the earlier turn: now stored
-        for r in range(repeats):
-            if flags is not None:  # evict the history to the host tier (over 4K it may be two radix nodes)
-                timed_generate(
-                    srv.url, synthetic_ids(tok, FILLER + (4096 if L > 4096 else 0), seed=10_000 + 100 * L + r), 1
-                )
+        for r in range(repeats + 1):  # the first resume warms up (untimed)
+            if flags is not None:  # evict the history (over 4K it may be two radix nodes)
+                filler = synthetic_ids(tok, FILLER + (4096 if L > 4096 else 0), seed=10_000 + 100 * L + r)
+                timed_generate(srv.url, filler, 1)
+                if disk_dir:
+                    drop_page_cache(disk_dir)
                 m0 = metrics(srv.url)
-            res = timed_generate(srv.url, prompt, GEN)
+            res = timed_generate(srv.url, prompt, 1)
             if flags is not None:
                 m1 = metrics(srv.url)
-                host = res["meta_info"]["cached_tokens_details"]["host"]
-                assert host >= L - 16, f"{name}: host resume served {res['meta_info']['cached_tokens_details']}"
-                res["bubble_s"] = m1.get('loopkv_restore_seconds_total{part="bubble"}', 0.0) - m0.get(
-                    'loopkv_restore_seconds_total{part="bubble"}', 0.0
-                )
-                res["recompute_fraction"] = m1.get("loopkv_restore_recompute_fraction", 0.0)
+                got = res["meta_info"]["cached_tokens_details"]["storage" if disk_dir else "host"]
+                assert got >= L - 16, f"{name}/{tier}: resume served {res['meta_info']['cached_tokens_details']}"
+                res["bubble_s"] = m1.get(bubble, 0.0) - m0.get(bubble, 0.0)
                 res["front_first"] = m1.get('loopkv_restore_last_front_tokens{layer="first"}', 0.0)
                 res["front_last"] = m1.get('loopkv_restore_last_front_tokens{layer="last"}', 0.0)
-                res["bytes_per_token"] = m1['loopkv_tier_bytes{tier="host"}'] / max(
-                    m1['loopkv_tier_tokens{tier="host"}'], 1
+                t = "disk" if disk_dir else "host"
+                res["bytes_per_token"] = m1[f'loopkv_tier_bytes{{tier="{t}"}}'] / max(
+                    m1[f'loopkv_tier_tokens{{tier="{t}"}}'], 1
                 )
-            runs.append(res)
-        # First-token distribution on the restored KV (still in the pool: this request hits the device).
-        lp = first_token_logprobs(srv.url, prompt, ref_top)
+            if r:
+                runs.append(res)
+        # Fidelity on the restored KV (still in the device pool: these requests hit it).
+        out_ids = timed_generate(srv.url, prompt, GEN)["output_ids"]
+        lp = first_token_logprobs(srv.url, prompt, list(ref["logprobs"]["top"]) if ref else None)
+        tf = teacher_forced_top1(srv.url, prompt, ref["output_ids"] if ref else out_ids)
     finally:
         srv.stop()
-    out = {
-        "ttft_s": median([x["ttft_s"] for x in runs]),
-        "output_ids": runs[0]["output_ids"],
-        "logprobs": lp,
-    }
-    for key in ("bubble_s", "recompute_fraction", "front_first", "front_last", "bytes_per_token"):
+    out = {"ttft_s": median([x["ttft_s"] for x in runs]), "ttfts_s": [x["ttft_s"] for x in runs]}
+    out |= {"output_ids": out_ids, "logprobs": lp, "teacher_forced": tf}
+    for key in ("bubble_s", "front_first", "front_last", "bytes_per_token"):
         if key in runs[0]:
             out[key] = median([x[key] for x in runs])
     if "bubble_s" in out:
@@ -164,19 +185,24 @@ def run_system(name: str, flags: list[str] | None, tok, L: int, repeats: int, re
     return out
 
 
-def plot(results: dict, lengths: list[int], names: list[str], path: Path) -> None:
+def plot(results: dict, lengths: list[int], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for name, style in zip(names, ("--s", "-o", "-^", "-D", "-*")):
-        ax.plot(lengths, [results[name][L]["ttft_s"] for L in lengths], style, label=name)
-    ax.set(xscale="log", yscale="log", xlabel="history tokens", ylabel="returning-turn TTFT (s)")
-    ax.set_xticks(lengths, [str(L) for L in lengths])
-    ax.set_title("Restoring an evicted conversation (SmolLM2, CPU)")
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, tier in zip(axes, ("host", "disk")):
+        for name, style in zip(SYSTEMS, ("--s", "-o", "-^", "-D", "-*", "-v")):
+            key = tier if tier in SYSTEMS[name][1] else ("-" if name == "full_recompute" else None)
+            if key is None:
+                continue
+            ax.plot(lengths, [results[name][key][L]["ttft_s"] for L in lengths], style, label=name)
+        ax.set(xscale="log", yscale="log", xlabel="history tokens", title=f"history evicted to the {tier} tier")
+        ax.set_xticks(lengths, [str(L) for L in lengths])
+    axes[0].set_ylabel("returning-turn TTFT (s, median)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Restoring an evicted conversation (SmolLM2-135M, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -184,55 +210,79 @@ def plot(results: dict, lengths: list[int], names: list[str], path: Path) -> Non
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--quick", action="store_true", help="4K only")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat")
     args = ap.parse_args()
-    lengths = [4096] if args.quick else sorted(args.lengths)
+    lengths, repeats = ([4096], 1) if args.quick else (sorted(args.lengths), args.repeats)
     assert 4096 in lengths, "the summary is at 4K"
 
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
     load_start = os.getloadavg()
-    table = systems()
-    names = list(table)
-    results: dict = {n: {} for n in names}
-    order = ["full_load", *[n for n in names if n != "full_load"]]  # the reference first
-    with tqdm(total=len(names) * len(lengths), desc="restore") as bar:
+    configs = [(n, t) for n, (_, tiers) in SYSTEMS.items() for t in tiers]
+    configs.remove(("full_load", "host"))
+    configs.insert(0, ("full_load", "host"))  # the reference first
+    results: dict = {n: {t: {} for t in tiers} for n, (_, tiers) in SYSTEMS.items()}
+    with tqdm(total=len(configs) * len(lengths), desc="restore") as bar:
         for L in lengths:
-            for name in order:
-                bar.set_postfix_str(f"{name} {L}")
-                ref = results["full_load"].get(L)
-                ref_top = list(ref["logprobs"]["top"]) if ref else None
-                results[name][L] = run_system(name, table[name], tok, L, args.repeats, ref_top)
+            for name, tier in configs:
+                bar.set_postfix_str(f"{name}/{tier} {L}")
+                ref = results["full_load"]["host"].get(L)
+                results[name][tier][L] = run_config(name, tier, tok, L, repeats, ref)
                 bar.update()
 
+    rows = []
     for L in lengths:
-        ref = results["full_load"][L]
-        for name in names:
-            r = results[name][L]
-            r["greedy_agreement"] = agreement(r["output_ids"], ref["output_ids"])
+        ref = results["full_load"]["host"][L]
+        for name, tier in configs:
+            r = results[name][tier][L]
+            r["greedy_agreement"] = sum(a == b for a, b in zip(r["teacher_forced"], ref["output_ids"])) / GEN
+            r["prefix_agreement"] = prefix_agreement(r["output_ids"], ref["output_ids"])
             ours = {**r["logprobs"]["top"], **r["logprobs"]["chosen"]}
-            r["first_token_kl"] = kl_topk(ref["logprobs"]["top"], ours) if name != "full_load" else 0.0
-    head = "loopkv"
-    h4 = results[head][4096]
+            r["first_token_kl"] = (
+                0.0 if (name, tier) == ("full_load", "host") else kl_topk(ref["logprobs"]["top"], ours)
+            )
+            r["identical"] = r["output_ids"] == ref["output_ids"]
+    assert results["full_load"]["host"][4096]["greedy_agreement"] == 1.0, "teacher forcing does not reproduce itself"
+
+    def at4k(name, tier="host"):
+        return results[name][tier][4096]["ttft_s"]
+
+    def system_summary(name: str) -> dict:
+        res = results[name]
+        return {
+            "storage_reduction": FULL_KV_BYTES / median([res["host"][L]["bytes_per_token"] for L in lengths]),
+            "storage_reduction_disk": FULL_KV_BYTES / median([res["disk"][L]["bytes_per_token"] for L in lengths]),
+            "greedy_agreement": min(res[t][L]["greedy_agreement"] for t in res for L in lengths),
+            "prefix_agreement": min(res[t][L]["prefix_agreement"] for t in res for L in lengths),
+            "first_token_kl_max": max(res[t][L]["first_token_kl"] for t in res for L in lengths),
+            "bubble_fraction": median([res[t][L]["bubble_fraction"] for t in res for L in lengths]),
+            "ttft_recompute_over_it_4k": at4k("full_recompute", "-") / at4k(name),
+            "ttft_full_load_over_it_4k": at4k("full_load") / at4k(name),
+            "ttft_full_load_over_it_4k_disk": at4k("full_load", "disk") / at4k(name, "disk"),
+        }
+
+    head = system_summary(HEAD)
     summary = {
-        "headline_system": head,
-        "ttft_recompute_over_loopkv_4k": results["full_recompute"][4096]["ttft_s"] / h4["ttft_s"],
-        "ttft_full_load_over_loopkv_4k": results["full_load"][4096]["ttft_s"] / h4["ttft_s"],
-        "ttft_fixed_over_loopkv_4k": results["fixed"][4096]["ttft_s"] / h4["ttft_s"],
-        "storage_reduction": FULL_KV_BYTES / median([results[head][L]["bytes_per_token"] for L in lengths]),
-        "storage_reduction_vs_full_load_tier": median(
-            [results["full_load"][L]["bytes_per_token"] / results[head][L]["bytes_per_token"] for L in lengths]
-        ),
-        "greedy_agreement": min(results[head][L]["greedy_agreement"] for L in lengths),
-        "first_token_kl_max": max(results[head][L]["first_token_kl"] for L in lengths),
-        "bubble_fraction": median([results[head][L]["bubble_fraction"] for L in lengths]),
-        "exact_without_sharing": all(
-            results[n][L]["output_ids"] == results["full_load"][L]["output_ids"]
-            for n in ("fixed", "loopkv_planner", "full_recompute")
+        "headline_system": HEAD,
+        "ttft_recompute_over_loopkv_4k": head["ttft_recompute_over_it_4k"],
+        "ttft_full_load_over_loopkv_4k": head["ttft_full_load_over_it_4k"],
+        "ttft_full_load_over_loopkv_4k_disk": head["ttft_full_load_over_it_4k_disk"],
+        "ttft_fixed_over_loopkv_4k": at4k("fixed") / at4k(HEAD),
+        "storage_reduction": head["storage_reduction"],
+        "storage_reduction_disk": head["storage_reduction_disk"],
+        "greedy_agreement": head["greedy_agreement"],
+        "prefix_agreement": head["prefix_agreement"],
+        "first_token_kl_max": head["first_token_kl_max"],
+        "bubble_fraction": head["bubble_fraction"],
+        "exact_without_compression": all(
+            results[n][t][L]["identical"]
+            for n in ("full_recompute", "full_load", "fixed", "loopkv_planner")
+            for t in results[n]
             for L in lengths
         ),
+        "per_system": {n: system_summary(n) for n in ("full_load", "loopkv_planner", "loopkv", "loopkv_share")},
         "targets": {
             "ttft_recompute_over_loopkv_4k": 5,
             "ttft_full_load_over_loopkv_4k": 2.5,
@@ -240,61 +290,73 @@ def main() -> None:
             "greedy_agreement": 0.9,
         },
     }
-    for n in names:
-        for L in lengths:
-            results[n][L].pop("output_ids")
+    for n, t, L in ((n, t, L) for n, t in configs for L in lengths):
+        for key in ("output_ids", "teacher_forced"):
+            results[n][t][L].pop(key)
     env = environment() | {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}
-    payload = {"summary": summary, "systems": results, "flags": table, "lengths": lengths, "env": env}
-    rows = []
+    payload = {"summary": summary, "systems": results, "flags": {n: f for n, (f, _) in SYSTEMS.items()}}
+    payload |= {"lengths": lengths, "repeats": repeats, "env": env}
     for L in lengths:
-        for n in names:
-            r = results[n][L]
+        for name, tier in configs:
+            r = results[name][tier][L]
             rows.append(
                 [
                     L,
-                    n,
+                    name,
+                    tier,
                     r["ttft_s"],
-                    results["full_recompute"][L]["ttft_s"] / r["ttft_s"],
-                    results["full_load"][L]["ttft_s"] / r["ttft_s"],
+                    results["full_recompute"]["-"][L]["ttft_s"] / r["ttft_s"],
+                    results["full_load"][tier if tier != "-" else "host"][L]["ttft_s"] / r["ttft_s"],
                     f"{r['front_first']:.0f}..{r['front_last']:.0f}" if "front_first" in r else "-",
                     r.get("bubble_fraction", "-"),
                     r.get("bytes_per_token", "-"),
                     FULL_KV_BYTES / r["bytes_per_token"] if "bytes_per_token" in r else "-",
                     r["greedy_agreement"],
+                    r["prefix_agreement"],
                     r["first_token_kl"],
                 ]
             )
+    s, share = summary, summary["per_system"]["loopkv_share"]
     md = (
         f"# restore ({env['when']}; `python -m benchmarks.restore{' --quick' if args.quick else ''}`, "
-        f"{args.repeats} repeat(s); load average {load_start[0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end)\n\n"
-        "SmolLM2-135M-Instruct, fp32, CPU. Returning turn of a conversation whose history was evicted to the "
-        f"host tier; {GEN} greedy tokens. Systems:\n\n"
-        + "".join(f"- {n}: `{' '.join(f) if f else '--disable-radix-cache'}`\n" for n, f in table.items())
+        f"median of {repeats} timed resume(s) after a warm-up; load average {load_start[0]:.1f} at start, "
+        f"{env['loadavg_end'][0]:.1f} at end)\n\n"
+        "SmolLM2-135M-Instruct, fp32 KV pool, CPU (2 cores). Returning turn of a conversation whose history was "
+        "evicted from the device pool to the host arena (`host`) or, with no arena, to disk with the page cache "
+        "dropped (`disk`). Systems:\n\n"
+        + "".join(f"- {n}: `{' '.join(f) if f else '--disable-radix-cache'}`\n" for n, (f, _) in SYSTEMS.items())
         + "\n"
         + md_table(
             [
                 "history",
                 "system",
+                "tier",
                 "TTFT s",
                 "recompute / x",
-                "full load / x",
+                "full load (same tier) / x",
                 "front tokens recomputed (layer 0..last)",
                 "bubble fraction",
                 "stored B/token",
-                "reduction vs full KV",
-                "greedy agreement",
+                "reduction vs fp32 KV",
+                "greedy agreement (teacher-forced)",
+                "prefix agreement",
                 "first-token KL",
             ],
             rows,
         )
-        + f"\nSummary ({head}): TTFT vs full recompute {summary['ttft_recompute_over_loopkv_4k']:.2f}x at 4K "
-        f"(target 5x), vs full load {summary['ttft_full_load_over_loopkv_4k']:.2f}x (target 2.5x); storage "
-        f"reduction {summary['storage_reduction']:.2f}x vs full KV (target 3x); greedy agreement "
-        f"{summary['greedy_agreement']:.2f} (target 0.9); bubble fraction {summary['bubble_fraction']:.3f}; "
-        f"plans without sharing exact: {summary['exact_without_sharing']}.\n\n![restore](restore.png)\n"
+        + f"\nSummary (`{HEAD}`, host tier unless said): TTFT vs full recompute "
+        f"{s['ttft_recompute_over_loopkv_4k']:.1f}x at 4K (target 5x); vs full load "
+        f"{s['ttft_full_load_over_loopkv_4k']:.2f}x (host) and {s['ttft_full_load_over_loopkv_4k_disk']:.2f}x (disk) "
+        f"(target 2.5x); storage reduction {s['storage_reduction']:.2f}x host, {s['storage_reduction_disk']:.2f}x disk "
+        f"(target 3x); greedy agreement {s['greedy_agreement']:.3f} (target 0.9), prefix agreement "
+        f"{s['prefix_agreement']:.2f}; first-token KL at most {s['first_token_kl_max']:.2g}; bubble fraction "
+        f"{s['bubble_fraction']:.3f}; uncompressed plans exact (greedy identical): {s['exact_without_compression']}. "
+        f"With sharing (`loopkv_share`): {share['storage_reduction']:.2f}x host, greedy agreement "
+        f"{share['greedy_agreement']:.3f}, prefix agreement {share['prefix_agreement']:.2f}, first-token KL up to "
+        f"{share['first_token_kl_max']:.2g}.\n\n![restore](restore.png)\n"
     )
     write_results("restore", payload, md)
-    plot(results, lengths, names, RESULTS / "restore.png")
+    plot(results, lengths, RESULTS / "restore.png")
     print(md)
 
 

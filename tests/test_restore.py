@@ -72,6 +72,17 @@ def test_planner_chooses_the_cheap_stream():
     assert KrulPlanner().plan(j, cheap_load) == RestorePlan.load_all(j.total, j.num_layers)
 
 
+def test_fixed_layer_costs_keep_the_planner_from_marginal_recomputes():
+    """Copying is only slightly slower than recomputing: without a per-layer call cost a small
+    front recompute looks worth it; with a realistic one (a few ms a layer on a CPU) load-all wins."""
+    j = job(new_tokens=16)
+    per_token = j.layer_bytes / 1e10
+    free_calls = CostModel(token_s=per_token * 3, attn_s=0.0, copy_bps=1e10)
+    assert KrulPlanner().plan(j, free_calls).recompute_tokens > 0
+    costly_calls = CostModel(token_s=per_token * 3, attn_s=0.0, copy_bps=1e10, layer_s=5e-3)
+    assert KrulPlanner().plan(j, costly_calls) == RestorePlan.load_all(j.total, j.num_layers)
+
+
 def test_planner_balances_equal_streams_and_beats_both_extremes():
     j = job(new_tokens=64)
     # One token-layer costs the same to recompute and to copy: the best split shares the work.

@@ -262,13 +262,14 @@ class TieredKVStore:
             )
             return kv, "disk"
         self.stats.disk_bytes_used += kv_nbytes(kv)
-        if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
-            with self._disk_lock:
-                summaries = self.disk.read_summaries(seg_id)
-        else:  # the verified keys give the summaries back for free: reading them would cost disk bandwidth
-            summaries = key_summaries(stored_keys(kv), self.geometry.chunk_tokens).to(self.geometry.summary_dtype)
-        nbytes = kv_nbytes(kv) + summaries.numel() * summaries.element_size()
-        if self._make_host_room(nbytes, keep=seg_id):
+        g = self.geometry
+        nbytes = kv_nbytes(kv) + g.num_layers * seg.record.n_chunks * g.summary_bytes_per_chunk_layer
+        if self._make_host_room(nbytes, keep=seg_id):  # promote (the summaries only once it fits)
+            if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
+                with self._disk_lock:
+                    summaries = self.disk.read_summaries(seg_id)
+            else:  # the verified keys give the summaries back without another read
+                summaries = key_summaries(stored_keys(kv), g.chunk_tokens).to(g.summary_dtype)
             seg.host_kv, seg.host_summaries = kv, summaries
             self.stats.host_bytes += nbytes
         return slice_tokens(kv, chunk_lo * c, chunk_hi * c), "disk"

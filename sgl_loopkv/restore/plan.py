@@ -69,20 +69,23 @@ class RestorePlan:
 class CostModel:
     """Seconds per unit of work on this machine (calibrated at start-up, refined online).
 
-    Recomputing (or extending) ``s`` rows of one layer after ``p`` cached positions costs
-    ``token_s * s + attn_s * s * (p + s / 2)`` (projections and MLP, plus causal attention pairs);
+    Recomputing (or extending) ``s > 0`` rows of one layer after ``p`` cached positions costs
+    ``layer_s + token_s * s + attn_s * s * (p + s / 2)`` (a fixed cost per layer call, projections
+    and MLP, causal attention pairs; without ``layer_s`` a planner buys a few ms of simulated overlap
+    with a small front recompute that costs more in call overheads on a CPU);
     copying one layer of ``t`` tokens into the pool costs ``t * layer_bytes / copy_bps``; reading
     it from disk ``t * stored_layer_bytes / disk_bps``.
     """
 
     token_s: float = 2e-5
     attn_s: float = 2e-9
+    layer_s: float = 0.0
     copy_bps: float = 4e9
     disk_bps: float = 1e9
     source: str = "default"
 
     def rows_s(self, s: int, p: int) -> float:
-        return self.token_s * s + self.attn_s * s * (p + s / 2)
+        return self.layer_s + self.token_s * s + self.attn_s * s * (p + s / 2) if s > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
