@@ -3,7 +3,8 @@
 # FlashInfer's JIT modules in the background while the Triton/dense GPU tests run, then the
 # FlashInfer tests and benchmarks/gpu_sparse.py. Logs and results go to $OUT; a short table last.
 #   carry: .whl (apache_tvm_ffi-*.whl, fi/flashinfer-stripped.tar.xz, optional fi/fi_cache.tar.xz)
-#   usage: bash benchmarks/gpu_device.sh [tests|bench|all]   (default all; BENCH_ARGS=... for the benchmark)
+#   usage: bash benchmarks/gpu_device.sh [tests|bench|all|fi]   (default all; BENCH_ARGS=... for the benchmark)
+#   fi: all but the Triton/dense GPU tests (~2 min of Triton compiles), for changes to the FlashInfer path
 # Making .whl here (ignored via .git/info/exclude): the flashinfer-python 0.7.2 wheel is 62 MiB, over
 # what a call may carry, so it travels stripped: unzip it, delete data/csrc/*/ (other kernels' sources)
 # and every non-.py file outside data/, tar.xz flashinfer/ + its dist-info (13 MB). Its other
@@ -60,15 +61,16 @@ for b in fa3 fa2; do for d in float16 bfloat16; do
 done; done
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfEsx --timeout 600 -o addopts="
-if [ "$what" != bench ]; then
-  $PYTEST tests/test_sparse_gpu.py -k "not flashinfer and not loopserve" 2>&1 | tee "$OUT/pytest.log" | tail -25
+FI_TESTS="flashinfer or loopserve or request_lists"
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  $PYTEST tests/test_sparse_gpu.py -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
   stamp "triton/dense tests done"
 fi
 wait "${pids[@]}"
 stamp "flashinfer warm-up finished"; grep -E "ready|Error|error" "$OUT/fi_warm.log" | tail -8
 if [ "$what" != bench ]; then
-  $PYTEST tests/test_sparse_gpu.py -k "flashinfer or loopserve" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
-  # the interpreter test needs Triton >= 3.8's interpreter (3.6's cannot loop over loaded bounds)
+  $PYTEST tests/test_sparse_gpu.py -k "($FI_TESTS) and not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
+  # the interpreter tests need Triton >= 3.8's interpreter (3.6's cannot loop over loaded bounds)
   $PYTEST tests/test_sparse_kernels.py -k "not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -3
   stamp "flashinfer tests done"
 fi

@@ -75,6 +75,92 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def two_plan_probe(mask, q, k, v, ref, backend: str, ws, rep_ms: float) -> dict:
+    """Kernel times (ms) of the design FlashInfer's one-page-size-per-plan leaves for pages of a
+    whole block: plan A = every (head, query block)'s blocks (diagonal last, causal) as pages of B
+    tokens of one head, plan B = its columns in no selected block as pages of one token (not
+    causal; requests without columns left out), merged by log-sum-exp (torch here), K/V copied
+    head-major per layer (what pages of B tokens of one head need; the pool is per token). Also
+    plan A's lists as pages of one token, to separate the page size from the columns.
+    ``rel_vs_one_plan``: its output vs ``ref`` (the executor's). Needs L % B == 0, no prefix, no
+    full heads."""
+    import flashinfer
+    import numpy as np
+
+    L, H, _ = k.shape
+    B, nb, nqb, G, dev = mask.block_size, mask.num_blocks, mask.num_q_blocks, q.shape[1] // H, q.device
+    assert L % B == 0 and mask.prefix_len == 0 and not any(mask.full)
+    kw = dict(sm_scale=SCALE, q_data_type=q.dtype, kv_data_type=k.dtype)
+    head_major = lambda x: x.transpose(0, 1).contiguous()  # noqa: E731
+    t = {"kv_copy": bench(lambda: (head_major(k), head_major(v)), rep_ms)}
+    kh, vh = head_major(k), head_major(v)
+    q_req = q.view(L, H, G, D).transpose(0, 1).reshape(H * L, G, D)
+    R = H * nqb
+    qo = torch.arange(R + 1, dtype=torch.int32) * B
+    indptr = mask.block_indptr.to(torch.int32)
+    per_head = mask.block_indptr[::nqb].diff()
+    pages = mask.block_indices + torch.repeat_interleave(torch.arange(H) * nb, per_head)
+    wrap = lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)  # noqa: E731
+    wa = wrap()
+    wa.plan(
+        qo, indptr, pages.to(dev, torch.int32), torch.full((R,), B, dtype=torch.int32), G, 1, D, B, causal=True, **kw
+    )
+    paged_b = (kh.view(H * nb, B, 1, D), vh.view(H * nb, B, 1, D))
+    t["p64_blocks"] = bench(lambda: wa.run(q_req, paged_b, return_lse=True), rep_ms)
+    o_a, s_a = wa.run(q_req, paged_b, return_lse=True)
+    paged_1 = (kh.view(H * L, 1, 1, D), vh.view(H * L, 1, 1, D))
+    w1 = wrap()
+    keys = (pages[:, None] * B + torch.arange(B)).view(-1)
+    w1.plan(qo, indptr * B, keys.to(dev, torch.int32), torch.ones(R, dtype=torch.int32), G, 1, D, 1, causal=True, **kw)
+    t["p1_blocks"] = bench(lambda: w1.run(q_req, paged_1), rep_ms)
+    table = mask.block_table().numpy()
+    starts = np.arange(nqb) * B
+    c_rows, c_pages = [], []
+    for h in range(H):
+        c = mask.cols(h).numpy()
+        kept = (c[None, :] < starts[:, None]) & ~table[h][:, c // B]
+        j, w = np.nonzero(kept)  # row-major: request by request
+        c_rows.append(h * nqb + j)
+        c_pages.append(h * L + c[w])
+    c_rows, c_pages = np.concatenate(c_rows), np.concatenate(c_pages)
+    reqs, counts = np.unique(c_rows, return_counts=True)
+    if len(reqs):
+        wb = wrap()
+        qo_b = torch.arange(len(reqs) + 1, dtype=torch.int32) * B
+        kv_b = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+        wb.plan(
+            qo_b,
+            kv_b,
+            torch.from_numpy(c_pages).to(dev, torch.int32),
+            torch.ones(len(reqs), dtype=torch.int32),
+            G,
+            1,
+            D,
+            1,
+            causal=False,
+            **kw,
+        )
+        rows = (torch.from_numpy(reqs)[:, None] * B + torch.arange(B)).view(-1).to(dev)
+        q_b = q_req[rows]
+        t["p1_cols"] = bench(lambda: wb.run(q_b, paged_1, return_lse=True), rep_ms)
+        o_b, s_b = wb.run(q_b, paged_1, return_lse=True)
+
+        def merge(o):  # rows with columns: log2-sum-exp weights, in place
+            sa = s_a[rows]
+            m = torch.maximum(sa, s_b)
+            wa_, wb_ = torch.exp2(sa - m), torch.exp2(s_b - m)
+            o[rows] = ((o[rows] * wa_[..., None] + o_b * wb_[..., None]) / (wa_ + wb_)[..., None]).to(o.dtype)
+            return o
+
+        scratch = o_a.clone()
+        t["merge"] = bench(lambda: merge(scratch), rep_ms)
+        o_a = merge(o_a)
+    out = o_a.view(H, L, G, D).transpose(0, 1).reshape(L, H * G, D)
+    t["rel_vs_one_plan"] = rel(out, ref)
+    t["two_plans"] = t["kv_copy"] + t["p64_blocks"] + t.get("p1_cols", 0) + t.get("merge", 0)
+    return t
+
+
 def run(args, save) -> dict:
     """Time every configuration; ``save(res)`` after each length (a killed run keeps what it has)."""
     import flashinfer
@@ -89,7 +175,7 @@ def run(args, save) -> dict:
     ws = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
     fi_dense = {b: flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=b) for b in args.fi_backends}
     fi_sparse = {b: FlashInferSparseExecutor(backend=b) for b in args.fi_backends}
-    rows, checks, profiled = [], [], False
+    rows, checks, probes, profiled = [], [], [], False
     for L in args.lengths:
         q32, k32 = structured_qk(L)
         v32 = torch.randn(L, HKV, D, generator=torch.Generator().manual_seed(1))
@@ -174,8 +260,12 @@ def run(args, save) -> dict:
                     lambda q=q, k=k, v=v, m=mask, o=out: block_sparse_attention(q, k, v, m, SCALE, out=o), args.rep_ms
                 )
                 o_tr = block_sparse_attention(q, k, v, mask, SCALE)
+                # the page lists alone: the Triton kernel (the executor's default on CUDA) and the torch expansion
+                for kernel in (True, False):
+                    t[f"fi_build_{'kernel' if kernel else 'torch'}"] = bench(
+                        lambda p=splan, q=q, kn=kernel: build_requests(p, HKV, q.device, kernel=kn), args.rep_ms
+                    )
                 for b, ex in fi_sparse.items():
-                    t[f"fi_{b}_build"] = bench(lambda p=splan, q=q: build_requests(p, HKV, q.device), args.rep_ms)
                     t[f"fi_{b}_plan"] = bench(lambda p=splan, ex=ex, q=q, k=k: ex.plan(p, q, k, SCALE), args.rep_ms)
                     reqs = ex.plan(splan, q, k, SCALE)
                     t[f"fi_{b}"] = bench(
@@ -186,6 +276,18 @@ def run(args, save) -> dict:
                     )
                     o_fi = ex.run(splan, q, k, v, SCALE, torch.full_like(q, float("nan")))
                     checks.append({"L": L, "dtype": dtype, "density": density, f"triton_vs_fi_{b}": rel(o_tr, o_fi)})
+                    if dtype in args.probe_dtypes:
+                        probes.append(
+                            {
+                                "tokens": L,
+                                "dtype": dtype,
+                                "density": round(density, 4),
+                                "backend": b,
+                                "one_plan": t[f"fi_{b}"],
+                                **two_plan_probe(mask, q, k, v, o_fi, b, ws, args.rep_ms / 3),
+                            }
+                        )
+                        torch.cuda.empty_cache()
                     if args.profile and not profiled:
                         import cProfile
                         import pstats
@@ -215,8 +317,8 @@ def run(args, save) -> dict:
                 }
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-        save({"rows": rows, "checks": checks})
-    return {"rows": rows, "checks": checks}
+        save({"rows": rows, "checks": checks, "two_plan_probe": probes})
+    return {"rows": rows, "checks": checks, "two_plan_probe": probes}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -255,7 +357,7 @@ def markdown(payload: dict) -> str:
         "`flashinfer_<backend>` = FlashInfer paged prefill, one request; `triton_all_blocks` = the sparse "
         "kernel on the full causal plan. Sparse: `triton` = the kernel with its index tensors on the GPU, "
         "`fi_<backend>` = FlashInferSparseExecutor.execute after plan(); `+plan` = the whole per-layer call "
-        "(index building, upload, FlashInfer plan()). Speedup = fastest dense (not counting Triton) / sparse.",
+        "(page lists, upload, FlashInfer plan(), run). Speedup = fastest dense (not counting Triton) / sparse.",
         "",
         "| tokens | dtype | density | "
         + " | ".join(dense_names)
@@ -281,6 +383,45 @@ def markdown(payload: dict) -> str:
         )
     worst = max((v for c in payload["checks"] for n, v in c.items() if n.startswith("triton_vs_fi")), default=0)
     lines += ["", f"Consistency: max relative difference, Triton vs FlashInfer sparse outputs: {worst:.2e}."]
+    builds = [r for r in rows if "fi_build_kernel" in r["sparse_ms"]]
+    if builds:
+        lines += [
+            "",
+            "FlashInfer page lists alone (`build_requests`, ms): the Triton kernel (the default on CUDA) vs "
+            "the same expansion in torch ops (the CPU path); `plan` = build + FlashInfer's plan() per backend.",
+            "",
+            "| tokens | dtype | density | torch ops | Triton kernel | "
+            + " | ".join(f"plan {b}" for b in s["fi_backends"])
+            + " |",
+            "|" + "---|" * (5 + len(s["fi_backends"])),
+        ]
+        for r in builds:
+            t = r["sparse_ms"]
+            lines.append(
+                f"| {r['tokens']} | {r['dtype']} | {r['density']:.3f} | {fmt(t['fi_build_torch'])} | "
+                f"{fmt(t['fi_build_kernel'])} | " + " | ".join(fmt(t[f"fi_{b}_plan"]) for b in s["fi_backends"]) + " |"
+            )
+    probes = payload.get("two_plan_probe") or []
+    if probes:
+        lines += [
+            "",
+            "Pages of a whole block (`two_plan_probe`, kernel ms): FlashInfer takes one page size per plan, so "
+            "blocks as pages of 64 tokens and the columns as pages of one token are two plans (blocks causal, "
+            "columns not), merged by log-sum-exp (torch), with K/V copied head-major per layer; `one plan` = "
+            "the executor (page size 1, kernel only); `blocks p1` = the block lists alone at page size 1. "
+            "rel. diff = two plans' output vs the executor's.",
+            "",
+            "| tokens | dtype | density | backend | one plan | blocks p1 | blocks p64 | columns | merge | K/V copy "
+            "| two plans | two / one | rel. diff |",
+            "|" + "---|" * 13,
+        ]
+        for r in probes:
+            lines.append(
+                f"| {r['tokens']} | {r['dtype']} | {r['density']:.3f} | {r['backend']} | {fmt(r['one_plan'])} | "
+                f"{fmt(r['p1_blocks'])} | {fmt(r['p64_blocks'])} | {fmt(r.get('p1_cols'))} | {fmt(r.get('merge'))} | "
+                f"{fmt(r['kv_copy'])} | {fmt(r['two_plans'])} | {r['two_plans'] / r['one_plan']:.2f} | "
+                f"{r['rel_vs_one_plan']:.1e} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -292,6 +433,7 @@ def main() -> None:
     ap.add_argument("--rep-ms", type=float, default=300)
     ap.add_argument("--fi-backends", nargs="+", default=["fa3", "fa2"])
     ap.add_argument("--profile", action="store_true", help="cProfile FlashInfer plan() once")
+    ap.add_argument("--probe-dtypes", nargs="*", default=["float16"], help="dtypes to run two_plan_probe at")
     ap.add_argument("--dense-attention-max", type=int, default=16384, help="longest L to time dense_attention at")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()

@@ -2,7 +2,8 @@
 block-sparse kernel, the FlashInfer executor (one plan per layer) and the dense torch executor, on
 random plans (GQA groups, block sizes 64 and 16, partial last blocks, cached prefixes, full heads,
 columns) and on loopserve plans; fp16, bf16 and fp32. Outputs are poisoned with NaN first, so an
-unwritten row fails. Skipped without CUDA (and the FlashInfer ones without flashinfer)."""
+unwritten row fails. Skipped without CUDA (and the FlashInfer ones without flashinfer), except the
+FlashInfer page lists, which are built on the CPU too and checked against a direct build."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ import torch
 from sgl_loopkv.attention import EXECUTORS, build_dense_plan
 from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
+from tests.helpers import run_fresh
 from tests.test_sparse_kernels import random_batch
 from tests.test_sparse_plan import random_mask
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+def gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
+
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # ||out - ref|| / ||ref|| bounds: fp32 runs IEEE dots (no tf32); half types round p and the output
@@ -52,6 +57,7 @@ def tensors(g, L, n, hkv, group, d, dtype):
     return (x.to("cuda", dtype) for x in (q, k, v))
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block", [64, 16])
 def test_triton_kernel_matches_reference(dtype, block):
@@ -68,6 +74,7 @@ def test_triton_kernel_matches_reference(dtype, block):
             assert err < TOL[dtype], (L, n, hkv, group, p, err)
 
 
+@gpu
 def test_triton_kernel_reads_strided_views():
     """q/k/v as views into larger buffers (a pool slice, a head slice) need no copy."""
     from sgl_loopkv.kernels.block_sparse_attn import block_sparse_attention
@@ -106,6 +113,7 @@ def flashinfer_executor(backend: str = "auto"):
     return FlashInferSparseExecutor(backend=backend)
 
 
+@gpu
 @pytest.mark.parametrize("executor", ["triton", "flashinfer"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block", [64, 16])
@@ -120,6 +128,7 @@ def test_executors_on_a_batch(executor, dtype, block):
     assert rel_err(out, batch_reference(plan, q, k_cache, v_cache, 0.125)) < TOL[dtype]
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("block", [64, 16])
 @pytest.mark.parametrize("backend", ["auto", "fa2"])  # auto: fa3 on Hopper
@@ -135,6 +144,7 @@ def test_flashinfer_matches_reference(dtype, block, backend):
         assert err < TOL[dtype], (L, n, hkv, group, err)
 
 
+@gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_loopserve_plans(dtype):
     """Plans from the loopserve policy (random q/k, so mostly slash blocks and a dense tail)."""
@@ -154,6 +164,7 @@ def test_loopserve_plans(dtype):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["one run", "shuffled", "few runs"])
 def test_dense_executor_on_cuda(dtype, layout):
@@ -180,3 +191,114 @@ def test_dense_executor_on_cuda(dtype, layout):
     ref = batch_reference(SparsePlan(plan, [None] * len(seqs)), q, k_cache, v_cache, 0.125)
     # SDPA on fp32 CUDA may use tf32-free math/efficient kernels; half types as above
     assert rel_err(out, ref) < max(TOL[dtype], 1e-4)
+
+
+def column_mask(g, L: int, n: int, heads: int, block: int, p: float, max_cols: int) -> SeqMask:
+    """random_mask with up to ``max_cols`` columns per head (LoopServe-like: many fall in selected
+    blocks, so the page lists must drop them there)."""
+    nb, qb0 = -(-L // block), (L - n) // block
+    table = torch.rand(heads, nb - qb0, nb, generator=g) < p
+    cols = [torch.randperm(L, generator=g)[: int(torch.randint(0, max_cols, (1,), generator=g))] for _ in range(heads)]
+    full = [bool(torch.rand(1, generator=g) < 0.2) for _ in range(heads)]
+    return SeqMask.from_block_table(table, L, n, block, cols, full)
+
+
+def direct_requests(plan: SparsePlan, H: int):
+    """The FlashInfer requests spelled out request by request: (qo_indptr, kv_indptr, pages)."""
+    qo, kv, pages = [0], [0], []
+    for i, mask in enumerate(plan.masks):
+        if mask is None or not plan.base.q_len(i):
+            continue
+        slots = plan.base.kv_slots(i).cpu().long()
+        B, L = mask.block_size, mask.kv_len
+        for h in range(H):
+            if mask.full[h]:
+                reqs = [(mask.q_len, list(range(L)))]
+            else:
+                reqs = []
+                for qb in range(mask.first_q_block, mask.num_blocks):
+                    s, e = qb * B, min(qb * B + B, L)
+                    *earlier, diag = mask.blocks(h, qb).tolist()
+                    assert diag == qb
+                    keys = [b * B + t for b in earlier for t in range(B)]
+                    keys += [c for c in mask.cols(h).tolist() if c < s and c // B not in earlier]
+                    reqs.append((e - max(s, mask.prefix_len), keys + list(range(s, e))))
+            for rows, keys in reqs:
+                qo.append(qo[-1] + rows)
+                kv.append(kv[-1] + len(keys))
+                pages += (slots[keys] * H + h).tolist()
+    return qo, kv, pages
+
+
+def random_column_batch(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    block = [8, 16, 64][seed % 3]
+    seqs = []
+    for _ in range(int(torch.randint(1, 4, (1,), generator=g))):
+        L = int(torch.randint(1, 700, (1,), generator=g))
+        seqs.append((L, int(torch.randint(1, L + 1, (1,), generator=g))))
+    plan, *_ = random_batch(g, seqs, hkv=3, group=2, d=8, block=block, dense=(1,) if seed % 4 == 0 else ())
+    p = float(torch.rand(1, generator=g))
+    plan.masks = [m and column_mask(g, m.kv_len, m.q_len, 3, block, p, 200) for m in plan.masks]
+    return plan
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_request_lists_equal_a_direct_build(seed):
+    """build_requests (vectorised) on the CPU == the request-by-request build: several sequences,
+    cached prefixes, partial blocks, full heads, a dense sequence, many columns."""
+    from sgl_loopkv.attention.flashinfer_executor import build_requests
+
+    plan = random_column_batch(seed)
+    reqs = build_requests(plan, 3, "cpu")
+    qo, kv, pages = direct_requests(plan, 3)
+    assert reqs.qo_indptr.tolist() == qo and reqs.kv_indptr.tolist() == kv
+    assert reqs.kv_indices.tolist() == pages
+    assert reqs.kv_lens.tolist() == torch.tensor(kv).diff().tolist() and bool((reqs.last_page_len == 1).all())
+
+
+EXPAND_CHECK = """
+import json, torch
+from sgl_loopkv.attention.flashinfer_executor import build_requests
+from tests.test_sparse_gpu import long_full_head_batch, random_column_batch
+plans = [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]
+print(json.dumps({"equal": [
+    torch.equal(build_requests(p, p.masks[0].num_heads, "cpu", kernel=True).kv_indices,
+                build_requests(p, p.masks[0].num_heads, "cpu", kernel=False).kv_indices)
+    for p in plans
+]}))
+"""
+
+
+def long_full_head_batch():
+    """Full heads longer than a kernel program's chunk (4096 keys), next to a sparse head."""
+    g = torch.Generator().manual_seed(5)
+    plan, *_ = random_batch(g, [(9000, 5000), (4100, 4100)], hkv=2, group=2, d=8, block=64)
+    masks = []
+    for m in plan.masks:
+        c = column_mask(g, m.kv_len, m.q_len, 2, 64, 0.1, 300)
+        cols = [c.cols(h) for h in range(2)]
+        masks.append(SeqMask.from_block_table(c.block_table(), c.kv_len, c.q_len, 64, cols, [True, False]))
+    plan.masks = masks
+    return plan
+
+
+def test_expand_kernel_equals_torch_expansion_in_the_interpreter():
+    """The Triton page-list kernel (the GPU path) == the torch expansion, under TRITON_INTERPRET=1."""
+    assert all(run_fresh(EXPAND_CHECK, env={"TRITON_INTERPRET": "1"})["equal"])
+
+
+@gpu
+def test_request_lists_on_cuda_equal_cpu():
+    """The same lists built on the GPU (pinned uploads; the Triton kernel and the torch expansion)."""
+    from sgl_loopkv.attention.flashinfer_executor import build_requests
+
+    for plan in [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]:
+        H = plan.masks[0].num_heads
+        on_cpu = build_requests(plan, H, "cpu")
+        plan.base.kv_indices = plan.base.kv_indices.cuda()
+        for kernel in (True, False):
+            on_gpu = build_requests(plan, H, "cuda", kernel=kernel)
+            assert on_gpu.qo_indptr.tolist() == on_cpu.qo_indptr.tolist()
+            assert on_gpu.kv_indptr.tolist() == on_cpu.kv_indptr.tolist()
+            assert torch.equal(on_gpu.kv_indices.cpu(), on_cpu.kv_indices), kernel
