@@ -32,6 +32,7 @@ tier bytes / tier tokens (key summaries, scales and file headers included).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import tempfile
@@ -190,16 +191,20 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    styles = dict(zip(SYSTEMS, ("--s", "-o", "-^", "-D", "-*", "-v")))
     for ax, tier in zip(axes, ("host", "disk")):
-        for name, style in zip(SYSTEMS, ("--s", "-o", "-^", "-D", "-*", "-v")):
+        for i, name in enumerate(SYSTEMS):  # one colour per system in both panels
             key = tier if tier in SYSTEMS[name][1] else ("-" if name == "full_recompute" else None)
             if key is None:
                 continue
-            ax.plot(lengths, [results[name][key][L]["ttft_s"] for L in lengths], style, label=name)
+            ttft = [results[name][key][L]["ttft_s"] for L in lengths]
+            ax.plot(lengths, ttft, styles[name], color=f"C{i}", label=name)
         ax.set(xscale="log", yscale="log", xlabel="history tokens", title=f"history evicted to the {tier} tier")
         ax.set_xticks(lengths, [str(L) for L in lengths])
+        ax.xaxis.set_minor_formatter(NullFormatter())
     axes[0].set_ylabel("returning-turn TTFT (s, median)")
     axes[0].legend(fontsize=8)
     fig.suptitle("Restoring an evicted conversation (SmolLM2-135M, CPU)")
@@ -212,7 +217,16 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat")
+    ap.add_argument("--replot", action="store_true", help="redraw restore.png from restore.json")
     args = ap.parse_args()
+    if args.replot:
+        payload = json.loads((RESULTS / "restore.json").read_text())
+        res = {
+            n: {t: {int(L): r for L, r in v.items()} for t, v in tiers.items()}
+            for n, tiers in payload["systems"].items()
+        }
+        plot(res, payload["lengths"], RESULTS / "restore.png")
+        return
     lengths, repeats = ([4096], 1) if args.quick else (sorted(args.lengths), args.repeats)
     assert 4096 in lengths, "the summary is at 4K"
 
