@@ -3,8 +3,9 @@
 
 Why per token and head: a chunk, a token range or one layer can then be sliced, read and decoded
 on its own (the tiers' units), and each scale sits in the same disk extent as its values. On
-SmolLM2-135M this costs a first-token KL of ~5e-5 against the fp32 pool (bf16: ~2e-6), at 408
-bytes per token and layer instead of 1536 (fp32) or 768 (bf16).
+SmolLM2-135M this costs a first-token KL of 5e-5 to 2e-4 against the fp32 pool (bf16: 2e-6 to
+7e-6; benchmarks/results/store_codecs.md), at 408 bytes per token and layer instead of 1536
+(fp32) or 768 (bf16).
 """
 
 from __future__ import annotations
