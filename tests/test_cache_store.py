@@ -108,6 +108,16 @@ def test_foreign_geometry_index_is_not_trusted(tmp_path):
     assert other.records == {} and not any(tmp_path.glob("seg_*.kv"))
 
 
+def test_index_of_another_format_version_is_not_trusted(tmp_path):
+    store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    rec, kv, summ = segment(1, 5)
+    store.write(rec, kv, summ)
+    index = json.loads((tmp_path / "index.json").read_text())
+    (tmp_path / "index.json").write_text(json.dumps(index | {"version": 1}))  # an older layout
+    again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    assert again.records == {} and not any(tmp_path.glob("seg_*.kv"))
+
+
 def _tier_bytes(store: TieredKVStore) -> tuple[int, int]:
     host = sum(s.host_kv.numel() * 4 + s.host_summaries.numel() * 4 for s in store.segments.values() if s.in_host)
     disk = sum(p.stat().st_size for p in store.disk.root.glob("seg_*.kv"))

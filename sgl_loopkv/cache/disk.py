@@ -24,6 +24,9 @@ from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
 
 INDEX = "index.json"
+# 2: extents padded to 512-byte sectors (were 4 KiB), float16 summaries next to narrower tiers,
+# int8 tiers. An index of another version is not trusted (its files become orphans, deleted).
+FORMAT_VERSION = 2
 
 
 class CorruptSegment(Exception):
@@ -91,6 +94,8 @@ class DiskSegmentStore:
         if path.exists():
             try:
                 index = json.loads(path.read_text())
+                if index.get("version") != FORMAT_VERSION:
+                    raise ValueError("format changed")
                 if KVGeometry.from_json(index["geometry"]) != self.geometry:
                     raise ValueError("geometry changed")
                 self.records = {sid: SegmentRecord(**e) for sid, e in index["segments"].items()}
@@ -102,7 +107,7 @@ class DiskSegmentStore:
 
     def _write_index(self) -> None:
         index = {
-            "version": 1,
+            "version": FORMAT_VERSION,
             "geometry": self.geometry.to_json(),
             "segments": {sid: r.index_entry() for sid, r in self.records.items()},
         }
