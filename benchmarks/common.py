@@ -87,3 +87,22 @@ def md_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def teacher_forced_top1(url: str, prompt: list[int], ref: list[int]) -> list[int]:
+    """The server's top-1 token at each of ``ref``'s positions, given the prompt and ref's prefix
+    (teacher forcing: one divergence does not decide the rest, unlike a greedy prefix comparison)."""
+    body = {
+        "input_ids": prompt + ref[:-1],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        # SGLang gives no prediction for the first position of the logprob range: start one earlier
+        "logprob_start_len": len(prompt) - 1,
+        "top_logprobs_num": 1,
+    }
+    r = requests.post(f"{url}/generate", json=body, timeout=900)
+    r.raise_for_status()
+    m = r.json()["meta_info"]
+    inputs = m["input_top_logprobs"][1:]  # the predictions of ref[0 .. n-2]
+    assert len(inputs) == len(ref) - 1, (len(inputs), len(ref))
+    return [int(e[0][1]) for e in inputs] + [int(m["output_top_logprobs"][0][0][1])]

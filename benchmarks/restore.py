@@ -41,7 +41,16 @@ from pathlib import Path
 import requests
 from tqdm import tqdm
 
-from benchmarks.common import RESULTS, environment, md_table, median, synthetic_ids, timed_generate, write_results
+from benchmarks.common import (
+    RESULTS,
+    environment,
+    md_table,
+    median,
+    synthetic_ids,
+    teacher_forced_top1,
+    timed_generate,
+    write_results,
+)
 from benchmarks.resume import drop_page_cache
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import ensure_default_model
@@ -100,22 +109,6 @@ def first_token_logprobs(url: str, ids: list[int], token_ids: list[int] | None) 
     top = {int(t): float(lp) for lp, t, *_ in m["output_top_logprobs"][0]}
     chosen = {int(t): float(lp) for lp, t, *_ in (m.get("output_token_ids_logprobs") or [[]])[0] or []}
     return {"top": top, "chosen": chosen}
-
-
-def teacher_forced_top1(url: str, prompt: list[int], ref: list[int]) -> list[int]:
-    """The server's top-1 token at each of ``ref``'s positions, given the prompt and ref's prefix."""
-    body = {
-        "input_ids": prompt + ref[:-1],
-        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
-        "return_logprob": True,
-        # SGLang gives no prediction for the first position of the logprob range: start one earlier
-        "logprob_start_len": len(prompt) - 1,
-        "top_logprobs_num": 1,
-    }
-    m = _generate(url, body)
-    inputs = m["input_top_logprobs"][1:]  # the predictions of ref[0 .. n-2]
-    assert len(inputs) == len(ref) - 1, (len(inputs), len(ref))
-    return [int(e[0][1]) for e in inputs] + [int(m["output_top_logprobs"][0][0][1])]
 
 
 def kl_topk(ref: dict[int, float], ours: dict[int, float]) -> float:
