@@ -1,8 +1,8 @@
 """Sparse prefill benchmark: SmolLM2 at 2K/4K/8K-token prompts, dense vs every policy, one run.
 
 Per prompt length and system (dense; loopserve, block, lserve at their default flags; loopserve at
-alpha 0.99 and 0.8, the fidelity and the speed ends of its trade-off; and, attention only,
-loopserve across alpha: the "score vs budget" curve):
+alpha 0.92 (the highest alpha meeting the speed targets in one-off runs) and 0.8 (the speed end);
+and, attention only, loopserve across alpha: the "score vs budget" curve):
 - attention-only time: all 30 layers' prefill attention of a real prompt, on q/k/v captured from
   the model (HF, fp32): ``dense_attention`` vs ``policy.select`` + the torch sparse executor,
   interleaved layer by layer, after a warm-up, best of ``--attn-repeats`` totals, in CPU seconds of
