@@ -1,8 +1,8 @@
 """Sparse prefill benchmark: SmolLM2 at 2K/4K/8K-token prompts, dense vs every policy, one run.
 
-Per prompt length and system (dense; loopserve, block, lserve at their default flags; loopserve at
-alpha 0.92 (the highest alpha meeting the speed targets in one-off runs) and 0.8 (the speed end);
-and, attention only, loopserve across alpha: the "score vs budget" curve):
+Per prompt length and system (dense; loopserve, block, lserve at their default flags; block at
+alpha 0.9, the headline (see HEADLINE); loopserve at alpha 0.92 and 0.8; and, attention only,
+loopserve across alpha: the "score vs budget" curve):
 - attention-only time: all 30 layers' prefill attention of a real prompt, on q/k/v captured from
   the model (HF, fp32): ``dense_attention`` vs ``policy.select`` + the torch sparse executor,
   interleaved layer by layer, after a warm-up, best of ``--attn-repeats`` totals, in CPU seconds of
@@ -351,6 +351,7 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
     ):
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel=unit, title=title)
         ax.set_xticks(lengths, [str(L) for L in lengths])
+        ax.set_xticks([], minor=True)  # the log axis' minor labels overlap the prompt lengths
         ax.legend(fontsize=8)
     L = lengths[-1]
     policies = [n for n in SYSTEMS if n != "dense"]
@@ -359,7 +360,7 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
     ax3.bar(
         [x + 0.2 for x in xs], [results["attention"][L][n]["recall"] for n in policies], 0.4, label="attention recall"
     )
-    ax3.set_xticks(list(xs), policies)
+    ax3.set_xticks(list(xs), policies, rotation=30, ha="right", fontsize=8)
     ax3.set(ylim=(0, 1.05), title=f"{L} tokens: work kept vs attention mass kept")
     ax3.legend(fontsize=8)
     for L in lengths:  # score vs budget: the headline policy across alpha
@@ -377,13 +378,25 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _int_keys(x):
+    """JSON turned the prompt-length keys into strings: turn them back."""
+    if isinstance(x, dict):
+        return {int(k) if k.isdigit() else k: _int_keys(v) for k, v in x.items()}
+    return x
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
     ap.add_argument("--repeats", type=int, default=2, help="timed prompts per length and system (TTFT median)")
     ap.add_argument("--attn-repeats", type=int, default=3, help="attention-only passes (best total)")
     ap.add_argument("--quick", action="store_true", help="8K only, 1 repeat")
+    ap.add_argument("--replot", action="store_true", help="only redraw prefill.png from results/prefill.json")
     args = ap.parse_args()
+    if args.replot:
+        data = json.loads((RESULTS / "prefill.json").read_text())
+        plot(_int_keys(data["results"]), data["lengths"], RESULTS / "prefill.png")
+        return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` stops the servers (own sessions)
     lengths, repeats, attn_repeats = (
         ([8000], 1, 1) if args.quick else (sorted(args.lengths), args.repeats, args.attn_repeats)
