@@ -32,7 +32,17 @@ class BlockTopPolicy(SelectionPolicy):
         n, L, H, B = q.shape[0], k.shape[0], k.shape[1], self.block_size
         if self.alpha >= 1:
             return SeqMask.all_blocks(H, L, n, B)
-        table = top_blocks(block_mass(q, k, scale, B), self.alpha)
+        est = block_mass(q, k, scale, B)  # [H, nqb, nb]
+        nqb, nb = est.shape[1:]
+        diag = torch.arange(nqb) + (nb - nqb)
+        forced = est.clone()
+        forced[:, :, 0] = math.inf
+        forced[:, torch.arange(nqb), diag] = math.inf
+        order = torch.sort(forced, dim=-1, descending=True, stable=True).indices
+        kept = est.gather(-1, order).cumsum(-1)
+        count = ((kept < self.alpha).sum(-1, keepdim=True) + 1).clamp(max=nb)  # [H, nqb, 1]
+        take = torch.arange(nb)[None, None, :] < count
+        table = torch.zeros(H, nqb, nb, dtype=torch.bool).scatter_(-1, order, take)
         dense_tail_blocks(table, L, n, B, self.dense_tail)
         return full_heads(SeqMask.from_block_table(table, L, n, B), self.full_density)
 
@@ -45,21 +55,6 @@ def _create(config, model) -> BlockTopPolicy:
         dense_tail=config.sparse_dense_tail,
         full_density=config.sparse_full_density,
     )
-
-
-def top_blocks(est: torch.Tensor, alpha: float) -> torch.Tensor:
-    """bool table like ``est`` [H, num_q_blocks, num_blocks]: per query block, the blocks of largest
-    estimated mass until ``alpha`` of it is kept, the sink block 0 and the diagonal always."""
-    H, nqb, nb = est.shape
-    diag = torch.arange(nqb) + (nb - nqb)
-    forced = est.clone()
-    forced[:, :, 0] = math.inf
-    forced[:, torch.arange(nqb), diag] = math.inf
-    order = torch.sort(forced, dim=-1, descending=True, stable=True).indices
-    kept = est.gather(-1, order).cumsum(-1)
-    count = ((kept < alpha).sum(-1, keepdim=True) + 1).clamp(max=nb)  # [H, nqb, 1]
-    take = torch.arange(nb)[None, None, :] < count
-    return torch.zeros(H, nqb, nb, dtype=torch.bool).scatter_(-1, order, take)
 
 
 def block_mass(q: torch.Tensor, k: torch.Tensor, scale: float, block_size: int) -> torch.Tensor:

@@ -47,13 +47,21 @@ class VerticalSlashPolicy(SelectionPolicy):
 
     def select(self, layer_id, q, k, scale):
         n, L, H, B = q.shape[0], k.shape[0], k.shape[1], self.block_size
-        alpha = self.alpha
-        if alpha >= 1:
+        if self.alpha >= 1:
             return SeqMask.all_blocks(H, L, n, B)
         P = L - n
         pos = P + sample_rows(n, self.sample_rows, self.seed * 1_000_003 + layer_id, self.tail_samples)
         attn = sampled_attention(q[pos - P], k, pos, scale)  # [H, s, L]
-        table, cols = line_table(attn, pos, P, B, alpha)
+        nb, qb0 = -(-L // B), P // B
+        table = torch.zeros(H, nb - qb0, nb, dtype=torch.bool)
+        cols = []
+        qb, kb = torch.arange(qb0, nb)[:, None], torch.arange(nb)[None, :]
+        for h in range(H):
+            verticals, slashes, _ = select_lines(attn[h], pos, P, B, self.alpha)
+            on = torch.zeros(nb, dtype=torch.bool)
+            on[slashes] = True
+            table[h] = on[(qb - kb).clamp(min=0)] & (kb <= qb)
+            cols.append(verticals)
         dense_tail_blocks(table, L, n, B, self.dense_tail)
         return full_heads(SeqMask.from_block_table(table, L, n, B, cols), self.full_density)
 
@@ -67,26 +75,6 @@ def _create(config, model) -> VerticalSlashPolicy:
         tail_samples=config.sparse_tail_samples,
         full_density=config.sparse_full_density,
     )
-
-
-def line_table(
-    attn: torch.Tensor, pos: torch.Tensor, prefix: int, block_size: int, alpha: float
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Every KV head's lines (:func:`select_lines` on its sampled rows, attn [H, s, L]) as a block
-    table [H, num_q_blocks, num_blocks] of the selected slashes plus per-head vertical columns:
-    the arguments of :meth:`SeqMask.from_block_table`."""
-    H, _, L = attn.shape
-    nb, qb0 = -(-L // block_size), prefix // block_size
-    table = torch.zeros(H, nb - qb0, nb, dtype=torch.bool)
-    qb, kb = torch.arange(qb0, nb)[:, None], torch.arange(nb)[None, :]
-    cols = []
-    for h in range(H):
-        verticals, slashes, _ = select_lines(attn[h], pos, prefix, block_size, alpha)
-        on = torch.zeros(nb, dtype=torch.bool)
-        on[slashes] = True
-        table[h] = on[(qb - kb).clamp(min=0)] & (kb <= qb)
-        cols.append(verticals)
-    return table, cols
 
 
 def sample_rows(n: int, count: int, seed: int, tail: int = 0) -> torch.Tensor:
