@@ -105,7 +105,7 @@ def config_of(flags: list[str]) -> LoopKVConfig:
     return LoopKVConfig.from_cli_args(parser.parse_args(flags))
 
 
-# attention only: the headline policy across alpha, its other flags at their defaults (the "score
+# attention only: CURVE_POLICY across alpha, its other flags at their defaults (the "score
 # vs budget" curve: density, attention-mass recall, attention speedup). CURVE: alpha -> system name,
 # a system above where one has that alpha, else an attention-only entry of SWEEP.
 SWEEP_ALPHAS = [0.8, 0.9, 0.92, 0.95, 0.97, 0.99]
@@ -363,7 +363,7 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
     ax3.set_xticks(list(xs), policies, rotation=30, ha="right", fontsize=8)
     ax3.set(ylim=(0, 1.05), title=f"{L} tokens: work kept vs attention mass kept")
     ax3.legend(fontsize=8)
-    for L in lengths:  # score vs budget: the headline policy across alpha
+    for L in lengths:  # score vs budget: CURVE_POLICY across alpha
         a = results["attention"][L]
         xs = [a[n]["density"] for n in CURVE.values()]
         ax4.plot(xs, [a[n]["recall"] for n in CURVE.values()], "-o", label=f"{L}: attention recall")
