@@ -24,3 +24,7 @@ if [ ! -f "$stamp" ]; then
   echo "install.sh: dependencies installed in $(( $(date +%s) - start )) s" >&2
 fi
 "${pip[@]}" --no-deps --no-build-isolation -e .
+# The native paged-decode kernel, compiled once per machine into the user cache (about a minute);
+# without a C++ compiler the server still runs, on the slower torch decode paths.
+"$VENV/bin/python" -m sgl_loopkv.kernels.paged_decode >/dev/null 2>&1 \
+  || echo "install.sh: the native decode kernel did not build (no C++ compiler?); decode uses torch paths" >&2

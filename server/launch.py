@@ -4,7 +4,8 @@ Every ``sglang.launch_server`` flag passes through unchanged. sgl-loopkv adds it
 flags, the embedded default model when no ``--model-path`` is given, and device defaults that a
 flag on the command line always overrides:
 
-- CPU (no GPU visible): SGLang's CPU engine, the ``loopkv`` attention backend, fp32, no overlap
+- CPU (no GPU visible): SGLang's CPU engine, the ``loopkv`` attention backend, bfloat16 where the
+  CPU computes it natively (AVX512-BF16 / AMX) and float32 elsewhere, no overlap
   schedule / CUDA graphs, ``--sleep-on-idle`` (else the idle scheduler busy-polls a core), a
   32K-token KV pool.
 - GPU: SGLang's own defaults (the loopkv GPU attention path is not built yet).
@@ -17,23 +18,28 @@ import os
 import sys
 
 from sgl_loopkv.config import LoopKVConfig
-from sgl_loopkv.platform import activate_cpu_standin, has_cuda, use_cpu_engine
+from sgl_loopkv.platform import activate_cpu_standin, default_cpu_dtype, has_cuda, use_cpu_engine
 
 CPU_DEFAULTS: dict[str, str | None] = {
     "--device": "cpu",
     "--attention-backend": "loopkv",
     "--radix-cache-backend": "loopkv",
     "--page-size": "16",  # = the tiered cache's chunk: node boundaries are chunk boundaries
-    "--dtype": "float32",  # CPUs without AMX-BF16 run fp32 matmuls fastest; also the HF reference dtype
     "--max-total-tokens": "32768",  # SGLang would size the pool from all host RAM otherwise
     "--disable-overlap-schedule": None,
     "--disable-cuda-graph": None,
     "--sleep-on-idle": None,
     "--enable-cache-report": None,
 }
-# --loopkv-stock: SGLang's own CPU configuration (what sgl-loopkv is measured against).
+# --loopkv-stock: SGLang's own CPU configuration (what sgl-loopkv is measured against), same dtype.
 STOCK_CPU_DEFAULTS = {k: v for k, v in CPU_DEFAULTS.items() if k not in ("--radix-cache-backend", "--page-size")}
 STOCK_CPU_DEFAULTS["--attention-backend"] = "torch_native"
+
+
+def cpu_defaults(stock: bool) -> dict[str, str | None]:
+    """The CPU defaults with the dtype this CPU runs fastest (decided from its feature flags)."""
+    return {**(STOCK_CPU_DEFAULTS if stock else CPU_DEFAULTS), "--dtype": default_cpu_dtype()}
+
 GPU_DEFAULTS: dict[str, str | None] = {
     "--radix-cache-backend": "loopkv",
     "--page-size": "16",
@@ -84,7 +90,7 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     if on_gpu:
         defaults = {"--enable-cache-report": None} if config.stock else GPU_DEFAULTS
     else:
-        defaults = STOCK_CPU_DEFAULTS if config.stock else CPU_DEFAULTS
+        defaults = cpu_defaults(config.stock)
     return config, with_defaults(rest, defaults), on_gpu
 
 

@@ -13,7 +13,9 @@ from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.server.process import ServerProcess
 
 # Small KV pool and chunk size keep servers light on 2-core CI machines.
-COMMON_SERVER_ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5"]
+# float32: the exactness tests compare with fp32 references, on every CPU (the default dtype is
+# bf16 on CPUs with native bf16).
+COMMON_SERVER_ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="session")

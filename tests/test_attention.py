@@ -131,8 +131,8 @@ def test_contiguous_slots_are_read_through_a_view_with_the_same_result():
     req_to_token[0, :40] = torch.arange(100, 140, dtype=torch.int32)  # one ascending run
     req_to_token[1, :40] = torch.arange(100, 140, dtype=torch.int32).flip(0)  # not a run
     plan = build_dense_plan(req_to_token, [0, 1], [40, 40], [3, 3])
-    assert plan.kv_runs[0] == [(100, 40)]
-    assert plan.kv_runs[1] == [(139 - j, 1) for j in range(40)]  # descending: one run per slot
+    assert plan.runs(0) == [(100, 40)]
+    assert plan.runs(1) == [(139 - j, 1) for j in range(40)]  # descending: one run per slot
     g = torch.Generator().manual_seed(3)
     k_cache, v_cache, q = torch.randn(200, 2, 8, generator=g), torch.randn(200, 2, 8, generator=g), torch.randn(6, 4, 8)
     out = EXECUTORS.create("torch").run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))

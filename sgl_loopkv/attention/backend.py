@@ -52,6 +52,7 @@ class LoopKVAttnBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.executor = EXECUTORS.create(executor)
+        self.decode_metrics = DecodePathMetrics(model_runner.server_args.enable_metrics)
         self.forward_metadata: AttentionPlan | None = None
         self.policy = prefill_policy
         self.sparse_min_len = sparse_min_len
@@ -150,6 +151,8 @@ class LoopKVAttnBackend(AttentionBackend):
             layer.scaling,
             out,
         )
+        if layer.layer_id == 0 and forward_batch.forward_mode.is_decode():
+            self.decode_metrics.observe(getattr(self.executor, "last_decode_path", None))
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def plan_layer(self, layer_id: int, q, k_cache, scale: float) -> SparsePlan:
@@ -169,6 +172,29 @@ class LoopKVAttnBackend(AttentionBackend):
 
     def support_triton(self):
         return False
+
+
+class DecodePathMetrics:
+    """Which path decode batches took (``loopkv_decode_batches{path}`` on ``/metrics`` with
+    ``--enable-metrics``); the first batch of each path is logged, so a log shows it too."""
+
+    def __init__(self, enabled: bool):
+        self.seen: set[str] = set()
+        self.counter = None
+        if enabled:
+            from prometheus_client import Counter
+
+            self.counter = Counter("loopkv_decode_batches", "Decode batches by attention path", ["path"])
+
+    def observe(self, path) -> None:
+        if path is None:
+            return
+        name = str(path)
+        if name not in self.seen:
+            self.seen.add(name)
+            logger.info("loopkv decode path: %s", name)
+        if self.counter is not None:
+            self.counter.labels(path=name).inc()
 
 
 def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:

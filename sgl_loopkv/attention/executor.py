@@ -7,6 +7,8 @@ The torch executor here is the CPU path (and the correctness reference for every
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
+from enum import StrEnum
 
 import torch
 import torch.nn.functional as F
@@ -112,24 +114,95 @@ def attention_over_runs(
     return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
 
 
-#: Query rows up to which the run-wise path beats gathering the prefix (decode, short turns).
+def gathered_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query row over gathered keys: q [1, Hq, D], k/v [L, Hkv, D] -> [1, Hq, D].
+
+    Two batched matmuls over the KV heads (GQA groups as rows). SDPA's CPU kernels are slower for a
+    single query row; they tile for many."""
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[1]
+    qg = q.view(hkv, hq // hkv, d).to(k.dtype)
+    probs = torch.bmm(qg, k.permute(1, 2, 0)).float().mul_(scale).softmax(dim=-1).to(v.dtype)
+    return torch.bmm(probs, v.transpose(0, 1)).reshape(1, hq, d).to(q.dtype)
+
+
+#: Query rows up to which the run-wise path beats gathering the prefix (short turns).
 RUNS_MAX_ROWS = 64
+#: Decode without the native kernel: read the pool through run views when a sequence has at most
+#: this many slot runs, else gather its KV first. Each run costs two small matmuls (~10-20 us of
+#: dispatch on these CPUs) while a gather of a 4K-token prefix costs about as much as reading it
+#: twice; the two meet around 8 runs for 0.5-8K-token histories (benchmarks/decode.py, paths).
+DECODE_VIEW_MAX_RUNS = 8
+
+
+class DecodePath(StrEnum):
+    """How a decode batch's attention was computed (the plan decides, by a measured rule)."""
+
+    NATIVE = "native"  # the C++ kernel: every sequence in one call, KV read in place once
+    VIEWS = "views"  # per sequence, over run views of the pool (few runs: contiguous enough)
+    GATHER = "gather"  # per sequence, its KV gathered then two matmuls (fragmented pool)
 
 
 @EXECUTORS.register("torch")
 class TorchDenseExecutor(AttentionExecutor):
-    """Dense plans with torch SDPA, one sequence at a time (any device torch runs on)."""
+    """Dense plans with torch (any device torch runs on); decode batches on CPU with the native
+    paged-decode kernel when it could be built (:mod:`sgl_loopkv.kernels.paged_decode`).
+
+    ``decode_paths`` counts decode attention calls (one per layer) by :class:`DecodePath`;
+    ``last_decode_path`` is the latest one (the backend reports them)."""
+
+    def __init__(self, native_decode: bool = True):
+        self.native = None
+        if native_decode:
+            from sgl_loopkv.kernels.paged_decode import load
+
+            self.native = load()
+        self.decode_paths: Counter[DecodePath] = Counter()
+        self.last_decode_path: DecodePath | None = None
+
+    def decode_path(self, plan: AttentionPlan, k_cache: torch.Tensor) -> DecodePath:
+        if self.native is not None and k_cache.device.type == "cpu":
+            return DecodePath.NATIVE
+        few_runs = all(
+            (r := plan.runs(i)) is not None and len(r) <= DECODE_VIEW_MAX_RUNS for i in range(plan.batch_size)
+        )
+        return DecodePath.VIEWS if few_runs else DecodePath.GATHER
 
     def run(self, plan, q, k_cache, v_cache, scale, out):
+        if plan.is_decode and plan.batch_size:
+            return self.run_decode(plan, q, k_cache, v_cache, scale, out)
         for i in range(plan.batch_size):
             q0, q1 = plan.qo_indptr[i], plan.qo_indptr[i + 1]
             if q0 == q1:
                 continue
-            runs = plan.runs(i)
-            if runs is not None and len(runs) > 1 and q1 - q0 <= RUNS_MAX_ROWS:
+            if q1 - q0 == 1:  # a one-row extend is a decode step: same path, same numbers
+                one = AttentionPlan([0, 1], [0, plan.kv_len(i)], plan.kv_slots(i), plan.causal)
+                self.run_decode(one, q[q0:q1], k_cache, v_cache, scale, out[q0:q1])
+                continue
+            runs = plan.runs(i) if q1 - q0 <= RUNS_MAX_ROWS else None
+            if runs is not None and len(runs) > 1:
                 out[q0:q1] = attention_over_runs(q[q0:q1], k_cache, v_cache, runs, scale, plan.causal)
             else:
                 out[q0:q1] = dense_attention(
                     q[q0:q1], plan.kv_of(i, k_cache), plan.kv_of(i, v_cache), scale, plan.causal
                 )
+        return out
+
+    def run_decode(self, plan, q, k_cache, v_cache, scale, out):
+        path = self.last_decode_path = self.decode_path(plan, k_cache)
+        self.decode_paths[path] += 1
+        if path is DecodePath.NATIVE:
+            o = out if out.is_contiguous() else torch.empty_like(out)
+            self.native.paged_decode(
+                q.contiguous(), k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, scale, o, 256
+            )
+            if o is not out:
+                out.copy_(o)
+            return out
+        for i in range(plan.batch_size):
+            runs = plan.runs(i) if path is DecodePath.VIEWS else None
+            if runs is not None and len(runs) > 1:
+                out[i : i + 1] = attention_over_runs(q[i : i + 1], k_cache, v_cache, runs, scale, causal=False)
+            else:
+                out[i : i + 1] = gathered_decode(q[i : i + 1], plan.kv_of(i, k_cache), plan.kv_of(i, v_cache), scale)
         return out

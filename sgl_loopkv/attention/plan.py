@@ -34,7 +34,8 @@ class AttentionPlan:
     kv_runs:    per sequence, its slots as ascending runs [(first slot, length), ...] when there are
                 at most ``MAX_RUNS`` of them (pages of a paged pool usually are), else None. Executors
                 then read the pool through views instead of gathering the whole prefix per layer.
-                Filled in by :func:`build_dense_plan`; None for every sequence when not given.
+                Computed on first use per sequence (a decode batch run by the native kernel never
+                needs them) unless given.
     """
 
     qo_indptr: list[int]
@@ -42,6 +43,7 @@ class AttentionPlan:
     kv_indices: torch.Tensor
     causal: bool = True
     kv_runs: list[list[tuple[int, int]] | None] | None = None
+    _kv_indptr_tensor: torch.Tensor | None = None
 
     def __post_init__(self):
         assert len(self.qo_indptr) == len(self.kv_indptr), "one q span and one kv span per sequence"
@@ -67,8 +69,24 @@ class AttentionPlan:
     def kv_slots(self, i: int) -> torch.Tensor:
         return self.kv_indices[self.kv_indptr[i] : self.kv_indptr[i + 1]]
 
+    @property
+    def is_decode(self) -> bool:
+        """One query row per sequence, each the sequence's last position."""
+        return self.qo_indptr[-1] == self.batch_size and all(self.q_len(i) == 1 for i in range(self.batch_size))
+
+    @property
+    def kv_indptr_tensor(self) -> torch.Tensor:
+        """``kv_indptr`` as an int64 tensor on the indices' device (made once per plan)."""
+        if self._kv_indptr_tensor is None:
+            self._kv_indptr_tensor = torch.tensor(self.kv_indptr, dtype=torch.int64, device=self.kv_indices.device)
+        return self._kv_indptr_tensor
+
     def runs(self, i: int) -> list[tuple[int, int]] | None:
-        return self.kv_runs[i] if self.kv_runs is not None else None
+        if self.kv_runs is None:
+            self.kv_runs = [_UNSET] * self.batch_size
+        if self.kv_runs[i] is _UNSET:
+            self.kv_runs[i] = slot_runs(self.kv_slots(i))
+        return self.kv_runs[i]
 
     def kv_of(self, i: int, cache: torch.Tensor) -> torch.Tensor:
         """Rows of ``cache`` [pool_slots, ...] for sequence ``i``: a view when its slots are one run."""
@@ -100,10 +118,11 @@ def build_dense_plan(
     """
     rows = [req_to_token[r, :n] for r, n in zip(req_pool_indices, seq_lens)]
     kv_indices = torch.cat(rows).to(torch.int64) if rows else req_to_token.new_empty(0, dtype=torch.int64)
-    return AttentionPlan(_offsets(q_lens), _offsets(seq_lens), kv_indices, causal, [slot_runs(r) for r in rows])
+    return AttentionPlan(_offsets(q_lens), _offsets(seq_lens), kv_indices, causal)
 
 
 MAX_RUNS = 64
+_UNSET = object()  # kv_runs entry not computed yet
 
 
 def slot_runs(slots: torch.Tensor) -> list[tuple[int, int]] | None:

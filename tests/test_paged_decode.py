@@ -1,0 +1,125 @@
+"""Decode attention over a paged, fragmented KV pool: the native kernel and the torch paths against
+a float64 reference, batch invariance, and the rule that picks the path."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from sgl_loopkv.attention.executor import DECODE_VIEW_MAX_RUNS, DecodePath, TorchDenseExecutor
+from sgl_loopkv.attention.plan import build_dense_plan
+from sgl_loopkv.kernels import paged_decode
+
+
+def reference(q, k_cache, v_cache, slots_per_seq, scale):
+    """softmax(q K^T * scale) V per sequence in float64, GQA expanded by hand."""
+    out = []
+    for i, slots in enumerate(slots_per_seq):
+        k, v = k_cache[slots].double(), v_cache[slots].double()
+        g = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+        probs = (torch.einsum("hd,lhd->hl", q[i].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hl,lhd->hd", probs, v))
+    return torch.stack(out)
+
+
+def fragmented_batch(seed, lens, hq=9, hkv=3, d=64, pool=4096, page=16, dtype=torch.float32):
+    """A pool whose sequences own shuffled pages (what eviction and resumes leave behind)."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    pages = torch.randperm(pool // page, generator=g).tolist()
+    req_to_token = torch.zeros(len(lens), max(lens) + page, dtype=torch.int32)
+    slots_per_seq = []
+    for i, n in enumerate(lens):
+        own, pages = pages[: -(-n // page)], pages[-(-n // page) :]
+        slots = torch.cat([torch.arange(p * page, (p + 1) * page) for p in own])[:n]
+        req_to_token[i, :n] = slots.to(torch.int32)
+        slots_per_seq.append(slots)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    plan = build_dense_plan(req_to_token, list(range(len(lens))), list(lens), [1] * len(lens))
+    return q, k_cache, v_cache, slots_per_seq, plan
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = paged_decode.load()
+    if module is None:
+        pytest.skip("no C++ toolchain: the native kernel is unavailable (the torch paths are tested below)")
+    return module
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    """install.sh builds it; a machine with a compiler must not silently fall back."""
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert paged_decode.load() is not None
+
+
+@pytest.mark.parametrize("lens", [[1], [37], [300, 5, 1024], [4000, 16, 700, 1]])
+@pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 1)])
+def test_native_kernel_equals_reference(native, lens, hq, hkv):
+    q, k_cache, v_cache, slots, plan = fragmented_batch(len(lens) * 7 + hq, lens, hq, hkv, d=64, pool=8192)
+    out = torch.empty_like(q)
+    native.paged_decode(q, k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, 0.125, out, 256)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, slots, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_native_kernel_half_precision_pools(native, dtype, tol):
+    q, k_cache, v_cache, slots, plan = fragmented_batch(3, [513, 64], dtype=dtype)
+    out = torch.empty_like(q)
+    native.paged_decode(q, k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, 0.125, out, 256)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, slots, 0.125), atol=tol, rtol=tol)
+
+
+def test_native_kernel_result_does_not_depend_on_the_batch(native):
+    """Splits follow a sequence's own length: alone or among others, bit-identical output (greedy
+    decoding does not change with concurrency)."""
+    q, k_cache, v_cache, slots, plan = fragmented_batch(5, [3000, 40, 1500], pool=8192)
+    out = torch.empty_like(q)
+    native.paged_decode(q, k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, 0.125, out, 256)
+    for i, s in enumerate(slots):
+        alone = torch.empty_like(q[i : i + 1])
+        native.paged_decode(q[i : i + 1], k_cache, v_cache, s, torch.tensor([0, len(s)]), 0.125, alone, 256)
+        assert torch.equal(alone, out[i : i + 1])
+
+
+def test_native_kernel_rejects_bad_layouts(native):
+    q, k_cache, v_cache, _, plan = fragmented_batch(1, [32])
+    with pytest.raises(RuntimeError, match="indptr"):
+        native.paged_decode(q, k_cache, v_cache, plan.kv_indices, torch.tensor([0, 16, 32]), 0.1, q.clone(), 256)
+    with pytest.raises(RuntimeError, match="rows must be contiguous"):
+        kt = k_cache.transpose(1, 2)
+        native.paged_decode(q, kt, kt, plan.kv_indices, plan.kv_indptr_tensor, 0.1, q.clone(), 256)
+
+
+@pytest.mark.parametrize("native_decode", [True, False])
+def test_executor_decode_equals_reference_on_a_fragmented_pool(native_decode):
+    q, k_cache, v_cache, slots, plan = fragmented_batch(11, [2000, 17, 600])
+    ex = TorchDenseExecutor(native_decode=native_decode)
+    out = ex.run(plan, q, k_cache, v_cache, 0.125, torch.empty_like(q))
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, slots, 0.125), atol=2e-6, rtol=1e-5)
+    expected = DecodePath.NATIVE if ex.native is not None else DecodePath.GATHER
+    assert ex.last_decode_path is expected and ex.decode_paths[expected] == 1
+
+
+def test_torch_decode_reads_views_when_the_pool_is_not_fragmented():
+    """Without the kernel: few runs per sequence -> run views; many -> gather (the measured rule)."""
+    few = [torch.arange(0, 40), torch.arange(1000, 1016)]
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    for i, s in enumerate(few):
+        req_to_token[i, : len(s)] = s.to(torch.int32)
+    g = torch.Generator().manual_seed(2)
+    k_cache, v_cache = torch.randn(2048, 2, 8, generator=g), torch.randn(2048, 2, 8, generator=g)
+    q = torch.randn(2, 4, 8, generator=g)
+    plan = build_dense_plan(req_to_token, [0, 1], [40, 16], [1, 1])
+    ex = TorchDenseExecutor(native_decode=False)
+    out = ex.run(plan, q, k_cache, v_cache, 0.3, torch.empty_like(q))
+    assert ex.last_decode_path is DecodePath.VIEWS
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, few, 0.3), atol=1e-5, rtol=1e-5)
+    _, _, _, _, fragmented = fragmented_batch(4, [16 * (DECODE_VIEW_MAX_RUNS + 2)], hq=4, hkv=2, d=8)
+    assert ex.decode_path(fragmented, k_cache) is DecodePath.GATHER
