@@ -22,6 +22,11 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define LOOPKV_AVX2 1
+#endif
+
 namespace {
 
 constexpr int kBlock = 64;  // keys scored before one softmax rescale
@@ -31,7 +36,8 @@ constexpr int kBlock = 64;  // keys scored before one softmax rescale
 // expf). std::exp is a scalar call per score and dominated the kernel's compute.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.3f);  // exp(-87.3) ~ 1e-38: smaller values underflow to (almost) 0 anyway
-  const float n = std::nearbyint(x * 1.44269504088896341f);
+  // round to nearest by the 1.5 * 2^23 trick: nearbyint is a libm call per element without -ffast-math
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
   const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -55,13 +61,78 @@ inline float to_float(at::BFloat16 x) {
 }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 
+// Row primitives. GCC keeps the plain loops scalar (a float reduction may not be reordered without
+// -ffast-math, and the mixed-type loads defeat its cost model), so AVX2 spells them out when D is a
+// multiple of 8; the loops stay as the portable path.
+#ifdef LOOPKV_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#endif
+
+// out[r] = q[r] . k for the g query rows of one KV head (q: g x d floats, row-major).
+template <typename KV>
+inline void dots(const float* q, const KV* k, int g, int d, float* out, int out_stride) {
+#ifdef LOOPKV_AVX2
+  if (d % 8 == 0) {
+    for (int r = 0; r < g; ++r) {
+      const float* qr = q + static_cast<size_t>(r) * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int x = 0;
+      for (; x + 16 <= d; x += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + x), load8(k + x), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + x + 8), load8(k + x + 8), a1);
+      }
+      if (x < d) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + x), load8(k + x), a0);
+      out[static_cast<size_t>(r) * out_stride] = hsum(_mm256_add_ps(a0, a1));
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < g; ++r) {
+    const float* qr = q + static_cast<size_t>(r) * d;
+    float s = 0.f;
+    for (int x = 0; x < d; ++x) s += qr[x] * to_float(k[x]);
+    out[static_cast<size_t>(r) * out_stride] = s;
+  }
+}
+
+// acc[r] += p[r * p_stride] * v for the g rows (acc: g x d floats).
+template <typename KV>
+inline void axpys(float* acc, const float* p, int p_stride, const KV* v, int g, int d) {
+#ifdef LOOPKV_AVX2
+  if (d % 8 == 0) {
+    for (int x = 0; x < d; x += 8) {
+      const __m256 vv = load8(v + x);
+      for (int r = 0; r < g; ++r) {
+        float* a = acc + static_cast<size_t>(r) * d + x;
+        _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[static_cast<size_t>(r) * p_stride]), vv, _mm256_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int r = 0; r < g; ++r) {
+    const float pr = p[static_cast<size_t>(r) * p_stride];
+    float* a = acc + static_cast<size_t>(r) * d;
+    for (int x = 0; x < d; ++x) a[x] += pr * to_float(v[x]);
+  }
+}
+
 // One split of one (sequence, KV head): keys kv_indices[t0, t1).
 template <typename KV>
 void decode_split(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* slots, int64_t t0,
                   int64_t t1, int64_t row_stride, int g, int d, float scale, float* m_out, float* l_out,
                   float* acc) {
   std::vector<float> scores(static_cast<size_t>(g) * kBlock);
-  std::vector<float> vrow(d);
   for (int r = 0; r < g; ++r) {
     m_out[r] = -std::numeric_limits<float>::infinity();
     l_out[r] = 0.f;
@@ -69,15 +140,10 @@ void decode_split(const float* q, const KV* k_cache, const KV* v_cache, const in
   std::fill(acc, acc + static_cast<size_t>(g) * d, 0.f);
   for (int64_t b0 = t0; b0 < t1; b0 += kBlock) {
     const int n = static_cast<int>(std::min<int64_t>(kBlock, t1 - b0));
-    for (int j = 0; j < n; ++j) {
-      const KV* k = k_cache + slots[b0 + j] * row_stride;
-      for (int r = 0; r < g; ++r) {
-        const float* qr = q + static_cast<size_t>(r) * d;
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int x = 0; x < d; ++x) s += qr[x] * to_float(k[x]);
-        scores[static_cast<size_t>(r) * kBlock + j] = s * scale;
-      }
+    for (int j = 0; j < n; ++j) dots(q, k_cache + slots[b0 + j] * row_stride, g, d, scores.data() + j, kBlock);
+    for (int r = 0; r < g; ++r) {
+      float* sr = scores.data() + static_cast<size_t>(r) * kBlock;
+      for (int j = 0; j < n; ++j) sr[j] *= scale;
     }
     for (int r = 0; r < g; ++r) {
       float* sr = scores.data() + static_cast<size_t>(r) * kBlock;
@@ -98,15 +164,7 @@ void decode_split(const float* q, const KV* k_cache, const KV* v_cache, const in
       m_out[r] = m_new;
       l_out[r] = l;
     }
-    for (int j = 0; j < n; ++j) {
-      const KV* v = v_cache + slots[b0 + j] * row_stride;
-      for (int x = 0; x < d; ++x) vrow[x] = to_float(v[x]);
-      for (int r = 0; r < g; ++r) {
-        const float p = scores[static_cast<size_t>(r) * kBlock + j];
-        float* ar = acc + static_cast<size_t>(r) * d;
-        for (int x = 0; x < d; ++x) ar[x] += p * vrow[x];
-      }
-    }
+    for (int j = 0; j < n; ++j) axpys(acc, scores.data() + j, kBlock, v_cache + slots[b0 + j] * row_stride, g, d);
   }
 }
 
