@@ -15,6 +15,8 @@ import psutil
 import pytest
 import requests
 
+pytestmark = pytest.mark.server
+
 LONG_PROMPT = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(300))  # ~2.7K tokens
 
 

@@ -35,15 +35,6 @@ def test_loopkv_flags_are_split_off_and_handed_to_subprocesses(tmp_path):
     assert out["child_cfg"] == str(tmp_path)
 
 
-def test_help_lists_loopkv_and_sglang_flags():
-    proc = subprocess.run(
-        [sys.executable, "-m", "sgl_loopkv.launch_server", "--help"], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "--loopkv-cache-dir" in proc.stdout and "--loopkv-device" in proc.stdout
-    assert "--attention-backend" in proc.stdout and "--radix-cache-backend" in proc.stdout
-
-
 def test_bad_loopkv_flag_value_is_rejected():
     proc = subprocess.run(
         [sys.executable, "-m", "sgl_loopkv.launch_server", "--loopkv-device", "tpu"],

@@ -39,7 +39,7 @@ class SelectionPolicy(ABC):
     cached prefix has L > n). It returns a :class:`SeqMask` at ``block_size``, one pattern per KV
     head (GQA: a group's query heads share their KV head's keys).
 
-    Contract (tests/test_sparse_policies.py): no query row is ever empty (SeqMask keeps every
+    Contract (tests/unit/test_sparse_policies.py): no query row is ever empty (SeqMask keeps every
     diagonal block); at full budget the mask holds every causal key; the result is a deterministic
     function of its inputs.
     """
