@@ -34,9 +34,8 @@ CPU_DEFAULTS: dict[str, str | None] = {
 # --loopkv-stock: SGLang's own CPU configuration (what sgl-loopkv is measured against).
 STOCK_CPU_DEFAULTS = {k: v for k, v in CPU_DEFAULTS.items() if k not in ("--radix-cache-backend", "--page-size")}
 STOCK_CPU_DEFAULTS["--attention-backend"] = "torch_native"
+# SGLang's own attention and radix cache on a GPU until a GPU run shows the tiered cache working there.
 GPU_DEFAULTS: dict[str, str | None] = {
-    "--radix-cache-backend": "loopkv",
-    "--page-size": "16",
     "--enable-cache-report": None,
 }
 
