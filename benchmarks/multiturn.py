@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import requests
@@ -55,11 +55,11 @@ class System:
     kind: str = "sglang"  # "sglang" | "llamacpp"
     budget: float = 1.0  # attention-mass coverage of sparse prefill (1 = dense)
     quick: bool = True  # part of --quick
-    requires: str | None = None  # a LoopKVConfig field: the row runs only once that flag exists
+    requires: str | None = None  # a LoopKVConfig option (flag name): the row runs only once that flag exists
 
     @property
     def available(self) -> bool:
-        return self.requires is None or self.requires in {f.name for f in fields(LoopKVConfig)}
+        return self.requires is None or self.requires in LoopKVConfig.option_names()
 
 
 # name -> flags: a new component is one line. --loopkv-stock = SGLang's own CPU configuration

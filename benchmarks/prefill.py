@@ -112,7 +112,7 @@ SWEEP_ALPHAS = [0.8, 0.9, 0.92, 0.95, 0.97, 0.99]
 CURVE: dict[float, str] = {}
 SWEEP: dict[str, list[str]] = {}
 for _a in SWEEP_ALPHAS:
-    _same = [n for n, f in SYSTEMS.items() if n.startswith(CURVE_POLICY) and config_of(f).alpha == _a]
+    _same = [n for n, f in SYSTEMS.items() if n.startswith(CURVE_POLICY) and config_of(f).sparse.alpha == _a]
     CURVE[_a] = _same[0] if _same else f"{CURVE_POLICY}@{_a}"
     if not _same:
         SWEEP[CURVE[_a]] = ["--loopkv-prefill-policy", CURVE_POLICY, "--loopkv-alpha", str(_a), *MIN_LEN]
@@ -418,7 +418,7 @@ def main() -> None:
     cfg = model.config
     shape = ModelShape(model_dir.name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
     configs = {name: config_of(flags) for name, flags in {**SYSTEMS, **SWEEP}.items() if name != "dense"}
-    timed = {name: POLICIES.create(c.prefill_policy, c, shape) for name, c in configs.items()}
+    timed = {name: POLICIES.create(c.sparse.prefill_policy, c.sparse, shape) for name, c in configs.items()}
     policies = {name: timed[name] for name in SYSTEMS if name != "dense"}
     for L in tqdm(lengths, desc="attention only"):
         layers, _ = capture_qkv(model, synthetic_ids(tokenizer, L, seed=5 + L))
@@ -475,7 +475,7 @@ def main() -> None:
         name: {
             "flags": flags,
             "config": {
-                k: getattr(config_of(flags), k)
+                k: getattr(config_of(flags).sparse, k)
                 for k in (
                     "prefill_policy",
                     "alpha",

@@ -55,3 +55,11 @@ def test_stock_mode_uses_none_of_the_loopkv_components():
     )
     assert out[out.index("--attention-backend") + 1] == "torch_native"
     assert "--radix-cache-backend" not in out and "--page-size" not in out
+
+
+def test_gpu_defaults_keep_sglangs_own_components():
+    """Until a GPU run shows the tiered cache working there, a GPU serves with SGLang's own attention
+    backend and radix cache (and its page size)."""
+    from sgl_loopkv.server.launch import GPU_DEFAULTS
+
+    assert not {"--attention-backend", "--radix-cache-backend", "--page-size"} & set(GPU_DEFAULTS)

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from sgl_loopkv.config import RestoreConfig
 from sgl_loopkv.restore.plan import (
     PLANNERS,
     CostModel,
@@ -30,7 +31,7 @@ def job(total=4096, **kw) -> RestoreJob:
 
 def planners():
     return [PLANNERS.create(n) for n in PLANNERS.names() if n != "fixed"] + [
-        PLANNERS.create("fixed", r) for r in (0.0, 0.3, 1.0)
+        PLANNERS.create("fixed", RestoreConfig(ratio=r)) for r in (0.0, 0.3, 1.0)
     ]
 
 

@@ -24,7 +24,7 @@ from sgl_loopkv.attention.policies.loopserve import (
 )
 from sgl_loopkv.attention.policies.lserve import StreamingHeadsPolicy, streaming_heads
 from sgl_loopkv.attention.sparse_executor import sparse_attention
-from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.config import SparsePrefillConfig
 from tests.unit.test_sparse_plan import masked_reference
 
 
@@ -181,7 +181,7 @@ def test_smollm2_calibration_file_loads_and_missing_files_say_how_to_make_one(tm
 
 def test_policies_are_created_by_name_from_the_config():
     shape = ModelShape("SmolLM2-135M-Instruct", 30, 9, 3)
-    cfg = LoopKVConfig(alpha=0.9, block_size=32, streaming_sink=64, streaming_local=256, streaming_fraction=0.25)
+    cfg = SparsePrefillConfig(alpha=0.9, block_size=32, streaming_sink=64, streaming_local=256, streaming_fraction=0.25)
     assert POLICIES.names() == ["block", "loopserve", "lserve"]
     tail = dict(dense_tail=cfg.sparse_dense_tail, full_density=cfg.sparse_full_density)
     assert POLICIES.create("loopserve", cfg, shape) == VerticalSlashPolicy(
@@ -191,7 +191,7 @@ def test_policies_are_created_by_name_from_the_config():
     lserve = POLICIES.create("lserve", cfg, shape)
     assert int(lserve.streaming.sum()) == round(0.25 * 90) and lserve.local == 256
     with pytest.raises(ValueError, match="multiples"):
-        LoopKVConfig(block_size=64, streaming_local=100)
+        SparsePrefillConfig(block_size=64, streaming_local=100)
 
 
 @pytest.mark.parametrize("L,n", [(512, 512), (512, 190), (300, 77)])

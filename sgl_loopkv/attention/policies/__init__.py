@@ -81,7 +81,7 @@ def full_heads(mask: SeqMask, density: float) -> SeqMask:
     return SeqMask.from_block_table(mask.block_table(), L, mask.q_len, mask.block_size, cols, full)
 
 
-#: name -> factory(config: LoopKVConfig, model: ModelShape) -> SelectionPolicy
+#: name -> factory(config: SparsePrefillConfig, model: ModelShape) -> SelectionPolicy
 POLICIES: Registry[SelectionPolicy] = Registry("prefill selection policy")
 
 # Register the built-in policies (each module registers itself by name).
