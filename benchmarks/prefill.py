@@ -53,7 +53,9 @@ from tqdm import tqdm
 
 from benchmarks.common import (
     RESULTS,
+    cpu_pool_dtype,
     environment,
+    machine_label,
     md_table,
     median,
     synthetic_ids,
@@ -67,7 +69,7 @@ from sgl_loopkv.attention.policies import POLICIES, ModelShape
 from sgl_loopkv.attention.policies.loopserve import sampled_attention
 from sgl_loopkv.attention.sparse_executor import sparse_attention
 from sgl_loopkv.config import LoopKVConfig
-from sgl_loopkv.models import ensure_default_model
+from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
 
 LENGTHS = [2048, 4096, 8000]  # 8000: the model's context is 8192, and 64 tokens are generated after it
@@ -346,7 +348,7 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
         ax1.plot(lengths, [results["attention"][L][name]["attention_s"] for L in lengths], style, label=name)
         ax2.plot(lengths, [results["e2e"][name][L]["ttft_s"] for L in lengths], style, label=name)
     for ax, title, unit in (
-        (ax1, "Prefill attention only (30 layers)", "CPU seconds, 1 thread (best of repeats)"),
+        (ax1, "Prefill attention only (all layers)", "CPU seconds, 1 thread (best of repeats)"),
         (ax2, "End-to-end prefill (server TTFT)", "seconds (median)"),
     ):
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel=unit, title=title)
@@ -544,9 +546,9 @@ def main() -> None:
             )
     md = (
         f"# prefill ({env['when']}; `python -m benchmarks.prefill{''.join(' ' + a for a in sys.argv[1:])}`)\n\n"
-        f"SmolLM2-135M-Instruct, fp32, CPU ({env['torch_threads']} torch threads; load average "
+        f"{DEFAULT_MODEL_NAME}, {cpu_pool_dtype(SERVER_ARGS)[0]}, {machine_label()} ({env['torch_threads']} torch threads; load average "
         f"{load_start[0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end; the machine is shared). Attention only: "
-        f"best of {attn_repeats} passes over the 30 layers of one captured prompt, CPU seconds of one torch thread "
+        f"best of {attn_repeats} passes over the {shape.num_layers} layers of one captured prompt, CPU seconds of one torch thread "
         "(wall-clock speedup of the same passes next to it). End to end: median server TTFT (2 threads, wall clock) "
         f"of {repeats} fresh prompts per length, each sent to the dense server and the policy's back to back "
         f"(paired ratio); servers with `{' '.join(SERVER_ARGS)}` (one extend per prompt; see the script's "
