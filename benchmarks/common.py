@@ -4,10 +4,12 @@ JSON + markdown + PNG outputs every benchmark writes under benchmarks/results/."
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -58,6 +60,50 @@ def timed_generate(url: str, input_ids: list[int], max_new_tokens: int) -> dict:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a result header or a byte ratio needs to know about the served model, read from its
+    config.json (never typed into a benchmark)."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of one token's K and V over all layers in a KV pool of ``dtype_bytes``-byte elements."""
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+
+
+def model_facts(model_dir: str | Path, name: str | None = None) -> ModelFacts:
+    """``name``: the served model name (default: the folder's)."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return ModelFacts(
+        name=name or Path(model_dir).name,
+        num_layers=cfg["num_hidden_layers"],
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+    )
+
+
+def cpu_pool_dtype(server_flags: list[str] = ()) -> tuple[str, int]:
+    """The KV pool dtype a CPU server started with ``server_flags`` runs (the launcher's default
+    unless ``--dtype`` is among the flags) and its element size in bytes."""
+    import torch
+
+    from sgl_loopkv.server.launch import CPU_DEFAULTS
+
+    flags = list(server_flags)
+    name = flags[flags.index("--dtype") + 1] if "--dtype" in flags else CPU_DEFAULTS["--dtype"]
+    return name, getattr(torch, name).itemsize
+
+
+def machine_label() -> str:
+    """``x86_64 CPU (2 cores)``: this machine, for result headers."""
+    return f"{platform.machine()} CPU ({os.cpu_count()} cores)"
+
+
 def median(xs) -> float:
     return float(statistics.median(xs))
 
@@ -69,6 +115,7 @@ def environment() -> dict:
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "python": platform.python_version(),
     }

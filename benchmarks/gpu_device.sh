@@ -63,15 +63,15 @@ done; done
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfEsx --timeout 600 -o addopts="
 FI_TESTS="flashinfer or loopserve or request_lists"
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  $PYTEST tests/test_sparse_gpu.py -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
+  $PYTEST tests/unit/test_sparse_gpu.py -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
   stamp "triton/dense tests done"
 fi
 wait "${pids[@]}"
 stamp "flashinfer warm-up finished"; grep -E "ready|Error|error" "$OUT/fi_warm.log" | tail -8
 if [ "$what" != bench ]; then
-  $PYTEST tests/test_sparse_gpu.py -k "($FI_TESTS) and not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
+  $PYTEST tests/unit/test_sparse_gpu.py -k "($FI_TESTS) and not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
   # the interpreter tests need Triton >= 3.8's interpreter (3.6's cannot loop over loaded bounds)
-  $PYTEST tests/test_sparse_kernels.py -k "not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -3
+  $PYTEST tests/unit/test_sparse_kernels.py -k "not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -3
   stamp "flashinfer tests done"
 fi
 if [ "$what" != tests ]; then

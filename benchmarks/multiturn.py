@@ -22,20 +22,19 @@ import subprocess
 import tempfile
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import requests
 from tqdm import tqdm
 
 from benchmarks import conversations as conv
-from benchmarks.common import RESULTS, environment, md_table, median, write_results
+from benchmarks.common import RESULTS, cpu_pool_dtype, environment, md_table, median, model_facts, write_results
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.models.default_model import default_model_gguf
 from sgl_loopkv.server.process import ServerProcess, free_port
 
-KV_BYTES_PER_TOKEN_FP32 = 30 * 3 * 64 * 2 * 4  # SmolLM2-135M: layers x KV heads x head dim x (K, V) x fp32
 LLAMACPP_VENV = Path(os.environ.get("LOOPKV_LLAMACPP_VENV", Path.home() / ".cache/sgl-loopkv/llamacpp-venv"))
 # min-len 512: the per-turn extends here are 0.3-3K tokens; the default (2048) would leave most dense
 SPARSE = ("--loopkv-prefill-policy", "loopserve", "--loopkv-sparse-min-len", "512")
@@ -55,11 +54,11 @@ class System:
     kind: str = "sglang"  # "sglang" | "llamacpp"
     budget: float = 1.0  # attention-mass coverage of sparse prefill (1 = dense)
     quick: bool = True  # part of --quick
-    requires: str | None = None  # a LoopKVConfig field: the row runs only once that flag exists
+    requires: str | None = None  # a LoopKVConfig option (flag name): the row runs only once that flag exists
 
     @property
     def available(self) -> bool:
-        return self.requires is None or self.requires in {f.name for f in fields(LoopKVConfig)}
+        return self.requires is None or self.requires in LoopKVConfig.option_names()
 
 
 # name -> flags: a new component is one line. --loopkv-stock = SGLang's own CPU configuration
@@ -470,7 +469,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
+    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    kv_bytes_per_token = model_facts(model_dir).kv_bytes_per_token(cpu_pool_dtype()[1])
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     convs = conv.suite(conv.TASKS, n_per_task, lengths, turn_range, args.seed, count)
     hist_tokens = {}
@@ -484,7 +485,7 @@ def main() -> None:
     pool = (longest + 64 + 15) // 16 * 16 + 256  # fits the longest request, not two histories
     # every conversation's final history (last prompt + reply): what a tiered cache ends up keeping
     history_total = sum(hist_tokens[c.id][-1] + count(c.turns[-1].gold_reply) for c in convs)
-    host_bytes = int(0.25 * history_total * KV_BYTES_PER_TOKEN_FP32)  # a quarter in RAM: the rest from disk
+    host_bytes = int(0.25 * history_total * kv_bytes_per_token)  # a quarter in RAM: the rest from disk
     n_turns = sum(len(c.turns) for c in convs)
 
     env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}

@@ -53,7 +53,9 @@ from tqdm import tqdm
 
 from benchmarks.common import (
     RESULTS,
+    cpu_pool_dtype,
     environment,
+    machine_label,
     md_table,
     median,
     synthetic_ids,
@@ -67,7 +69,7 @@ from sgl_loopkv.attention.policies import POLICIES, ModelShape
 from sgl_loopkv.attention.policies.loopserve import sampled_attention
 from sgl_loopkv.attention.sparse_executor import sparse_attention
 from sgl_loopkv.config import LoopKVConfig
-from sgl_loopkv.models import ensure_default_model
+from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
 
 LENGTHS = [2048, 4096, 8000]  # 8000: the model's context is 8192, and 64 tokens are generated after it
@@ -112,7 +114,7 @@ SWEEP_ALPHAS = [0.8, 0.9, 0.92, 0.95, 0.97, 0.99]
 CURVE: dict[float, str] = {}
 SWEEP: dict[str, list[str]] = {}
 for _a in SWEEP_ALPHAS:
-    _same = [n for n, f in SYSTEMS.items() if n.startswith(CURVE_POLICY) and config_of(f).alpha == _a]
+    _same = [n for n, f in SYSTEMS.items() if n.startswith(CURVE_POLICY) and config_of(f).sparse.alpha == _a]
     CURVE[_a] = _same[0] if _same else f"{CURVE_POLICY}@{_a}"
     if not _same:
         SWEEP[CURVE[_a]] = ["--loopkv-prefill-policy", CURVE_POLICY, "--loopkv-alpha", str(_a), *MIN_LEN]
@@ -346,7 +348,7 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
         ax1.plot(lengths, [results["attention"][L][name]["attention_s"] for L in lengths], style, label=name)
         ax2.plot(lengths, [results["e2e"][name][L]["ttft_s"] for L in lengths], style, label=name)
     for ax, title, unit in (
-        (ax1, "Prefill attention only (30 layers)", "CPU seconds, 1 thread (best of repeats)"),
+        (ax1, "Prefill attention only (all layers)", "CPU seconds, 1 thread (best of repeats)"),
         (ax2, "End-to-end prefill (server TTFT)", "seconds (median)"),
     ):
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel=unit, title=title)
@@ -418,7 +420,7 @@ def main() -> None:
     cfg = model.config
     shape = ModelShape(model_dir.name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
     configs = {name: config_of(flags) for name, flags in {**SYSTEMS, **SWEEP}.items() if name != "dense"}
-    timed = {name: POLICIES.create(c.prefill_policy, c, shape) for name, c in configs.items()}
+    timed = {name: POLICIES.create(c.sparse.prefill_policy, c.sparse, shape) for name, c in configs.items()}
     policies = {name: timed[name] for name in SYSTEMS if name != "dense"}
     for L in tqdm(lengths, desc="attention only"):
         layers, _ = capture_qkv(model, synthetic_ids(tokenizer, L, seed=5 + L))
@@ -475,7 +477,7 @@ def main() -> None:
         name: {
             "flags": flags,
             "config": {
-                k: getattr(config_of(flags), k)
+                k: getattr(config_of(flags).sparse, k)
                 for k in (
                     "prefill_policy",
                     "alpha",
@@ -544,9 +546,9 @@ def main() -> None:
             )
     md = (
         f"# prefill ({env['when']}; `python -m benchmarks.prefill{''.join(' ' + a for a in sys.argv[1:])}`)\n\n"
-        f"SmolLM2-135M-Instruct, fp32, CPU ({env['torch_threads']} torch threads; load average "
+        f"{DEFAULT_MODEL_NAME}, {cpu_pool_dtype(SERVER_ARGS)[0]}, {machine_label()} ({env['torch_threads']} torch threads; load average "
         f"{load_start[0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end; the machine is shared). Attention only: "
-        f"best of {attn_repeats} passes over the 30 layers of one captured prompt, CPU seconds of one torch thread "
+        f"best of {attn_repeats} passes over the {shape.num_layers} layers of one captured prompt, CPU seconds of one torch thread "
         "(wall-clock speedup of the same passes next to it). End to end: median server TTFT (2 threads, wall clock) "
         f"of {repeats} fresh prompts per length, each sent to the dense server and the policy's back to back "
         f"(paired ratio); servers with `{' '.join(SERVER_ARGS)}` (one extend per prompt; see the script's "

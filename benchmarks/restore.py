@@ -43,9 +43,12 @@ from tqdm import tqdm
 
 from benchmarks.common import (
     RESULTS,
+    cpu_pool_dtype,
     environment,
+    machine_label,
     md_table,
     median,
+    model_facts,
     synthetic_ids,
     teacher_forced_top1,
     timed_generate,
@@ -53,13 +56,12 @@ from benchmarks.common import (
 )
 from benchmarks.resume import drop_page_cache
 from sgl_loopkv.config import LoopKVConfig
-from sgl_loopkv.models import ensure_default_model
+from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
 
 GEN = 128
 TOPK = 20
 FILLER = 1100
-FULL_KV_BYTES = 30 * 2 * 3 * 64 * 4  # SmolLM2's fp32 KV pool, per token (no summaries)
 HEAD = "loopkv"
 
 SYSTEMS: dict[str, tuple[list[str] | None, tuple[str, ...]]] = {  # name -> (flags, tiers)
@@ -225,7 +227,11 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
+    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = model_facts(model_dir, DEFAULT_MODEL_NAME)
+    pool_dtype, pool_bytes = cpu_pool_dtype()
+    full_kv_bytes = model.kv_bytes_per_token(pool_bytes)  # the KV pool's bytes per token (no summaries)
     load_start = os.getloadavg()
     configs = [(n, t) for n, (_, tiers) in SYSTEMS.items() for t in tiers]
     configs.remove(("full_load", "host"))
@@ -259,8 +265,8 @@ def main() -> None:
     def system_summary(name: str) -> dict:
         res = results[name]
         return {
-            "storage_reduction": FULL_KV_BYTES / median([res["host"][L]["bytes_per_token"] for L in lengths]),
-            "storage_reduction_disk": FULL_KV_BYTES / median([res["disk"][L]["bytes_per_token"] for L in lengths]),
+            "storage_reduction": full_kv_bytes / median([res["host"][L]["bytes_per_token"] for L in lengths]),
+            "storage_reduction_disk": full_kv_bytes / median([res["disk"][L]["bytes_per_token"] for L in lengths]),
             "greedy_agreement": min(res[t][L]["greedy_agreement"] for t in res for L in lengths),
             "prefix_agreement": min(res[t][L]["prefix_agreement"] for t in res for L in lengths),
             "first_token_kl_max": max(res[t][L]["first_token_kl"] for t in res for L in lengths),
@@ -317,7 +323,7 @@ def main() -> None:
                     f"{r['front_first']:.0f}..{r['front_last']:.0f}" if "front_first" in r else "-",
                     r.get("bubble_fraction", "-"),
                     r.get("bytes_per_token", "-"),
-                    FULL_KV_BYTES / r["bytes_per_token"] if "bytes_per_token" in r else "-",
+                    full_kv_bytes / r["bytes_per_token"] if "bytes_per_token" in r else "-",
                     r["greedy_agreement"],
                     r["prefix_agreement"],
                     r["first_token_kl"],
@@ -328,7 +334,7 @@ def main() -> None:
         f"# restore ({env['when']}; `python -m benchmarks.restore{' --quick' if args.quick else ''}`, "
         f"median of {repeats} timed resume(s) after a warm-up; load average {load_start[0]:.1f} at start, "
         f"{env['loadavg_end'][0]:.1f} at end)\n\n"
-        "SmolLM2-135M-Instruct, fp32 KV pool, CPU (2 cores). Returning turn of a conversation whose history was "
+        f"{model.name} ({model.num_layers} layers), {pool_dtype} KV pool, {machine_label()}. Returning turn of a conversation whose history was "
         "evicted from the device pool to the host arena (`host`) or, with no arena, to disk with the page cache "
         "dropped (`disk`). Systems:\n\n"
         + "".join(f"- {n}: `{' '.join(f) if f else '--disable-radix-cache'}`\n" for n, (f, _) in SYSTEMS.items())

@@ -12,8 +12,8 @@ head adjacent (they read the same key blocks, which then come from L2).
 
 Block size and head dim: powers of two >= 16 on a GPU (``tl.dot``); any head dim is padded. fp16 and
 bf16 run the tensor cores with fp32 accumulation; fp32 inputs use IEEE fp32 dots (no tf32).
-Tested on CPU under ``TRITON_INTERPRET=1`` (tests/test_sparse_kernels.py) and on an H100
-(tests/test_sparse_gpu.py).
+Tested on CPU under ``TRITON_INTERPRET=1`` (tests/e2e/test_triton_interpreter.py) and on an H100
+(tests/unit/test_sparse_gpu.py).
 """
 
 from __future__ import annotations

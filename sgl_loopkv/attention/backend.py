@@ -208,7 +208,7 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
 
     restore.set_model(lambda: model_runner.model)  # the restorer recomputes front tokens with these layers
     policy = None
-    if config.prefill_policy != "dense":
+    if config.sparse.enabled:
         from sglang.srt.runtime_context import get_parallel
 
         mc, tp = model_runner.model_config, get_parallel().attn_tp_size
@@ -218,14 +218,12 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
             num_q_heads=mc.get_max_num_attention_heads() // tp,
             num_kv_heads=mc.get_num_kv_heads(tp),
         )
-        policy = POLICIES.create(config.prefill_policy, config, shape)
-    krul_observer.configure(
-        config.share_layers != "none", model_runner.model_config.num_hidden_layers, config.share_stride
-    )
+        policy = POLICIES.create(config.sparse.prefill_policy, config.sparse, shape)
+    krul_observer.configure(config.sharing.enabled, model_runner.model_config.num_hidden_layers, config.sharing.stride)
     return LoopKVAttnBackend(
         model_runner,
         executor=config.attention_executor,
         prefill_policy=policy,
-        sparse_executor=config.sparse_executor,
-        sparse_min_len=config.sparse_min_len,
+        sparse_executor=config.sparse.sparse_executor,
+        sparse_min_len=config.sparse.sparse_min_len,
     )

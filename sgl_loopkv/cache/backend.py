@@ -45,18 +45,19 @@ def create_loopkv_radix_cache(ctx):
     if ctx.is_hybrid_swa or ctx.is_hybrid_ssm or ctx.params.is_eagle:
         raise ValueError("--radix-cache-backend loopkv supports full-attention models without speculative decoding")
     config = LoopKVConfig.from_env()
+    tiers, sharing = config.tiers, config.sharing
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
 
     def store_factory(geometry, on_lost, disk_evictable):
         disk_dir = (
-            Path(config.disk_dir) / model_fingerprint(ctx.server_args.model_path, geometry) if config.disk_dir else None
+            Path(tiers.disk_dir) / model_fingerprint(ctx.server_args.model_path, geometry) if tiers.disk_dir else None
         )
         return TieredKVStore(
             geometry,
-            VALUE_POLICIES.create(config.value_policy),
-            host_quota_bytes=config.host_bytes,
+            VALUE_POLICIES.create(tiers.value_policy),
+            host_quota_bytes=tiers.host_bytes,
             disk_dir=disk_dir,
-            disk_quota_bytes=config.disk_bytes,
+            disk_quota_bytes=tiers.disk_bytes,
             on_lost=on_lost,
             disk_evictable=disk_evictable,
         )
@@ -64,22 +65,16 @@ def create_loopkv_radix_cache(ctx):
     from sgl_loopkv import restore
     from sgl_loopkv.restore.restorer import Restorer
 
-    planner = (
-        restore.PLANNERS.create("fixed", config.restore_ratio)
-        if config.restore_planner == "fixed"
-        else restore.PLANNERS.create(config.restore_planner)
-    )
+    planner = restore.PLANNERS.create(config.restore.planner, config.restore)
     global _ACTIVE
     _ACTIVE = LoopKVRadixCache(
         ctx.params,
         kv_pool=kv_pool,
         store_factory=store_factory,
-        restorer=Restorer(planner, stack=restore.model_stack, calibrate_on_first_use=config.restore_planner == "krul"),
-        store_dtype=None if config.store_dtype == "pool" else getattr(torch, config.store_dtype),
+        restorer=Restorer(planner, stack=restore.model_stack, calibrate_on_first_use=planner.needs_cost_model),
+        store_dtype=None if tiers.store_dtype == "pool" else getattr(torch, tiers.store_dtype),
         sharing=(
-            LayerSharing(config.share_layers, config.share_gamma, config.share_ratio, config.share_pairing)
-            if config.share_layers != "none"
-            else None
+            LayerSharing(sharing.layers, sharing.gamma, sharing.ratio, sharing.pairing) if sharing.enabled else None
         ),
         # Only our attention backend waits per layer for in-flight loads; others get finished copies.
         synchronous_loads=ctx.server_args.attention_backend != "loopkv",
@@ -87,10 +82,10 @@ def create_loopkv_radix_cache(ctx):
     logger.info(
         "loopkv radix cache: chunk %d tokens, host quota %.2f GB, disk %s (quota %.2f GB), value policy %s",
         ctx.params.page_size,
-        config.host_bytes / 1e9,
-        config.disk_dir or "off",
-        config.disk_bytes / 1e9,
-        config.value_policy,
+        tiers.host_bytes / 1e9,
+        tiers.disk_dir or "off",
+        tiers.disk_bytes / 1e9,
+        tiers.value_policy,
     )
     return _ACTIVE
 

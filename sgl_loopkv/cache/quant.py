@@ -2,10 +2,9 @@
 (token, KV head) for K and one for V.
 
 Why per token and head: a chunk, a token range or one layer can then be sliced, read and decoded
-on its own (the tiers' units), and each scale sits in the same disk extent as its values. On
-SmolLM2-135M this costs a first-token KL of 5e-5 to 2e-4 against the fp32 pool (bf16: 2e-6 to
-7e-6; benchmarks/results/store_codecs.md), at 408 bytes per token and layer instead of 1536
-(fp32) or 768 (bf16).
+on its own (the tiers' units), and each scale sits in the same disk extent as its values. A
+quarter of fp32's bytes plus one scale per token and head; the fidelity cost is small
+(benchmarks/results/store_codecs.md; history: benchmarks/results/NOTES.md).
 """
 
 from __future__ import annotations

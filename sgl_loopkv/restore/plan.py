@@ -21,7 +21,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import ClassVar
 
+from sgl_loopkv.config import RestoreConfig
 from sgl_loopkv.registry import Registry
 
 
@@ -141,22 +143,26 @@ def simulate(plan: RestorePlan, job: RestoreJob, cost: CostModel) -> Timeline:
 
 class RestorePlanner(ABC):
     """Chooses a :class:`RestorePlan` for a job under a cost model. Every plan it returns is valid
-    (non-increasing, chunk-aligned or == total)."""
+    (non-increasing, chunk-aligned or == total).
+
+    ``needs_cost_model``: the plan depends on the cost model, so the restorer calibrates it on the
+    running machine before the first restore (a planner that ignores it saves that time)."""
+
+    needs_cost_model: ClassVar[bool] = False
 
     @abstractmethod
     def plan(self, job: RestoreJob, cost: CostModel) -> RestorePlan: ...
 
 
+#: name -> factory(config: RestoreConfig | None) -> RestorePlanner (each planner reads its own fields)
 PLANNERS: Registry[RestorePlanner] = Registry("restore planner")
 
 
-@PLANNERS.register("load_all")
 class LoadAll(RestorePlanner):
     def plan(self, job, cost):
         return RestorePlan.load_all(job.total, job.num_layers)
 
 
-@PLANNERS.register("recompute_all")
 class RecomputeAll(RestorePlanner):
     def plan(self, job, cost):
         return RestorePlan.recompute_all(job.total, job.num_layers)
@@ -167,7 +173,6 @@ def _chunk_floor(s: float, job: RestoreJob) -> int:
     return job.total if s >= job.total else int(s) // job.chunk * job.chunk
 
 
-@PLANNERS.register("fixed")
 class FixedSplit(RestorePlanner):
     """The same front share in every layer (Pensieve/Cake-style partial recompute)."""
 
@@ -183,10 +188,11 @@ def pyramid(job: RestoreJob, top: float, slope: float) -> RestorePlan:
     return RestorePlan(job.total, tuple(_chunk_floor(top - slope * layer, job) for layer in range(job.num_layers)))
 
 
-@PLANNERS.register("krul")
 class KrulPlanner(RestorePlanner):
     """Searches pyramids (top x slope) and keeps the one with the earliest simulated finish; load-all
     and recompute-all are candidates too, so it is never worse than either under its cost model."""
+
+    needs_cost_model = True
 
     def __init__(self, tops: int = 96, slopes: tuple[float, ...] = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)):
         self.tops, self.slopes = tops, slopes
@@ -204,3 +210,23 @@ class KrulPlanner(RestorePlanner):
                 if t < best_t - 1e-12:
                     best, best_t = cand, t
         return best
+
+
+@PLANNERS.register("load_all")
+def _load_all(config: RestoreConfig | None = None) -> RestorePlanner:
+    return LoadAll()
+
+
+@PLANNERS.register("recompute_all")
+def _recompute_all(config: RestoreConfig | None = None) -> RestorePlanner:
+    return RecomputeAll()
+
+
+@PLANNERS.register("fixed")
+def _fixed(config: RestoreConfig | None = None) -> RestorePlanner:
+    return FixedSplit((config or RestoreConfig()).ratio)
+
+
+@PLANNERS.register("krul")
+def _krul(config: RestoreConfig | None = None) -> RestorePlanner:
+    return KrulPlanner()

@@ -39,7 +39,7 @@ class SelectionPolicy(ABC):
     cached prefix has L > n). It returns a :class:`SeqMask` at ``block_size``, one pattern per KV
     head (GQA: a group's query heads share their KV head's keys).
 
-    Contract (tests/test_sparse_policies.py): no query row is ever empty (SeqMask keeps every
+    Contract (tests/unit/test_sparse_policies.py): no query row is ever empty (SeqMask keeps every
     diagonal block); at full budget the mask holds every causal key; the result is a deterministic
     function of its inputs.
     """
@@ -81,7 +81,7 @@ def full_heads(mask: SeqMask, density: float) -> SeqMask:
     return SeqMask.from_block_table(mask.block_table(), L, mask.q_len, mask.block_size, cols, full)
 
 
-#: name -> factory(config: LoopKVConfig, model: ModelShape) -> SelectionPolicy
+#: name -> factory(config: SparsePrefillConfig, model: ModelShape) -> SelectionPolicy
 POLICIES: Registry[SelectionPolicy] = Registry("prefill selection policy")
 
 # Register the built-in policies (each module registers itself by name).

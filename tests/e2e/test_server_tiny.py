@@ -15,6 +15,8 @@ import psutil
 import pytest
 import requests
 
+pytestmark = pytest.mark.server
+
 LONG_PROMPT = " ".join(f"Item {i} is a {['red', 'blue', 'green'][i % 3]} box." for i in range(300))  # ~2.7K tokens
 
 
@@ -167,7 +169,7 @@ def test_logprobs_within_fp_tolerance_of_torch_native(tiny_server, tiny_native_s
 
 @pytest.mark.parametrize("example", ["curl.sh", "openai_chat.py", "frontend_program.py"])
 def test_examples_run(tiny_server, example):
-    path = Path(__file__).resolve().parent.parent / "examples" / example
+    path = Path(__file__).resolve().parents[2] / "examples" / example
     cmd = ["bash", str(path)] if example.endswith(".sh") else [sys.executable, str(path)]
     proc = subprocess.run(cmd, env={**os.environ, "URL": tiny_server.url}, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,6 @@
-"""The other sparse executors on CPU: the Triton block-sparse kernel under TRITON_INTERPRET=1 (small
-sizes) and the FlashInfer executor's request layout, run through an emulation of FlashInfer's paged
-prefill. The same executors on a GPU: tests/test_sparse_gpu.py (helpers shared from here)."""
+"""The FlashInfer executor's request layout on CPU, run through an emulation of FlashInfer's paged
+prefill. The Triton kernels under TRITON_INTERPRET=1: tests/e2e/test_triton_interpreter.py; the same
+executors on a GPU: tests/unit/test_sparse_gpu.py (helpers shared from here)."""
 
 from __future__ import annotations
 
@@ -13,32 +13,7 @@ from sgl_loopkv.attention import build_dense_plan
 from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor
 from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
 from sgl_loopkv.attention.sparse_plan import SparsePlan
-from tests.helpers import run_fresh
-from tests.test_sparse_plan import random_mask
-
-TRITON_CHECK = """
-import json, torch
-from sgl_loopkv.kernels.block_sparse_attn import block_sparse_attention
-from sgl_loopkv.attention.sparse_plan import SeqMask
-from tests.test_sparse_plan import masked_reference, random_mask
-g = torch.Generator().manual_seed(0)
-errs = []
-for L, n, hkv, group, d in [(64, 64, 1, 1, 16), (80, 50, 2, 2, 16), (100, 7, 2, 3, 16), (48, 48, 1, 4, 16), (70, 70, 1, 2, 24)]:
-    m = random_mask(g, L, n, hkv, 16, 0.4)
-    q = torch.randn(n, hkv * group, d, generator=g)
-    k, v = torch.randn(L, hkv, d, generator=g), torch.randn(L, hkv, d, generator=g)
-    errs.append(float((block_sparse_attention(q, k, v, m, 0.3) - masked_reference(q, k, v, m, 0.3)).abs().max()))
-full = SeqMask.all_blocks(2, 96, 40, 16)
-q, k, v = torch.randn(40, 4, 16, generator=g), torch.randn(96, 2, 16, generator=g), torch.randn(96, 2, 16, generator=g)
-from sgl_loopkv.attention import dense_attention
-errs.append(float((block_sparse_attention(q, k, v, full, 0.3) - dense_attention(q, k, v, 0.3)).abs().max()))
-print(json.dumps({"errs": errs}))
-"""
-
-
-def test_triton_kernel_equals_masked_reference_in_the_interpreter():
-    errs = run_fresh(TRITON_CHECK, env={"TRITON_INTERPRET": "1"})["errs"]
-    assert len(errs) == 6 and max(errs) < 1e-5, errs
+from tests.unit.test_sparse_plan import random_mask
 
 
 def random_batch(

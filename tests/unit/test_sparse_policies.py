@@ -24,8 +24,8 @@ from sgl_loopkv.attention.policies.loopserve import (
 )
 from sgl_loopkv.attention.policies.lserve import StreamingHeadsPolicy, streaming_heads
 from sgl_loopkv.attention.sparse_executor import sparse_attention
-from sgl_loopkv.config import LoopKVConfig
-from tests.test_sparse_plan import masked_reference
+from sgl_loopkv.config import SparsePrefillConfig
+from tests.unit.test_sparse_plan import masked_reference
 
 
 def qkv(seed: int, L: int, n: int, hkv: int = 2, group: int = 3, d: int = 16):
@@ -179,20 +179,9 @@ def test_smollm2_calibration_file_loads_and_missing_files_say_how_to_make_one(tm
         load_head_scores("x", 30, 3, str(bad))
 
 
-def test_calibration_procedure_runs_on_the_tiny_model(tiny_model_dir):
-    from sgl_loopkv.attention.calibration.streaming import calibrate
-
-    result = calibrate(
-        tiny_model_dir, tokens=400, prompts=1, needles=2, sink=16, local=64, block_size=16, random_rows=16
-    )
-    scores = torch.tensor(result["retrieval_scores"])
-    assert scores.shape == (2, 2) and ((scores >= 0) & (scores <= 1)).all() and scores.sum() > 0
-    assert result["params"]["local"] == 64
-
-
 def test_policies_are_created_by_name_from_the_config():
     shape = ModelShape("SmolLM2-135M-Instruct", 30, 9, 3)
-    cfg = LoopKVConfig(alpha=0.9, block_size=32, streaming_sink=64, streaming_local=256, streaming_fraction=0.25)
+    cfg = SparsePrefillConfig(alpha=0.9, block_size=32, streaming_sink=64, streaming_local=256, streaming_fraction=0.25)
     assert POLICIES.names() == ["block", "loopserve", "lserve"]
     tail = dict(dense_tail=cfg.sparse_dense_tail, full_density=cfg.sparse_full_density)
     assert POLICIES.create("loopserve", cfg, shape) == VerticalSlashPolicy(
@@ -202,7 +191,7 @@ def test_policies_are_created_by_name_from_the_config():
     lserve = POLICIES.create("lserve", cfg, shape)
     assert int(lserve.streaming.sum()) == round(0.25 * 90) and lserve.local == 256
     with pytest.raises(ValueError, match="multiples"):
-        LoopKVConfig(block_size=64, streaming_local=100)
+        SparsePrefillConfig(block_size=64, streaming_local=100)
 
 
 @pytest.mark.parametrize("L,n", [(512, 512), (512, 190), (300, 77)])

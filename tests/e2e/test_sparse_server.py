@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import _server
-from tests.test_server_tiny import LONG_PROMPT, generate
+from tests.e2e.conftest import _server
+from tests.e2e.test_server_tiny import LONG_PROMPT, generate
+
+pytestmark = pytest.mark.server
 
 SPARSE_LINE = "loopkv sparse prefill"
 

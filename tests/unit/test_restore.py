@@ -5,11 +5,11 @@ without a device prefix); the model-driven stack matches HF's layers."""
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch
 
+from sgl_loopkv.config import RestoreConfig
 from sgl_loopkv.restore.plan import (
     PLANNERS,
     CostModel,
@@ -20,6 +20,7 @@ from sgl_loopkv.restore.plan import (
     simulate,
 )
 from sgl_loopkv.restore.recompute import LayerStack, recompute_front
+from tests.fakes import tiny_llama
 
 SMOL = dict(num_layers=30, layer_bytes=2 * 3 * 64 * 4)
 
@@ -30,7 +31,7 @@ def job(total=4096, **kw) -> RestoreJob:
 
 def planners():
     return [PLANNERS.create(n) for n in PLANNERS.names() if n != "fixed"] + [
-        PLANNERS.create("fixed", r) for r in (0.0, 0.3, 1.0)
+        PLANNERS.create("fixed", RestoreConfig(ratio=r)) for r in (0.0, 0.3, 1.0)
     ]
 
 
@@ -147,21 +148,7 @@ class HFLayerStack(LayerStack):
 
 @pytest.fixture(scope="module")
 def tiny_hf():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=5,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(cfg).eval()
+    return tiny_llama(5, vocab_size=300, attn_implementation="eager")
 
 
 def full_kv(model, ids):
@@ -202,75 +189,3 @@ def test_recompute_front_equals_full_prefill_for_any_split(tiny_hf, start):
             assert k.shape[0] == s
             torch.testing.assert_close(k, ref[layer][0][start : start + s], atol=2e-5, rtol=1e-4)
             torch.testing.assert_close(v, ref[layer][1][start : start + s], atol=2e-5, rtol=1e-4)
-
-
-# --- in a real server: partial recompute + load gives the never-evicted greedy output ------------
-@pytest.mark.parametrize("planner", [["fixed", "--loopkv-restore-ratio", "0.5"], ["recompute_all"]])
-def test_server_restores_with_a_split_plan(planner, tiny_server, tiny_model_dir, server_logs, tmp_path):
-    from sgl_loopkv.server.process import ServerProcess
-    from tests.conftest import COMMON_SERVER_ARGS
-    from tests.test_tiered_cache import N_CONV, ask, tiers
-
-    reference = {i: ask(tiny_server.url, i)["output_ids"] for i in (0, N_CONV - 3)}
-    log = server_logs / f"restore-{planner[0]}.log"
-    args = [
-        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
-        *("--max-total-tokens", "2048"),
-        *("--loopkv-disk-dir", str(tmp_path), "--loopkv-disk-bytes", "8000000", "--loopkv-host-bytes", "2200000"),
-        *("--loopkv-restore-planner", *planner),
-    ]
-    with ServerProcess(args, log_path=log).start() as srv:
-        for i in range(N_CONV):
-            ask(srv.url, i)
-        host_hit = ask(srv.url, N_CONV - 3)
-        assert tiers(host_hit)["host"] > 800, tiers(host_hit)
-        assert host_hit["output_ids"] == reference[N_CONV - 3]
-        time.sleep(1.0)  # let the disk writer finish
-        disk_hit = ask(srv.url, 0)
-        assert tiers(disk_hit)["disk"] > 800, tiers(disk_hit)
-        assert disk_hit["output_ids"] == reference[0]
-    plans = [line for line in log.read_text().splitlines() if "loopkv: resuming" in line]
-    assert len(plans) >= 2, plans
-    for line in plans:  # the split really happened (front recomputed, the rest loaded or skipped on disk)
-        front = int(line.split("plan: recompute ")[1].split("..")[0])
-        assert front >= (800 if planner[0] == "recompute_all" else 400), line
-
-
-def _host_bytes_per_token(url: str) -> float:
-    from benchmarks.restore import metrics
-
-    m = metrics(url)
-    return m['loopkv_tier_bytes{tier="host"}'] / m['loopkv_tier_tokens{tier="host"}']
-
-
-@pytest.mark.parametrize("ratio", [pytest.param("0", marks=pytest.mark.slow), "1"])
-def test_server_shares_layers_of_stored_turns(ratio, tiny_server, tiny_model_dir, server_logs):
-    """r_l = 0: nothing shared, bytes per token of a full KV, answers exact. r_l = 1 (both layers of
-    the tiny model, every layer a candidate) and bf16 tiers: one pair stored as one row in half the
-    bytes per value (a quarter of the KV bytes), and the resumed conversation is served from the
-    host tier."""
-    from sgl_loopkv.server.process import ServerProcess
-    from tests.conftest import COMMON_SERVER_ARGS
-    from tests.test_tiered_cache import N_CONV, ask, tiers
-
-    log = server_logs / f"share-{ratio}.log"
-    args = [
-        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
-        *("--max-total-tokens", "2048", "--enable-metrics"),
-        *("--loopkv-share-layers", "reuse", "--loopkv-share-ratio", ratio, "--loopkv-share-gamma", "0"),
-        *(["--loopkv-store-dtype", "bfloat16"] if ratio == "1" else []),
-    ]
-    with ServerProcess(args, log_path=log).start() as srv:
-        for i in range(N_CONV):
-            ask(srv.url, i)
-        per_token = _host_bytes_per_token(srv.url)
-        again = ask(srv.url, 0)
-        assert tiers(again)["host"] > 800, tiers(again)
-    full = 2 * 2 * 2 * 16 * 4  # layers x K/V x kv heads x head_dim x fp32
-    summaries = 2 * 2 * 2 * 16 * 4 / 16  # per-chunk min/max keys, per token (fp32; fp16 next to bf16 KV)
-    shared = "shared layer pairs" in log.read_text()
-    if ratio == "0":
-        assert not shared and per_token == pytest.approx(full + summaries)
-        assert again["output_ids"] == ask(tiny_server.url, 0)["output_ids"]
-    else:
-        assert shared and per_token == pytest.approx(full / 4 + summaries / 2)

@@ -28,6 +28,7 @@ def test_conversion_produces_a_standard_hf_folder(default_model_dir):
     assert time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.server
 def test_default_model_answers_coherently(smollm2_server):
     r = requests.post(
         f"{smollm2_server.url}/generate",
@@ -62,6 +63,7 @@ def hf_greedy(model_dir, input_ids: list[int], n: int) -> list[int]:
     return out
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "prompt",
     [
@@ -81,6 +83,7 @@ def test_greedy_matches_independent_hf_forward_for_32_tokens(smollm2_server, def
     assert r.json()["output_ids"] == hf_greedy(default_model_dir, input_ids, 32)
 
 
+@pytest.mark.server
 @pytest.mark.parametrize(
     "restore",
     [

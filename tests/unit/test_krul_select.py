@@ -4,9 +4,9 @@ optimal pairing; the pair codecs' guarantees."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import random
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -24,14 +24,16 @@ from sgl_loopkv.krul.pairing import (
     total_distance,
 )
 from sgl_loopkv.krul.similarity import LayerStats, offline_stats, row_stats
+from tests.fakes import TINY_LLAMA, FakeKVPool, fake_batch, fake_layer, fake_runner, tiny_llama
 
-LAYERS, HQ, HKV, D = 4, 4, 2, 16
+LAYERS = 4
+HQ, HKV, D = TINY_LLAMA["num_attention_heads"], TINY_LLAMA["num_key_value_heads"], TINY_LLAMA["head_dim"]
 
 
 # --- a tiny HF Llama whose attention we capture --------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_llama():
-    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+def capturing_llama():
+    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
@@ -46,19 +48,7 @@ def tiny_llama():
 
     AttentionInterface.register("krul_capture", capture)
     AttentionMaskInterface.register("krul_capture", eager_mask)  # else a custom attention gets no causal mask
-    cfg = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=HQ,
-        num_key_value_heads=HKV,
-        head_dim=D,
-        max_position_embeddings=1024,
-        attn_implementation="krul_capture",
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
+    model = tiny_llama(LAYERS, vocab_size=256, attn_implementation="krul_capture")
     with torch.no_grad():  # sharper attention than the default init, so layers differ clearly
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)
@@ -84,54 +74,15 @@ def hf_forwards(model, captured, tokens: list[int], chunks: list[int]):
     return out, full
 
 
-class Pool:
-    """Per-layer KV buffers that SGLang's pool would hold; written through set_kv_buffer."""
-
-    def __init__(self, slots: int):
-        self.k = [torch.zeros(slots, HKV, D) for _ in range(LAYERS)]
-        self.v = [torch.zeros(slots, HKV, D) for _ in range(LAYERS)]
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        self.k[layer.layer_id][loc.loc] = k.view(-1, HKV, D)
-        self.v[layer.layer_id][loc.loc] = v.view(-1, HKV, D)
-
-    def get_key_buffer(self, layer_id):
-        return self.k[layer_id]
-
-    def get_value_buffer(self, layer_id):
-        return self.v[layer_id]
-
-
-def layer(i, scale):
-    return SimpleNamespace(
-        layer_id=i,
-        is_cross_attention=False,
-        sliding_window_size=-1,
-        logit_cap=0.0,
-        tp_q_head_num=HQ,
-        qk_head_dim=D,
-        v_head_dim=D,
-        scaling=scale,
-    )
-
-
 def run_backend(be, rows, seq_lens, q_lens, per_layer, decode):
     """One batched forward of the loopkv backend: per_layer[l] = (q, k, v) of all sequences' new rows."""
     r2t = be.req_to_token_pool.req_to_token
     loc = torch.cat([r2t[r, s - n : s] for r, s, n in zip(rows, seq_lens, q_lens)]).long()
-    fb = SimpleNamespace(
-        forward_mode=ForwardMode.DECODE if decode else ForwardMode.EXTEND,
-        batch_size=len(rows),
-        seq_lens_cpu=torch.tensor(seq_lens),
-        seq_lens=torch.tensor(seq_lens),
-        req_pool_indices_cpu=torch.tensor(rows),
-        extend_seq_lens_cpu=q_lens,
-        out_cache_loc=loc,
-    )
+    fb = fake_batch(ForwardMode.DECODE if decode else ForwardMode.EXTEND, rows, seq_lens, q_lens, loc)
     be.init_forward_metadata(fb)
     for i, (q, k, v) in enumerate(per_layer):
         call = be.forward_decode if decode else be.forward_extend
-        call(q.reshape(q.shape[0], -1), k, v, layer(i, D**-0.5), fb)
+        call(q.reshape(q.shape[0], -1), k, v, fake_layer(i, HQ, D, D**-0.5), fb)
 
 
 @pytest.fixture
@@ -141,10 +92,10 @@ def krul_on():
     observer.configure(False)
 
 
-def test_streamed_distance_equals_offline_distance(tiny_llama, krul_on):
+def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
     """Two requests: A prefills 100 tokens in two chunks (60 + 40), B 70 in one; then 5 decode
     steps batched together. Each request's board == statistics of its full attention matrices."""
-    model, captured = tiny_llama
+    model, captured = capturing_llama
     g = random.Random(0)
     toks = {0: [g.randrange(256) for _ in range(105)], 3: [g.randrange(256) for _ in range(75)]}
     chunks = {0: [60, 40, 1, 1, 1, 1, 1], 3: [70, 1, 1, 1, 1, 1]}
@@ -155,10 +106,7 @@ def test_streamed_distance_equals_offline_distance(tiny_llama, krul_on):
     req_to_token = torch.zeros(4, 128, dtype=torch.int32)
     perm = torch.randperm(512, generator=torch.Generator().manual_seed(1))  # scattered slots: gathers
     req_to_token[0], req_to_token[3] = perm[:128], perm[128:256]
-    runner = SimpleNamespace(
-        device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=Pool(512)
-    )
-    be = LoopKVAttnBackend(runner)
+    be = LoopKVAttnBackend(fake_runner(req_to_token, FakeKVPool.zeros(LAYERS, 512, HKV, D)))
     run_backend(be, [0], [60], [60], fw[0][0], False)
     run_backend(
         be,
@@ -185,8 +133,14 @@ def test_streamed_distance_equals_offline_distance(tiny_llama, krul_on):
 
 
 def test_estimator_is_off_by_default():
-    observer.configure(False)
-    assert not observer.wants(False) and not observer.wants(True)
+    """The module's start state records nothing (reloaded: earlier tests may have configured it);
+    configuring sharing on turns it on, off again stops it."""
+    fresh = importlib.reload(observer)
+    assert not fresh.wants(False) and not fresh.wants(True)
+    fresh.configure(True, LAYERS)
+    assert fresh.wants(False) and fresh.wants(True)
+    fresh.configure(False)
+    assert not fresh.wants(False) and not fresh.wants(True)
 
 
 def random_qk(seed, n_layers=3, n=90, keys=None):

@@ -15,9 +15,8 @@ import torch
 from sgl_loopkv.attention import EXECUTORS, build_dense_plan
 from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
-from tests.helpers import run_fresh
-from tests.test_sparse_kernels import random_batch
-from tests.test_sparse_plan import random_mask
+from tests.unit.test_sparse_kernels import random_batch
+from tests.unit.test_sparse_plan import random_mask
 
 
 def gpu(test):
@@ -257,19 +256,6 @@ def test_request_lists_equal_a_direct_build(seed):
     assert reqs.kv_lens.tolist() == torch.tensor(kv).diff().tolist() and bool((reqs.last_page_len == 1).all())
 
 
-EXPAND_CHECK = """
-import json, torch
-from sgl_loopkv.attention.flashinfer_executor import build_requests
-from tests.test_sparse_gpu import long_full_head_batch, random_column_batch
-plans = [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]
-print(json.dumps({"equal": [
-    torch.equal(build_requests(p, p.masks[0].num_heads, "cpu", kernel=True).kv_indices,
-                build_requests(p, p.masks[0].num_heads, "cpu", kernel=False).kv_indices)
-    for p in plans
-]}))
-"""
-
-
 def long_full_head_batch():
     """Full heads longer than a kernel program's chunk (4096 keys), next to a sparse head."""
     g = torch.Generator().manual_seed(5)
@@ -281,11 +267,6 @@ def long_full_head_batch():
         masks.append(SeqMask.from_block_table(c.block_table(), c.kv_len, c.q_len, 64, cols, [True, False]))
     plan.masks = masks
     return plan
-
-
-def test_expand_kernel_equals_torch_expansion_in_the_interpreter():
-    """The Triton page-list kernel (the GPU path) == the torch expansion, under TRITON_INTERPRET=1."""
-    assert all(run_fresh(EXPAND_CHECK, env={"TRITON_INTERPRET": "1"})["equal"])
 
 
 @gpu

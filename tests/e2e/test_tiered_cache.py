@@ -12,7 +12,9 @@ import pytest
 import requests
 
 from sgl_loopkv.server.process import ServerProcess
-from tests.conftest import COMMON_SERVER_ARGS
+from tests.e2e.conftest import COMMON_SERVER_ARGS
+
+pytestmark = pytest.mark.server
 
 N_CONV = 6
 

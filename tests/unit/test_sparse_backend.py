@@ -4,8 +4,6 @@ plan, and the result is the sparse executor's."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
@@ -14,23 +12,10 @@ from sgl_loopkv.attention import dense_attention
 from sgl_loopkv.attention.backend import LoopKVAttnBackend
 from sgl_loopkv.attention.policies.loopserve import VerticalSlashPolicy
 from sgl_loopkv.attention.sparse_executor import sparse_attention
+from tests.fakes import FakeKVPool, fake_batch, fake_layer, fake_runner
 
 HQ, HKV, D, POOL = 6, 2, 16, 4096
-
-
-class Pool:
-    def __init__(self, seed):
-        g = torch.Generator().manual_seed(seed)
-        self.k, self.v = torch.randn(POOL, HKV, D, generator=g), torch.randn(POOL, HKV, D, generator=g)
-
-    def set_kv_buffer(self, layer, loc, k, v):
-        pass  # the test's KV is already in the pool
-
-    def get_key_buffer(self, layer_id):
-        return self.k
-
-    def get_value_buffer(self, layer_id):
-        return self.v
+LAYER = fake_layer(3, HQ, D, 0.25)
 
 
 class SpyPolicy(VerticalSlashPolicy):
@@ -47,34 +32,13 @@ def backend(policy, min_len=64):
     req_to_token = torch.zeros(4, 1024, dtype=torch.int32)
     req_to_token[0] = torch.arange(1024)
     req_to_token[1] = torch.arange(1024, 2048).flip(0)  # not one run: the plan gathers
-    runner = SimpleNamespace(
-        device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=Pool(0)
-    )
-    return LoopKVAttnBackend(runner, prefill_policy=policy, sparse_min_len=min_len)
+    pool = FakeKVPool.random(0, LAYER.layer_id + 1, POOL, HKV, D)  # the test's KV is already in the pool
+    return LoopKVAttnBackend(fake_runner(req_to_token, pool), prefill_policy=policy, sparse_min_len=min_len)
 
 
 def batch(mode, seq_lens, q_lens):
-    return SimpleNamespace(
-        forward_mode=mode,
-        batch_size=len(seq_lens),
-        seq_lens_cpu=torch.tensor(seq_lens),
-        seq_lens=torch.tensor(seq_lens),
-        req_pool_indices_cpu=torch.tensor([0, 1][: len(seq_lens)]),
-        extend_seq_lens_cpu=q_lens,
-        out_cache_loc=torch.zeros(sum(q_lens), dtype=torch.int64),
-    )
-
-
-LAYER = SimpleNamespace(
-    layer_id=3,
-    is_cross_attention=False,
-    sliding_window_size=-1,
-    logit_cap=0.0,
-    tp_q_head_num=HQ,
-    qk_head_dim=D,
-    v_head_dim=D,
-    scaling=0.25,
-)
+    rows = [0, 1][: len(seq_lens)]
+    return fake_batch(mode, rows, seq_lens, q_lens, torch.zeros(sum(q_lens), dtype=torch.int64))
 
 
 def run(be, fb, seed=1):
@@ -88,9 +52,10 @@ def test_without_a_policy_the_backend_is_the_dense_backend():
     q, out = run(be, batch(ForwardMode.EXTEND, [500, 300], [500, 120]))
     assert be.sparse_seqs is None
     pool = be.token_to_kv_pool
-    ref0 = dense_attention(q[:500], pool.k[:500], pool.v[:500], 0.25)
+    k, v = pool.k[LAYER.layer_id], pool.v[LAYER.layer_id]
+    ref0 = dense_attention(q[:500], k[:500], v[:500], 0.25)
     slots = torch.arange(1024, 2048).flip(0)[:300]
-    ref1 = dense_attention(q[500:], pool.k[slots], pool.v[slots], 0.25)
+    ref1 = dense_attention(q[500:], k[slots], v[slots], 0.25)
     assert torch.equal(out, torch.cat([ref0, ref1]))  # bit for bit: the same calls
 
 
@@ -100,11 +65,12 @@ def test_long_extends_go_sparse_short_ones_and_decode_stay_dense():
     q, out = run(be, batch(ForwardMode.EXTEND, [500, 300], [500, 80]))  # the second: cached prefix, short
     assert be.sparse_seqs == [True, False] and policy.calls == [(3, 500, 500)]
     pool = be.token_to_kv_pool
-    mask = VerticalSlashPolicy(alpha=0.6, block_size=16).select(3, q[:500], pool.k[:500], 0.25)
+    k, v = pool.k[LAYER.layer_id], pool.v[LAYER.layer_id]
+    mask = VerticalSlashPolicy(alpha=0.6, block_size=16).select(3, q[:500], k[:500], 0.25)
     assert mask.density() < 0.9
-    torch.testing.assert_close(out[:500], sparse_attention(q[:500], pool.k[:500], pool.v[:500], mask, 0.25))
+    torch.testing.assert_close(out[:500], sparse_attention(q[:500], k[:500], v[:500], mask, 0.25))
     slots = torch.arange(1024, 2048).flip(0)[:300]
-    torch.testing.assert_close(out[500:], dense_attention(q[500:], pool.k[slots], pool.v[slots], 0.25))
+    torch.testing.assert_close(out[500:], dense_attention(q[500:], k[slots], v[slots], 0.25))
 
     policy.calls.clear()
     run(be, batch(ForwardMode.EXTEND, [900, 300], [400, 150]))  # chunked extends after a prefix
