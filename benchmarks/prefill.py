@@ -65,7 +65,7 @@ from sgl_loopkv.attention.calibration.capture import capture_qkv, load_capturing
 from sgl_loopkv.attention.executor import dense_attention
 from sgl_loopkv.attention.policies import POLICIES, ModelShape
 from sgl_loopkv.attention.policies.loopserve import sampled_attention
-from sgl_loopkv.attention.sparse_executor import sparse_attention
+from sgl_loopkv.attention.sparse.torch import sparse_attention
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import ensure_default_model
 from sgl_loopkv.server.process import ServerProcess

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sgl_loopkv.attention import EXECUTORS, build_dense_plan
-from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
+from sgl_loopkv.attention.sparse import SPARSE_EXECUTORS
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
 from tests.helpers import run_fresh
 from tests.test_sparse_kernels import random_batch
@@ -108,7 +108,7 @@ def batch_reference(plan: SparsePlan, q, k_cache, v_cache, scale):
 
 def flashinfer_executor(backend: str = "auto"):
     pytest.importorskip("flashinfer")
-    from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor
+    from sgl_loopkv.attention.sparse.flashinfer import FlashInferSparseExecutor
 
     return FlashInferSparseExecutor(backend=backend)
 
@@ -247,7 +247,7 @@ def random_column_batch(seed: int):
 def test_request_lists_equal_a_direct_build(seed):
     """build_requests (vectorised) on the CPU == the request-by-request build: several sequences,
     cached prefixes, partial blocks, full heads, a dense sequence, many columns."""
-    from sgl_loopkv.attention.flashinfer_executor import build_requests
+    from sgl_loopkv.attention.sparse.flashinfer import build_requests
 
     plan = random_column_batch(seed)
     reqs = build_requests(plan, 3, "cpu")
@@ -259,7 +259,7 @@ def test_request_lists_equal_a_direct_build(seed):
 
 EXPAND_CHECK = """
 import json, torch
-from sgl_loopkv.attention.flashinfer_executor import build_requests
+from sgl_loopkv.attention.sparse.flashinfer import build_requests
 from tests.test_sparse_gpu import long_full_head_batch, random_column_batch
 plans = [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]
 print(json.dumps({"equal": [
@@ -291,7 +291,7 @@ def test_expand_kernel_equals_torch_expansion_in_the_interpreter():
 @gpu
 def test_request_lists_on_cuda_equal_cpu():
     """The same lists built on the GPU (pinned uploads; the Triton kernel and the torch expansion)."""
-    from sgl_loopkv.attention.flashinfer_executor import build_requests
+    from sgl_loopkv.attention.sparse.flashinfer import build_requests
 
     for plan in [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]:
         H = plan.masks[0].num_heads

@@ -23,7 +23,7 @@ from sgl_loopkv.attention.policies.loopserve import (
     select_lines,
 )
 from sgl_loopkv.attention.policies.lserve import StreamingHeadsPolicy, streaming_heads
-from sgl_loopkv.attention.sparse_executor import sparse_attention
+from sgl_loopkv.attention.sparse.torch import sparse_attention
 from sgl_loopkv.config import LoopKVConfig
 from tests.test_sparse_plan import masked_reference
 

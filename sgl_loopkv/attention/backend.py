@@ -57,7 +57,7 @@ class LoopKVAttnBackend(AttentionBackend):
         self.sparse_min_len = sparse_min_len
         self.sparse_executor = None
         if prefill_policy is not None:
-            from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
+            from sgl_loopkv.attention.sparse import SPARSE_EXECUTORS
 
             self.sparse_executor = SPARSE_EXECUTORS.create(sparse_executor, dense=self.executor)
         self.sparse_seqs: list[bool] | None = None  # this batch: per sequence, does its prefill go sparse?
