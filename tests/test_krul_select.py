@@ -13,8 +13,10 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_loopkv.attention.backend import LoopKVAttnBackend
-from sgl_loopkv.krul import observer
+from sgl_loopkv.cache.importance import ChunkImportance
+from sgl_loopkv.context import Context
 from sgl_loopkv.krul.codec import CODECS
+from sgl_loopkv.krul.observer import KrulObserver
 from sgl_loopkv.krul.pairing import (
     brute_force_pairs,
     greedy_pairs,
@@ -136,9 +138,9 @@ def run_backend(be, rows, seq_lens, q_lens, per_layer, decode):
 
 @pytest.fixture
 def krul_on():
+    observer = KrulObserver()
     observer.configure(True, LAYERS)
-    yield
-    observer.configure(False)
+    return observer
 
 
 def test_streamed_distance_equals_offline_distance(tiny_llama, krul_on):
@@ -158,7 +160,8 @@ def test_streamed_distance_equals_offline_distance(tiny_llama, krul_on):
     runner = SimpleNamespace(
         device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), token_to_kv_pool=Pool(512)
     )
-    be = LoopKVAttnBackend(runner)
+    observer = krul_on
+    be = LoopKVAttnBackend(runner, context=Context(importance=ChunkImportance(), observer=observer))
     run_backend(be, [0], [60], [60], fw[0][0], False)
     run_backend(
         be,
@@ -185,7 +188,7 @@ def test_streamed_distance_equals_offline_distance(tiny_llama, krul_on):
 
 
 def test_estimator_is_off_by_default():
-    observer.configure(False)
+    observer = KrulObserver()
     assert not observer.wants(False) and not observer.wants(True)
 
 

@@ -37,9 +37,8 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_loopkv.cache import importance
-from sgl_loopkv.cache import loader as loader_mod
 from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
+from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
@@ -63,7 +62,7 @@ class LoopKVRadixCache(RadixCache):
         *,
         kv_pool,
         store_factory,
-        synchronous_loads: bool,
+        importance: ChunkImportance | None = None,
         restorer: Restorer | None = None,
         sharing: LayerSharing | None = None,
         store_dtype: torch.dtype | None = None,
@@ -84,11 +83,13 @@ class LoopKVRadixCache(RadixCache):
         self.loader = LayerwiseLoader(
             kv_pool.k_buffer,
             kv_pool.v_buffer,
-            synchronous=synchronous_loads,
             on_copy=self.restorer.observe_copy,
             on_wait=self.restorer.observe_bubble,
         )
-        loader_mod.set_active(self.loader)
+        # The pool's get_key_buffer/get_value_buffer wait on it: layer-wise loads overlap the forward
+        # under every attention backend.
+        kv_pool.register_layer_transfer_counter(self.loader)
+        logger.info("loopkv: layer-wise loads overlap the forward (the KV pool's layer transfer counter)")
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
@@ -96,7 +97,8 @@ class LoopKVRadixCache(RadixCache):
         self.store_geometry = replace(self.geometry, dtype=store_dtype or self.geometry.dtype)
         self.store = store_factory(self.store_geometry, self._on_segment_lost, self._segment_is_leaf)
         self.metrics = TierMetrics(params.enable_metrics)
-        importance.configure(self.geometry.num_layers // 2, self.page_size)
+        self.importance = importance or ChunkImportance()
+        self.importance.configure(self.geometry.num_layers // 2, self.page_size)
         self._rebuild_from_store()
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class LoopKVRadixCache(RadixCache):
             pairs = self.sharing.turn_end(req.kv.req_pool_idx, req.last_node, self.root_node) if self.sharing else []
             self._store_path(req.last_node, pairs)
             self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
-            self._touch_path(req.last_node, importance.pop(req.kv.req_pool_idx))
+            self._touch_path(req.last_node, self.importance.pop(req.kv.req_pool_idx))
             self.metrics.publish(self.store.count_tokens())
             self.metrics.publish_restore(self.restorer.stats)  # the bubbles of this turn's forward
 
@@ -435,7 +437,8 @@ class LoopKVRadixCache(RadixCache):
         by_tier = {t: sum(len(nd.key) for nd, _, tt in parts if tt == t) for t in ("host", "disk")}
         logger.info(
             "loopkv: resuming %d tokens (host %d, disk %d); fetched in %.3f s; plan: recompute %d..%d front tokens "
-            "per layer (%.0f%% of token-layers) in %.3f s, the rest copied layer by layer (predicted bubble %.3f s)",
+            "per layer (%.0f%% of token-layers) in %.3f s, the rest copied layer by layer on the loader thread "
+            "(predicted bubble %.3f s)",
             n,
             by_tier["host"],
             by_tier["disk"],

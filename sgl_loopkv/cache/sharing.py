@@ -13,15 +13,15 @@ import logging
 
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
+from sgl_loopkv.krul.observer import KrulObserver
+
 logger = logging.getLogger(__name__)
 
 
 class LayerSharing:
-    def __init__(self, codec: str, gamma: float, ratio: float, pairing: str):
-        from sgl_loopkv.krul import observer
-
+    def __init__(self, codec: str, gamma: float, ratio: float, pairing: str, observer: KrulObserver):
         self.codec, self.gamma, self.ratio, self.pairing = codec, gamma, ratio, pairing
-        self.observer = observer
+        self.observer = observer  # the attention's statistics board (sgl_loopkv.context)
         self.last_pairs: list[tuple[int, int]] = []
 
     def turn_end(self, req_row: int, last_node: TreeNode, root: TreeNode) -> list[tuple[int, int]]:
