@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from array import array
 from collections import OrderedDict, defaultdict
 from dataclasses import replace
 
@@ -48,6 +47,7 @@ from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
+from sgl_loopkv.cache.rebuild import rebuild_from_store
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
@@ -104,10 +104,10 @@ class LoopKVRadixCache(RadixCache):
         self.metrics = TierMetrics(params.enable_metrics)
         self.importance = importance or ChunkImportance()
         self.importance.configure(self.geometry.num_layers // 2, self.page_size)
-        self._rebuild_from_store()
+        rebuild_from_store(self)  # conversations resume after a restart
 
     # --- bookkeeping ---------------------------------------------------------------------------
-    def _set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
+    def set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
         old = _ref(node)
         if old is not None:
             self._seg_nodes[old[0]].discard(node)
@@ -225,7 +225,7 @@ class LoopKVRadixCache(RadixCache):
         codec = self.sharing.codec if pairs else None
         if not self.store.put(record, torch.stack([k, v], dim=1), key_summaries(k, self.page_size), pairs, codec):
             return False
-        self._set_ref(node, (record.seg_id, 0, n_chunks))
+        self.set_ref(node, (record.seg_id, 0, n_chunks))
         return True
 
     # --- device eviction keeps stored nodes -------------------------------------------------------
@@ -299,8 +299,8 @@ class LoopKVRadixCache(RadixCache):
         if ref is not None:
             seg, lo, hi = ref
             mid = lo + split_len // self.page_size
-            self._set_ref(new_node, (seg, lo, mid))
-            self._set_ref(child, (seg, mid, hi))
+            self.set_ref(new_node, (seg, lo, mid))
+            self.set_ref(child, (seg, mid, hi))
         return new_node
 
     # --- match: device part + load-back of stored part ----------------------------------------
@@ -466,54 +466,3 @@ class LoopKVRadixCache(RadixCache):
         loads = self._req_loads.get(rid, {"host": 0, "disk": 0})
         host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
         return {"device": cached_tokens - host - disk, "host": host, "disk": disk}
-
-    # --- restart ---------------------------------------------------------------------------------
-    def _rebuild_from_store(self) -> None:
-        """Re-create stored nodes from the disk index (parents before children)."""
-        if self.store.disk is None:
-            return
-        tokens: dict[str, list[int]] = {}
-        records = sorted(self.store.disk.records.values(), key=lambda r: r.start)
-        restored = 0
-        for rec in records:
-            try:
-                header = self.store.disk.read_header(rec.seg_id)
-            except CorruptSegment as e:
-                logger.warning("loopkv: dropping stored segment: %s", e)
-                self.store.drop(rec.seg_id)
-                continue
-            prefix = tokens.get(rec.parent, [])[: rec.start] if rec.parent else []
-            if len(prefix) != rec.start:  # its parent did not survive
-                self.store.drop(rec.seg_id)  # its prefix is gone: unreachable
-                continue
-            tokens[rec.seg_id] = prefix + header["token_ids"]
-            if self._insert_stored(tokens[rec.seg_id], rec):
-                restored += 1
-            else:
-                self.store.drop(rec.seg_id)
-        if restored:
-            logger.info("loopkv: restored %d stored segments from %s", restored, self.store.disk.root)
-
-    def _insert_stored(self, full_tokens: list[int], rec: SegmentRecord) -> bool:
-        key = RadixKey(array("q", full_tokens), rec.extra_key, cache_salt=rec.cache_salt)
-        node, pos = self.root_node, 0
-        while pos < rec.start:  # the prefix must already be in the tree
-            child = node.children.get(key[pos:].child_key(self.page_size))
-            if child is None:
-                return False
-            plen = child.key.match(key[pos:], page_size=self.page_size)
-            if plen < len(child.key):
-                if pos + plen < rec.start:
-                    return False
-                child = self._split_node(child.key, child, plen)
-            node, pos = child, pos + len(child.key)
-        if pos != rec.start:
-            return False
-        rest = key[rec.start :]
-        if rest.child_key(self.page_size) in node.children:
-            return False  # this history is already in the tree
-        new = TreeNode()
-        new.parent, new.key, new.value = node, rest, None
-        node.children[rest.child_key(self.page_size)] = new
-        self._set_ref(new, (rec.seg_id, 0, rec.n_chunks))
-        return True
