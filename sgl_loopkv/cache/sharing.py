@@ -10,10 +10,12 @@ a new sum (its stored segments keep the pairs they were written with).
 from __future__ import annotations
 
 import logging
-
-from sglang.srt.mem_cache.radix_cache import TreeNode
+from typing import TYPE_CHECKING
 
 from sgl_loopkv.krul.observer import KrulObserver
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.radix_cache import TreeNode
 
 logger = logging.getLogger(__name__)
 
