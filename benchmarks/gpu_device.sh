@@ -45,7 +45,7 @@ warm() {
   python3 - "$1" "$2" <<'PY'
 import sys, time, torch
 from sgl_loopkv.attention import build_dense_plan
-from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor
+from sgl_loopkv.attention.sparse.flashinfer import FlashInferSparseExecutor
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
 dt, t = getattr(torch, sys.argv[1]), time.time()
 q = torch.randn(100, 9, 64, device="cuda", dtype=dt); k = torch.randn(100, 3, 64, device="cuda", dtype=dt)

@@ -167,7 +167,7 @@ def run(args, save) -> dict:
     import torch.nn.functional as F
 
     from sgl_loopkv.attention import build_dense_plan, dense_attention
-    from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor, build_requests
+    from sgl_loopkv.attention.sparse.flashinfer import FlashInferSparseExecutor, build_requests
     from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
     from sgl_loopkv.kernels.block_sparse_attn import block_sparse_attention, prepare
 

@@ -20,8 +20,8 @@ import time
 import torch
 
 from benchmarks.common import environment, md_table, write_results
-from sgl_loopkv.krul import observer
 from sgl_loopkv.krul.codec import CODECS
+from sgl_loopkv.krul.observer import KrulObserver
 from sgl_loopkv.krul.pairing import ir_layers, max_pairs, select_pairs, total_distance
 from sgl_loopkv.krul.similarity import row_stats
 
@@ -176,13 +176,13 @@ def time_observer(cap, num_layers, scale, n_ctx, decode_steps=8) -> dict:
         plan = build_dense_plan(r2t, [0], [n_ctx], [q_len])
         qs = [cap.q[layer][n_ctx - q_len : n_ctx] for layer in range(num_layers)]
         reps = decode_steps if q_len == 1 else 1
+        observer = KrulObserver()
         observer.configure(True, num_layers)
         t0 = time.perf_counter()
         for _ in range(reps):
             for layer in range(num_layers):
                 observer.record(layer, plan, [0], qs[layer], pool, scale)
         out[name] = (time.perf_counter() - t0) / reps / q_len
-        observer.configure(False)
     return out
 
 

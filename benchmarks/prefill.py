@@ -66,8 +66,8 @@ from benchmarks.common import (
 from sgl_loopkv.attention.calibration.capture import capture_qkv, load_capturing_model
 from sgl_loopkv.attention.executor import dense_attention
 from sgl_loopkv.attention.policies import POLICIES, ModelShape
-from sgl_loopkv.attention.policies.loopserve import sampled_attention
-from sgl_loopkv.attention.sparse_executor import sparse_attention
+from sgl_loopkv.attention.sampled import sampled_attention
+from sgl_loopkv.attention.sparse.torch import sparse_attention
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.server.process import ServerProcess

@@ -174,7 +174,7 @@ def prepare(mask, device) -> KernelPlan:
 def block_sparse_attention(
     q, k, v, mask, scale: float, col_chunk: int | None = None, plan: KernelPlan | None = None, out=None
 ) -> torch.Tensor:
-    """Same contract as :func:`sgl_loopkv.attention.sparse_executor.sparse_attention` (full heads
+    """Same contract as :func:`sgl_loopkv.attention.sparse.torch.sparse_attention` (full heads
     are run as every causal block). q [n, Hq, D]; k, v [L, Hkv, D] -> [n, Hq, D]. ``plan``: a
     :func:`prepare` of ``mask`` (else built here); ``out``: written in place when given;
     ``col_chunk``: columns per step (default the block size: one full-size dot per step)."""

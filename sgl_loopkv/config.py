@@ -231,7 +231,7 @@ class SparsePrefillConfig:
         default="torch",
         metadata={
             "help": "Executor of sparse prefill plans ('flashinfer' and 'triton' need CUDA).",
-            "registry": "sgl_loopkv.attention.sparse_executor:SPARSE_EXECUTORS",
+            "registry": "sgl_loopkv.attention.sparse:SPARSE_EXECUTORS",
         },
     )
 

@@ -4,6 +4,7 @@ SGLang calls :func:`register` in every process it starts (launcher, scheduler, d
 controller) through ``sglang.srt.plugins.load_plugins()``; registration is idempotent.
 
 What it registers today:
+- the process's shared state (:mod:`sgl_loopkv.context`), set once;
 - the ``sgl_kernel`` CPU stand-in (only with SGLang's CPU engine and no real sgl_kernel);
 - the ``loopkv`` attention backend (``--attention-backend loopkv``);
 - the ``loopkv`` radix-cache backend (``--radix-cache-backend loopkv``): tiered conversation KV;
@@ -27,9 +28,19 @@ COMPONENTS: dict[str, list[str]] = {"attention_backend": [], "radix_cache_backen
 def register() -> None:
     # Before anything imports sglang.srt: its modules import sgl_kernel at import time.
     activate_cpu_standin()
+    _set_context()
     _register_attention_backend()
     _register_radix_cache_backend()
     _register_hooks()
+
+
+def _set_context() -> None:
+    from sgl_loopkv.cache.importance import ChunkImportance
+    from sgl_loopkv.context import Context, has_context, set_context
+    from sgl_loopkv.krul.observer import KrulObserver
+
+    if not has_context():
+        set_context(Context(importance=ChunkImportance(), observer=KrulObserver()))
 
 
 def _register_attention_backend() -> None:

@@ -1,7 +1,7 @@
 """Attention as plan + execute: planners decide which KV slots each query row sees (per batch),
 executors compute exactly that. ``backend.py`` is the thin SGLang glue. Sparse prefill: selection
 policies (``policies/``) turn a layer's q/k into a :class:`SeqMask`; sparse executors
-(``sparse_executor.py``) run the resulting :class:`SparsePlan`."""
+(``sparse/``: registry, base, torch, triton, flashinfer) run the resulting :class:`SparsePlan`."""
 
 from sgl_loopkv.attention.executor import EXECUTORS, AttentionExecutor, dense_attention
 from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan

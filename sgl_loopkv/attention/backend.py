@@ -25,9 +25,7 @@ from sgl_loopkv.attention.executor import EXECUTORS
 from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan
 from sgl_loopkv.attention.policies import POLICIES, ModelShape, SelectionPolicy
 from sgl_loopkv.attention.sparse_plan import SparsePlan
-from sgl_loopkv.cache import importance as chunk_importance
-from sgl_loopkv.cache import loader as cache_loader
-from sgl_loopkv.krul import observer as krul_observer
+from sgl_loopkv.context import Context, get_context
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -46,8 +44,10 @@ class LoopKVAttnBackend(AttentionBackend):
         prefill_policy: SelectionPolicy | None = None,
         sparse_executor: str = "torch",
         sparse_min_len: int = 2048,
+        context: Context | None = None,
     ):
         super().__init__()
+        self.context = context  # the boards this backend feeds (None: feeds nothing)
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
@@ -58,7 +58,7 @@ class LoopKVAttnBackend(AttentionBackend):
         self.sparse_min_len = sparse_min_len
         self.sparse_executor = None
         if prefill_policy is not None:
-            from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
+            from sgl_loopkv.attention.sparse import SPARSE_EXECUTORS
 
             self.sparse_executor = SPARSE_EXECUTORS.create(sparse_executor, dense=self.executor)
         self.sparse_seqs: list[bool] | None = None  # this batch: per sequence, does its prefill go sparse?
@@ -108,32 +108,30 @@ class LoopKVAttnBackend(AttentionBackend):
                 f"layer {layer.layer_id}: the loopkv attention backend supports plain causal self-attention "
                 "only (no cross attention, sliding window or logit cap); use --attention-backend torch_native"
             )
-        loads = cache_loader.active()
-        if loads is not None:  # the tiered cache may still be copying this layer's history in
-            loads.wait_layer(layer.layer_id)
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
-        if chunk_importance.wants(layer.layer_id, forward_batch.forward_mode.is_decode()):
+        ctx = self.context
+        if ctx is not None and ctx.importance.wants(layer.layer_id, forward_batch.forward_mode.is_decode()):
             rows = (
                 forward_batch.req_pool_indices_cpu
                 if forward_batch.req_pool_indices_cpu is not None
                 else forward_batch.req_pool_indices
             ).tolist()
-            chunk_importance.record(
+            ctx.importance.record(
                 self.forward_metadata,
                 rows,
                 q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 layer.scaling,
             )
-        if krul_observer.wants(forward_batch.forward_mode.is_decode()):  # layer-sharing statistics (Krul)
+        if ctx is not None and ctx.observer.wants(forward_batch.forward_mode.is_decode()):  # layer sharing (Krul)
             rows = (
                 forward_batch.req_pool_indices_cpu
                 if forward_batch.req_pool_indices_cpu is not None
                 else forward_batch.req_pool_indices
             ).tolist()
             qv = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-            krul_observer.record(layer.layer_id, self.forward_metadata, rows, qv, self.token_to_kv_pool, layer.scaling)
+            ctx.observer.record(layer.layer_id, self.forward_metadata, rows, qv, self.token_to_kv_pool, layer.scaling)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if self.sparse_seqs is not None:
@@ -205,8 +203,11 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
 
     config = LoopKVConfig.from_env()
     from sgl_loopkv import restore
+    from sgl_loopkv.attention.executor import dense_attention
 
-    restore.set_model(lambda: model_runner.model)  # the restorer recomputes front tokens with these layers
+    ctx = get_context()
+    # the restorer recomputes front tokens with these layers and this attention
+    ctx.layer_stack = lambda: restore.model_stack(model_runner.model, dense_attention)
     policy = None
     if config.sparse.enabled:
         from sglang.srt.runtime_context import get_parallel
@@ -219,11 +220,12 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
             num_kv_heads=mc.get_num_kv_heads(tp),
         )
         policy = POLICIES.create(config.sparse.prefill_policy, config.sparse, shape)
-    krul_observer.configure(config.sharing.enabled, model_runner.model_config.num_hidden_layers, config.sharing.stride)
+    ctx.observer.configure(config.sharing.enabled, model_runner.model_config.num_hidden_layers, config.sharing.stride)
     return LoopKVAttnBackend(
         model_runner,
         executor=config.attention_executor,
         prefill_policy=policy,
         sparse_executor=config.sparse.sparse_executor,
         sparse_min_len=config.sparse.sparse_min_len,
+        context=ctx,
     )

@@ -15,15 +15,11 @@ from sgl_loopkv.cache.layout import KVGeometry
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.context import get_context, has_context
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "loopkv"
-_ACTIVE = None  # the LoopKVRadixCache of this (scheduler) process
-
-
-def active_cache():
-    return _ACTIVE
 
 
 def model_fingerprint(model_path: str, geometry: KVGeometry) -> str:
@@ -65,20 +61,26 @@ def create_loopkv_radix_cache(ctx):
     from sgl_loopkv import restore
     from sgl_loopkv.restore.restorer import Restorer
 
+    shared = get_context()
     planner = restore.PLANNERS.create(config.restore.planner, config.restore)
-    global _ACTIVE
-    _ACTIVE = LoopKVRadixCache(
+
+    def layer_stack():  # the model's layers for partial recompute: only with the loopkv attention backend
+        return shared.layer_stack() if shared.layer_stack is not None else None
+
+    cache = LoopKVRadixCache(
         ctx.params,
         kv_pool=kv_pool,
         store_factory=store_factory,
-        restorer=Restorer(planner, stack=restore.model_stack, calibrate_on_first_use=planner.needs_cost_model),
+        restorer=Restorer(planner, stack=layer_stack, calibrate_on_first_use=planner.needs_cost_model),
+        importance=shared.importance,
         store_dtype=None if tiers.store_dtype == "pool" else getattr(torch, tiers.store_dtype),
         sharing=(
-            LayerSharing(sharing.layers, sharing.gamma, sharing.ratio, sharing.pairing) if sharing.enabled else None
+            LayerSharing(sharing.layers, sharing.gamma, sharing.ratio, sharing.pairing, shared.observer)
+            if sharing.enabled
+            else None
         ),
-        # Only our attention backend waits per layer for in-flight loads; others get finished copies.
-        synchronous_loads=ctx.server_args.attention_backend != "loopkv",
     )
+    shared.cache = cache
     logger.info(
         "loopkv radix cache: chunk %d tokens, host quota %.2f GB, disk %s (quota %.2f GB), value policy %s",
         ctx.params.page_size,
@@ -87,7 +89,7 @@ def create_loopkv_radix_cache(ctx):
         tiers.disk_bytes / 1e9,
         tiers.value_policy,
     )
-    return _ACTIVE
+    return cache
 
 
 CACHED_TOKENS_DETAILS_TARGET = (
@@ -98,7 +100,7 @@ CACHED_TOKENS_DETAILS_TARGET = (
 def cached_tokens_details(original, self, req, *args, **kwargs):
     """AROUND hook: report cached tokens by the tier they were loaded from ("storage" = disk,
     SGLang's name for its L3 tier), since to SGLang every loaded token looks like a device hit."""
-    cache = active_cache()
+    cache = get_context().cache if has_context() else None
     if cache is None or req.cached_tokens <= 0:
         return original(self, req, *args, **kwargs)
     tiers = cache.tier_breakdown(req.rid, req.cached_tokens)

@@ -1,13 +1,15 @@
 """Layer-by-layer loading of host KV into the device pool, overlapped with the forward.
 
-One loader thread copies each submitted job layer 0, 1, ..., L-1; the attention of layer ``l``
-calls :meth:`LayerwiseLoader.wait_layer` and waits only until every job submitted so far has
-written layer ``l`` (jobs run in order, so "layer l done" is a per-layer counter). Data handed to
-the loader is already verified host memory: the copy itself cannot produce wrong KV.
+One loader thread copies each submitted job layer 0, 1, ..., L-1; a reader of layer ``l`` waits
+only until every job submitted so far has written layer ``l`` (jobs run in order, so "layer l done"
+is a per-layer counter). Data handed to the loader is already verified host memory: the copy
+itself cannot produce wrong KV.
 
-SGLang's HiCache has the same idea (``LayerDoneCounter`` + ``layer_transfer_counter`` in the KV
-pool) but its scheduler only drives it with ``--enable-hierarchical-cache``; our attention backend
-waits here instead, and with any other attention backend the loads run synchronously.
+The loader is the KV pool's layer transfer counter (SGLang's ``register_layer_transfer_counter``,
+the meeting point HiCache's ``LayerDoneCounter`` uses): the pool's ``get_key_buffer`` /
+``get_value_buffer`` call :meth:`LayerwiseLoader.wait_until` before handing out a layer, so every
+attention backend (ours, ``torch_native``, the GPU ones) waits per layer and the loads overlap
+the forward whatever the backend.
 """
 
 from __future__ import annotations
@@ -69,6 +71,13 @@ class LayerwiseLoader:
     def pending(self) -> bool:
         return self._done[-1] < self._submitted
 
+    # --- SGLang's layer transfer counter interface (what the KV pool and the graph runner call) ---
+    consumer_index = 0  # >= 0: there may be loads to wait for (SGLang skips the counter when < 0)
+
+    def wait_until(self, layer: int) -> None:
+        """The pool is about to hand out layer ``layer``: wait until its in-flight loads wrote it."""
+        self.wait_layer(layer)
+
     def wait_layer(self, layer: int, bubble: bool = True) -> None:
         if self._done[layer] >= self._submitted:  # fast path: nothing in flight
             return
@@ -115,16 +124,3 @@ class LayerwiseLoader:
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=10)
-
-
-_ACTIVE: LayerwiseLoader | None = None
-
-
-def set_active(loader: LayerwiseLoader | None) -> None:
-    global _ACTIVE
-    _ACTIVE = loader
-
-
-def active() -> LayerwiseLoader | None:
-    """The loader of this process's tiered cache (the attention backend waits on it)."""
-    return _ACTIVE

@@ -25,25 +25,29 @@ Chunk size = ``--page-size`` (16), so node boundaries are chunk boundaries.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 import uuid
-from array import array
 from collections import OrderedDict, defaultdict
 from dataclasses import replace
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, EvictResult, MatchPrefixParams, MatchResult
+from sglang.srt.mem_cache.base_prefix_cache import (
+    EvictParams,
+    EvictResult,
+    InsertParams,
+    InsertResult,
+    MatchPrefixParams,
+    MatchResult,
+)
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_loopkv.cache import importance
-from sgl_loopkv.cache import loader as loader_mod
 from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
+from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
-from sgl_loopkv.cache.packed import PackedKV, quantize_rows
+from sgl_loopkv.cache.rebuild import rebuild_from_store
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
@@ -63,7 +67,7 @@ class LoopKVRadixCache(RadixCache):
         *,
         kv_pool,
         store_factory,
-        synchronous_loads: bool,
+        importance: ChunkImportance | None = None,
         restorer: Restorer | None = None,
         sharing: LayerSharing | None = None,
         store_dtype: torch.dtype | None = None,
@@ -84,11 +88,13 @@ class LoopKVRadixCache(RadixCache):
         self.loader = LayerwiseLoader(
             kv_pool.k_buffer,
             kv_pool.v_buffer,
-            synchronous=synchronous_loads,
             on_copy=self.restorer.observe_copy,
             on_wait=self.restorer.observe_bubble,
         )
-        loader_mod.set_active(self.loader)
+        # The pool's get_key_buffer/get_value_buffer wait on it: layer-wise loads overlap the forward
+        # under every attention backend.
+        kv_pool.register_layer_transfer_counter(self.loader)
+        logger.info("loopkv: layer-wise loads overlap the forward (the KV pool's layer transfer counter)")
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
@@ -96,11 +102,12 @@ class LoopKVRadixCache(RadixCache):
         self.store_geometry = replace(self.geometry, dtype=store_dtype or self.geometry.dtype)
         self.store = store_factory(self.store_geometry, self._on_segment_lost, self._segment_is_leaf)
         self.metrics = TierMetrics(params.enable_metrics)
-        importance.configure(self.geometry.num_layers // 2, self.page_size)
-        self._rebuild_from_store()
+        self.importance = importance or ChunkImportance()
+        self.importance.configure(self.geometry.num_layers // 2, self.page_size)
+        rebuild_from_store(self)  # conversations resume after a restart
 
     # --- bookkeeping ---------------------------------------------------------------------------
-    def _set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
+    def set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
         old = _ref(node)
         if old is not None:
             self._seg_nodes[old[0]].discard(node)
@@ -146,7 +153,7 @@ class LoopKVRadixCache(RadixCache):
             pairs = self.sharing.turn_end(req.kv.req_pool_idx, req.last_node, self.root_node) if self.sharing else []
             self._store_path(req.last_node, pairs)
             self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
-            self._touch_path(req.last_node, importance.pop(req.kv.req_pool_idx))
+            self._touch_path(req.last_node, self.importance.pop(req.kv.req_pool_idx))
             self.metrics.publish(self.store.count_tokens())
             self.metrics.publish_restore(self.restorer.stats)  # the bubbles of this turn's forward
 
@@ -215,96 +222,69 @@ class LoopKVRadixCache(RadixCache):
             cache_salt=node.key.cache_salt,
             token_ids=list(node.key.raw_token_ids()),
         )
-        kv = torch.stack([k, v], dim=1)
-        quantized = self.store_geometry.quantized
-        if not quantized:
-            kv = kv.to(self.store_geometry.dtype)
-        if pairs:  # similar layer pairs share one stored row (the summaries stay per layer)
-            kv = PackedKV.pack(kv, pairs, self.sharing.codec)
-        if quantized:  # after packing: the pair codec sees the pool's values
-            kv = quantize_rows(kv)
-        if not self.store.put(record, kv, key_summaries(k, self.page_size)):
+        codec = self.sharing.codec if pairs else None
+        if not self.store.put(record, torch.stack([k, v], dim=1), key_summaries(k, self.page_size), pairs, codec):
             return False
-        self._set_ref(node, (record.seg_id, 0, n_chunks))
+        self.set_ref(node, (record.seg_id, 0, n_chunks))
         return True
 
     # --- device eviction keeps stored nodes -------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
+        """SGLang's eviction after the loads in flight finished (never free slots a load is still
+        writing). A stored leaf only loses its device copy (:meth:`_delete_leaf`) and stays as a
+        child, so its parent becomes evictable for the next pass: passes repeat until enough."""
         if self.disable:
             return EvictResult()
-        if self.loader.pending:  # never free slots a load is still writing
+        if self.loader.pending:
             self.loader.wait_all()
-        start_time = time.perf_counter()
-        heap = [(self.eviction_strategy.get_priority(n), n) for n in self.evictable_leaves]
-        heapq.heapify(heap)
-        num_evicted = 0
-        while num_evicted < params.num_tokens and heap:
-            _, x = heapq.heappop(heap)
-            self.token_to_kv_pool_allocator.free_segment(x.value, start_pos=0)
-            num_evicted += len(x.value)
-            if _ref(x) is not None and self.store.tier_of(_ref(x)[0]) is not None:
-                x.value = None  # stays in the tree: its KV lives on in the host/disk tiers
-                self.evictable_size_ -= len(x.key)
-                self.evictable_leaves.discard(x)
-                self._update_leaf_status(x.parent)
-            else:
-                self._delete_leaf(x)
-                self.kv_events.record_remove(x)
-            parent = x.parent
-            if parent is not self.root_node and parent in self.evictable_leaves:
-                heapq.heappush(heap, (self.eviction_strategy.get_priority(parent), parent))
-        self.update_eviction_metrics(num_evicted, start_time)
-        return EvictResult(num_tokens_evicted=num_evicted)
+        evicted = 0
+        while evicted < params.num_tokens:
+            n = super().evict(replace(params, num_tokens=params.num_tokens - evicted)).num_tokens_evicted
+            if n == 0:
+                break
+            evicted += n
+        return EvictResult(num_tokens_evicted=evicted)
 
-    def _insert_helper(self, node: TreeNode, key: RadixKey, value, priority: int = 0, inserted_len: int = 0):
-        """SGLang's insert, plus: a stored-only (evicted) node on the path adopts the request's
-        freshly computed slots instead of counting as a duplicate. The returned prefix length
-        counts only what was already on the device, which is what the caller frees."""
-        priority = priority or 0
-        now = time.monotonic()
-        node.last_access_time = now
-        node.priority = max(node.priority, priority)
-        device_prefix, walked = 0, 0
-        while len(key) > 0 and key.child_key(self.page_size) in node.children:
-            node = node.children[key.child_key(self.page_size)]
-            node.last_access_time = now
-            plen = node.key.match(key, page_size=self.page_size)
-            if plen < len(node.key):
-                node = self._split_node(node.key, node, plen)
-            if node.evicted:
-                node.value = value[:plen].clone()
-                self.evictable_size_ += plen
-                self._update_leaf_status(node)
-                self._update_leaf_status(node.parent)
-            else:
-                device_prefix += plen
-            node.priority = max(node.priority, priority)
-            walked += plen
-            if walked > inserted_len:
-                self._inc_hit_count(node)
-            key, value = key[plen:], value[plen:]
-        if len(key):
-            new_node = TreeNode(priority=priority)
-            new_node.parent, new_node.key, new_node.value = node, key, value.clone()
-            if walked + len(key) > inserted_len:
-                self._inc_hit_count(new_node)
-            node.children[key.child_key(self.page_size)] = new_node
-            self.evictable_size_ += len(key)
-            self._update_leaf_status(node)
-            self._update_leaf_status(new_node)
-            self.kv_events.record_store(new_node)
-            node = new_node
-        return device_prefix, node
-
-    def _delete_leaf(self, node):
+    def _delete_leaf(self, node: TreeNode) -> None:
+        """Called by SGLang's ``evict`` once the leaf's slots are freed: a node whose KV lives on in
+        the host/disk tiers stays in the tree without a device copy; any other is removed."""
         ref = _ref(node)
+        if ref is not None and self.store.tier_of(ref[0]) is not None:
+            node.value = None
+            self.evictable_size_ -= len(node.key)
+            self.evictable_leaves.discard(node)
+            self._update_leaf_status(node.parent)
+            return
         if ref is not None:
             self._seg_nodes[ref[0]].discard(node)
         super()._delete_leaf(node)
 
-    def _update_leaf_status(self, node: TreeNode):
-        if node is not self.root_node:
-            super()._update_leaf_status(node)
+    def insert(self, params: InsertParams) -> InsertResult:
+        """SGLang's insert, after every stored-only (evicted) node on the path adopted the request's
+        freshly computed slots. The returned prefix length counts only what was already on the
+        device, which is what the caller frees (device nodes come first on a path: a node on the
+        device has its parent on the device)."""
+        if self.disable or params.value is None:
+            return super().insert(params)
+        key, value = params.key.maybe_to_bigram_view(self.is_eagle, params.value)
+        key = key.page_aligned(self.page_size)
+        node, pos, device_prefix = self.root_node, 0, 0
+        while pos < len(key):
+            child = node.children.get(key[pos:].child_key(self.page_size))
+            if child is None:
+                break
+            plen = child.key.match(key[pos:], page_size=self.page_size)
+            if plen < len(child.key):
+                child = self._split_node(child.key, child, plen)
+            if child.evicted:
+                child.value = value[pos : pos + plen].clone()
+                self.evictable_size_ += plen
+                self._update_leaf_status(child)
+                self._update_leaf_status(child.parent)
+            else:
+                device_prefix += plen
+            node, pos = child, pos + plen
+        return replace(super().insert(params), prefix_len=device_prefix)
 
     def _split_node(self, key: RadixKey, child: TreeNode, split_len: int):
         """SGLang's split, for nodes whose device copy may be gone and whose stored copy is split
@@ -319,8 +299,8 @@ class LoopKVRadixCache(RadixCache):
         if ref is not None:
             seg, lo, hi = ref
             mid = lo + split_len // self.page_size
-            self._set_ref(new_node, (seg, lo, mid))
-            self._set_ref(child, (seg, mid, hi))
+            self.set_ref(new_node, (seg, lo, mid))
+            self.set_ref(child, (seg, mid, hi))
         return new_node
 
     # --- match: device part + load-back of stored part ----------------------------------------
@@ -435,7 +415,8 @@ class LoopKVRadixCache(RadixCache):
         by_tier = {t: sum(len(nd.key) for nd, _, tt in parts if tt == t) for t in ("host", "disk")}
         logger.info(
             "loopkv: resuming %d tokens (host %d, disk %d); fetched in %.3f s; plan: recompute %d..%d front tokens "
-            "per layer (%.0f%% of token-layers) in %.3f s, the rest copied layer by layer (predicted bubble %.3f s)",
+            "per layer (%.0f%% of token-layers) in %.3f s, the rest copied layer by layer on the loader thread "
+            "(predicted bubble %.3f s)",
             n,
             by_tier["host"],
             by_tier["disk"],
@@ -485,54 +466,3 @@ class LoopKVRadixCache(RadixCache):
         loads = self._req_loads.get(rid, {"host": 0, "disk": 0})
         host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
         return {"device": cached_tokens - host - disk, "host": host, "disk": disk}
-
-    # --- restart ---------------------------------------------------------------------------------
-    def _rebuild_from_store(self) -> None:
-        """Re-create stored nodes from the disk index (parents before children)."""
-        if self.store.disk is None:
-            return
-        tokens: dict[str, list[int]] = {}
-        records = sorted(self.store.disk.records.values(), key=lambda r: r.start)
-        restored = 0
-        for rec in records:
-            try:
-                header = self.store.disk.read_header(rec.seg_id)
-            except CorruptSegment as e:
-                logger.warning("loopkv: dropping stored segment: %s", e)
-                self.store.drop(rec.seg_id)
-                continue
-            prefix = tokens.get(rec.parent, [])[: rec.start] if rec.parent else []
-            if len(prefix) != rec.start:  # its parent did not survive
-                self.store.drop(rec.seg_id)  # its prefix is gone: unreachable
-                continue
-            tokens[rec.seg_id] = prefix + header["token_ids"]
-            if self._insert_stored(tokens[rec.seg_id], rec):
-                restored += 1
-            else:
-                self.store.drop(rec.seg_id)
-        if restored:
-            logger.info("loopkv: restored %d stored segments from %s", restored, self.store.disk.root)
-
-    def _insert_stored(self, full_tokens: list[int], rec: SegmentRecord) -> bool:
-        key = RadixKey(array("q", full_tokens), rec.extra_key, cache_salt=rec.cache_salt)
-        node, pos = self.root_node, 0
-        while pos < rec.start:  # the prefix must already be in the tree
-            child = node.children.get(key[pos:].child_key(self.page_size))
-            if child is None:
-                return False
-            plen = child.key.match(key[pos:], page_size=self.page_size)
-            if plen < len(child.key):
-                if pos + plen < rec.start:
-                    return False
-                child = self._split_node(child.key, child, plen)
-            node, pos = child, pos + len(child.key)
-        if pos != rec.start:
-            return False
-        rest = key[rec.start :]
-        if rest.child_key(self.page_size) in node.children:
-            return False  # this history is already in the tree
-        new = TreeNode()
-        new.parent, new.key, new.value = node, rest, None
-        node.children[rest.child_key(self.page_size)] = new
-        self._set_ref(new, (rec.seg_id, 0, rec.n_chunks))
-        return True

@@ -10,18 +10,20 @@ a new sum (its stored segments keep the pairs they were written with).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
-from sglang.srt.mem_cache.radix_cache import TreeNode
+from sgl_loopkv.krul.observer import KrulObserver
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.radix_cache import TreeNode
 
 logger = logging.getLogger(__name__)
 
 
 class LayerSharing:
-    def __init__(self, codec: str, gamma: float, ratio: float, pairing: str):
-        from sgl_loopkv.krul import observer
-
+    def __init__(self, codec: str, gamma: float, ratio: float, pairing: str, observer: KrulObserver):
         self.codec, self.gamma, self.ratio, self.pairing = codec, gamma, ratio, pairing
-        self.observer = observer
+        self.observer = observer  # the attention's statistics board (sgl_loopkv.context)
         self.last_pairs: list[tuple[int, int]] = []
 
     def turn_end(self, req_row: int, last_node: TreeNode, root: TreeNode) -> list[tuple[int, int]]:

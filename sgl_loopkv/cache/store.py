@@ -21,7 +21,7 @@ import torch
 
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
-from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, slice_tokens, stored_keys
+from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.value import ValuePolicy
 
@@ -88,9 +88,38 @@ class TieredKVStore:
             self._writer.start()
 
     # --- in ------------------------------------------------------------------------------------
-    def put(self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor) -> bool:
+    def encode(
+        self, kv: torch.Tensor, pairs: list[tuple[int, int]] = (), codec: str | None = None
+    ) -> torch.Tensor | QuantKV | PackedKV:
+        """The stored form of a segment's KV [L, 2, T, H, D] as the pool holds it: cast to the
+        stored dtype, similar layer ``pairs`` sharing one row (``codec``), int8 rows when the
+        geometry is quantized (after packing: the pair codec sees the pool's values)."""
+        quantized = self.geometry.quantized
+        if not quantized:
+            kv = kv.to(self.geometry.dtype)
+        if pairs:  # the summaries stay per layer
+            kv = PackedKV.pack(kv, pairs, codec)
+        if quantized:
+            kv = quantize_rows(kv)
+        return kv
+
+    def put(
+        self,
+        record: SegmentRecord,
+        kv: torch.Tensor | QuantKV | PackedKV,
+        summaries: torch.Tensor | None = None,
+        pairs: list[tuple[int, int]] = (),
+        codec: str | None = None,
+    ) -> bool:
         """Store a new segment wherever it fits: host arena now and disk in the background, or
-        either alone (host-only segments are lost when the arena evicts them). False if neither."""
+        either alone (host-only segments are lost when the arena evicts them). False if neither.
+
+        ``kv``: the pool's KV [L, 2, T, H, D] (encoded here, see :meth:`encode`; ``summaries``
+        default to its keys' chunk summaries), or an already encoded segment with its summaries."""
+        if isinstance(kv, torch.Tensor):
+            if summaries is None:
+                summaries = key_summaries(kv[:, 0], self.geometry.chunk_tokens)
+            kv = self.encode(kv, pairs, codec)
         summaries = summaries.to(self.geometry.summary_dtype)
         nbytes = kv_nbytes(kv) + summaries.numel() * summaries.element_size()
         disk_bytes = self.disk.file_bytes(record.n_chunks, len(record.token_ids)) if self.disk else 0

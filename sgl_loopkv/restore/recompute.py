@@ -3,7 +3,9 @@
 A decoder is seen as per-layer steps (:class:`LayerStack`) so the restorer can cut the hidden
 states between layers to the plan's count; SGLang's model forward runs one token count through
 every layer and cannot. Attention here is dense over (tokens already on the device) + (the rows
-recomputed so far): the front needs nothing that is being loaded.
+recomputed so far): the front needs nothing that is being loaded. The attention function is the
+stack's (the server's dense attention, handed in by whoever builds the stack: this package imports
+no attention code).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from collections.abc import Callable
 
 import torch
 
-from sgl_loopkv.attention.executor import dense_attention
 from sgl_loopkv.restore.plan import RestorePlan
 
 
@@ -34,6 +35,11 @@ class LayerStack(ABC):
     def finish(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm, MLP, residual -> next layer's x.
         ``attn`` is [n, Hq, D]."""
+
+    @abstractmethod
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of the ``n`` rows q [n, Hq, D] over keys k, v [L >= n, Hkv, D] whose last
+        ``n`` are the rows' own -> [n, Hq, D]."""
 
 
 KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, k [s, Hkv, D], v) -> stored
@@ -66,16 +72,18 @@ def recompute_front(
         write(layer, k, v)
         prefix = prefix_kv(layer) if start else None
         keys, values = (k, v) if prefix is None else (torch.cat([prefix[0], k]), torch.cat([prefix[1], v]))
-        attn = dense_attention(q, keys, values, stack.scale)
+        attn = stack.attention(q, keys, values)
         if layer + 1 < plan.num_layers and plan.recompute[layer + 1] > 0:
             x = stack.finish(layer, x, attn)
 
 
 class SGLangLayerStack(LayerStack):
     """SGLang's own modules of a loaded Llama/Qwen2 model (``model_runner.model``): the same weights
-    and kernels as the server's forward, called step by step."""
+    and kernels as the server's forward, called step by step. ``attend(q, k, v, scale)``: the
+    attention function (the loopkv backend's dense attention)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, attend: Callable[..., torch.Tensor]):
+        self._attend = attend
         inner = model.model
         self.embed_tokens, self.layers = inner.embed_tokens, inner.layers
         attn = self.layers[0].self_attn
@@ -98,6 +106,9 @@ class SGLangLayerStack(LayerStack):
         q, k = a.rotary_emb(positions, q, k)
         n = x.shape[0]
         return q.reshape(n, self.hq, self.d), k.reshape(n, self.hkv, self.d), v.reshape(n, self.hkv, self.d)
+
+    def attention(self, q, k, v):
+        return self._attend(q, k, v, self.scale)
 
     def finish(self, layer, x, attn):
         blk = self.layers[layer]

@@ -160,3 +160,28 @@ def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_di
         assert disk_bytes(disk_dir) > DISK_QUOTA // 2  # the tier is really used, not bypassed
     finally:
         srv.stop()
+
+
+def test_resume_under_torch_native_attention_loads_layer_by_layer(tiny_native_server, tiny_model_dir, server_logs):
+    """SGLang's own ``torch_native`` attention + the loopkv cache: a history evicted to the host
+    tier comes back through the loader thread, the forward waiting per layer in the KV pool's
+    ``get_key_buffer`` (our layer transfer counter), and greedy output is unchanged."""
+    reference = {i: ask(tiny_native_server.url, i)["output_ids"] for i in range(4)}
+    log = server_logs / "tiered-torch-native.log"
+    args = [
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
+        *("--max-total-tokens", "2048", "--loopkv-host-bytes", str(HOST_QUOTA)),
+        *("--attention-backend", "torch_native", "--enable-metrics"),
+    ]
+    srv = ServerProcess(args, log_path=log).start()
+    try:
+        for i in range(4):
+            assert ask(srv.url, i)["output_ids"] == reference[i]
+        back = ask(srv.url, 0)  # evicted from the device pool by conversations 1-3, still in the host arena
+        assert tiers(back)["host"] > 800, tiers(back)
+        assert back["output_ids"] == reference[0]
+    finally:
+        srv.stop()
+    text = log.read_text()
+    assert "layer-wise loads overlap the forward" in text  # the loader is the pool's layer transfer counter
+    assert "copied layer by layer on the loader thread" in text  # the resume went through it, not a sync copy

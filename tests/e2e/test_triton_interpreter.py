@@ -28,7 +28,7 @@ print(json.dumps({"errs": errs}))
 
 EXPAND_CHECK = """
 import json, torch
-from sgl_loopkv.attention.flashinfer_executor import build_requests
+from sgl_loopkv.attention.sparse.flashinfer import build_requests
 from tests.unit.test_sparse_gpu import long_full_head_batch, random_column_batch
 plans = [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]
 print(json.dumps({"equal": [

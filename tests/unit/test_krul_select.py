@@ -4,7 +4,6 @@ optimal pairing; the pair codecs' guarantees."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import random
 
@@ -13,8 +12,10 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_loopkv.attention.backend import LoopKVAttnBackend
-from sgl_loopkv.krul import observer
+from sgl_loopkv.cache.importance import ChunkImportance
+from sgl_loopkv.context import Context
 from sgl_loopkv.krul.codec import CODECS
+from sgl_loopkv.krul.observer import KrulObserver
 from sgl_loopkv.krul.pairing import (
     brute_force_pairs,
     greedy_pairs,
@@ -87,9 +88,9 @@ def run_backend(be, rows, seq_lens, q_lens, per_layer, decode):
 
 @pytest.fixture
 def krul_on():
+    observer = KrulObserver()
     observer.configure(True, LAYERS)
-    yield
-    observer.configure(False)
+    return observer
 
 
 def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
@@ -106,7 +107,11 @@ def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
     req_to_token = torch.zeros(4, 128, dtype=torch.int32)
     perm = torch.randperm(512, generator=torch.Generator().manual_seed(1))  # scattered slots: gathers
     req_to_token[0], req_to_token[3] = perm[:128], perm[128:256]
-    be = LoopKVAttnBackend(fake_runner(req_to_token, FakeKVPool.zeros(LAYERS, 512, HKV, D)))
+    observer = krul_on
+    be = LoopKVAttnBackend(
+        fake_runner(req_to_token, FakeKVPool.zeros(LAYERS, 512, HKV, D)),
+        context=Context(importance=ChunkImportance(), observer=observer),
+    )
     run_backend(be, [0], [60], [60], fw[0][0], False)
     run_backend(
         be,
@@ -133,14 +138,13 @@ def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
 
 
 def test_estimator_is_off_by_default():
-    """The module's start state records nothing (reloaded: earlier tests may have configured it);
-    configuring sharing on turns it on, off again stops it."""
-    fresh = importlib.reload(observer)
-    assert not fresh.wants(False) and not fresh.wants(True)
-    fresh.configure(True, LAYERS)
-    assert fresh.wants(False) and fresh.wants(True)
-    fresh.configure(False)
-    assert not fresh.wants(False) and not fresh.wants(True)
+    """A fresh observer records nothing; configuring sharing on turns it on, off again stops it."""
+    observer = KrulObserver()
+    assert not observer.wants(False) and not observer.wants(True)
+    observer.configure(True, LAYERS)
+    assert observer.wants(False) and observer.wants(True)
+    observer.configure(False)
+    assert not observer.wants(False) and not observer.wants(True)
 
 
 def random_qk(seed, n_layers=3, n=90, keys=None):

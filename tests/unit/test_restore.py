@@ -140,6 +140,11 @@ class HFLayerStack(LayerStack):
         q, k = self.rope(q, k, cos, sin)
         return q[0].transpose(0, 1), k[0].transpose(0, 1), v
 
+    def attention(self, q, k, v):
+        from sgl_loopkv.attention.executor import dense_attention
+
+        return dense_attention(q, k, v, self.scale)
+
     def finish(self, layer, x, attn):
         blk = self.m.layers[layer]
         x = x + blk.self_attn.o_proj(attn.reshape(x.shape[0], -1))

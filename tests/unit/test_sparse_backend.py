@@ -11,7 +11,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_loopkv.attention import dense_attention
 from sgl_loopkv.attention.backend import LoopKVAttnBackend
 from sgl_loopkv.attention.policies.loopserve import VerticalSlashPolicy
-from sgl_loopkv.attention.sparse_executor import sparse_attention
+from sgl_loopkv.attention.sparse.torch import sparse_attention
 from tests.fakes import FakeKVPool, fake_batch, fake_layer, fake_runner
 
 HQ, HKV, D, POOL = 6, 2, 16, 4096

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sgl_loopkv.attention import EXECUTORS, build_dense_plan
-from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
+from sgl_loopkv.attention.sparse import SPARSE_EXECUTORS
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
 from tests.unit.test_sparse_kernels import random_batch
 from tests.unit.test_sparse_plan import random_mask
@@ -107,7 +107,7 @@ def batch_reference(plan: SparsePlan, q, k_cache, v_cache, scale):
 
 def flashinfer_executor(backend: str = "auto"):
     pytest.importorskip("flashinfer")
-    from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor
+    from sgl_loopkv.attention.sparse.flashinfer import FlashInferSparseExecutor
 
     return FlashInferSparseExecutor(backend=backend)
 
@@ -246,7 +246,7 @@ def random_column_batch(seed: int):
 def test_request_lists_equal_a_direct_build(seed):
     """build_requests (vectorised) on the CPU == the request-by-request build: several sequences,
     cached prefixes, partial blocks, full heads, a dense sequence, many columns."""
-    from sgl_loopkv.attention.flashinfer_executor import build_requests
+    from sgl_loopkv.attention.sparse.flashinfer import build_requests
 
     plan = random_column_batch(seed)
     reqs = build_requests(plan, 3, "cpu")
@@ -254,6 +254,19 @@ def test_request_lists_equal_a_direct_build(seed):
     assert reqs.qo_indptr.tolist() == qo and reqs.kv_indptr.tolist() == kv
     assert reqs.kv_indices.tolist() == pages
     assert reqs.kv_lens.tolist() == torch.tensor(kv).diff().tolist() and bool((reqs.last_page_len == 1).all())
+
+
+EXPAND_CHECK = """
+import json, torch
+from sgl_loopkv.attention.sparse.flashinfer import build_requests
+from tests.unit.test_sparse_gpu import long_full_head_batch, random_column_batch
+plans = [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]
+print(json.dumps({"equal": [
+    torch.equal(build_requests(p, p.masks[0].num_heads, "cpu", kernel=True).kv_indices,
+                build_requests(p, p.masks[0].num_heads, "cpu", kernel=False).kv_indices)
+    for p in plans
+]}))
+"""
 
 
 def long_full_head_batch():
@@ -272,7 +285,7 @@ def long_full_head_batch():
 @gpu
 def test_request_lists_on_cuda_equal_cpu():
     """The same lists built on the GPU (pinned uploads; the Triton kernel and the torch expansion)."""
-    from sgl_loopkv.attention.flashinfer_executor import build_requests
+    from sgl_loopkv.attention.sparse.flashinfer import build_requests
 
     for plan in [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]:
         H = plan.masks[0].num_heads

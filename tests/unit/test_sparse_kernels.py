@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sgl_loopkv.attention import build_dense_plan
-from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor
-from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS
+from sgl_loopkv.attention.sparse import SPARSE_EXECUTORS
+from sgl_loopkv.attention.sparse.flashinfer import FlashInferSparseExecutor
 from sgl_loopkv.attention.sparse_plan import SparsePlan
 from tests.unit.test_sparse_plan import random_mask
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from sgl_loopkv.attention import EXECUTORS, build_dense_plan, dense_attention
-from sgl_loopkv.attention import sparse_executor as sx
-from sgl_loopkv.attention.sparse_executor import SPARSE_EXECUTORS, sparse_attention
+from sgl_loopkv.attention.sparse import SPARSE_EXECUTORS
+from sgl_loopkv.attention.sparse import torch as sx
+from sgl_loopkv.attention.sparse.torch import sparse_attention
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
 
 

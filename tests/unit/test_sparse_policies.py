@@ -19,11 +19,11 @@ from sgl_loopkv.attention.policies.loopserve import (
     line_costs,
     line_weights,
     sample_rows,
-    sampled_attention,
     select_lines,
 )
 from sgl_loopkv.attention.policies.lserve import StreamingHeadsPolicy, streaming_heads
-from sgl_loopkv.attention.sparse_executor import sparse_attention
+from sgl_loopkv.attention.sampled import sampled_attention
+from sgl_loopkv.attention.sparse.torch import sparse_attention
 from sgl_loopkv.config import SparsePrefillConfig
 from tests.unit.test_sparse_plan import masked_reference
 

@@ -32,7 +32,7 @@ import torch
 
 from sgl_loopkv.attention.calibration import calibration_path
 from sgl_loopkv.attention.calibration.capture import capture_qkv, load_capturing_model
-from sgl_loopkv.attention.policies.loopserve import sampled_attention
+from sgl_loopkv.attention.sampled import sampled_attention
 
 _WORDS = (
     "the a river city morning report council water bridge market season letter garden road winter museum "

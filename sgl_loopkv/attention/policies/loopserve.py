@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_loopkv.attention.policies import POLICIES, SelectionPolicy, dense_tail_blocks, full_heads
+from sgl_loopkv.attention.sampled import sampled_attention
 from sgl_loopkv.attention.sparse_plan import SeqMask
 
 
@@ -86,17 +87,6 @@ def sample_rows(n: int, count: int, seed: int, tail: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     head = torch.randperm(n - tail, generator=g)[: count - tail]
     return torch.cat([head, torch.arange(n - tail, n)]).sort().values
-
-
-def sampled_attention(q_rows: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention of sampled rows: q_rows [s, Hq, D] at positions ``pos`` [s] over
-    k [L, Hkv, D] -> float64 [Hkv, s, L], averaged over each KV head's query heads (rows sum to 1)."""
-    s, Hq, _ = q_rows.shape
-    L, H, _ = k.shape
-    qg = q_rows.view(s, H, Hq // H, -1)
-    scores = torch.einsum("shgd,lhd->hgsl", qg, k.to(q_rows.dtype)).float() * scale
-    scores.masked_fill_(torch.arange(L)[None, None, None, :] > pos[None, None, :, None], float("-inf"))
-    return scores.softmax(-1).mean(1).double()
 
 
 def line_weights(attn: torch.Tensor, pos: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:

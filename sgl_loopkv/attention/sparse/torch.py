@@ -1,7 +1,5 @@
-"""Sparse executors: run a :class:`SparsePlan` exactly. One interface, chosen by name.
-
-``torch`` is the CPU path (:func:`sparse_attention`): per (KV head, query block) the selected keys
-are gathered once and run through torch's CPU flash-attention kernel, many items per call. How it
+"""The ``torch`` sparse executor, the CPU path (:func:`sparse_attention`): per (KV head, query
+block) the selected keys are gathered once and run through torch's CPU flash-attention kernel, many items per call. How it
 was chosen (one-off measurements, SmolLM2 shapes at 8K tokens, one thread; the benchmark's own
 numbers are in benchmarks/results/prefill.md):
 - torch's CPU flash kernel costs ~2.3-2.5 ns per (row, key) cell, dense causal or on gathered
@@ -20,71 +18,20 @@ numbers are in benchmarks/results/prefill.md):
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 
 import torch
 
-from sgl_loopkv.attention.executor import EXECUTORS, AttentionExecutor, dense_attention
-from sgl_loopkv.attention.plan import AttentionPlan
-from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
-from sgl_loopkv.registry import Registry
+from sgl_loopkv.attention.executor import dense_attention
+from sgl_loopkv.attention.sparse.base import SparseExecutor
+from sgl_loopkv.attention.sparse_plan import SeqMask
 
 
-class SparseExecutor(ABC):
-    """Computes, for every sequence of a :class:`SparsePlan`, softmax attention of its new rows
-    over exactly the keys its mask lists (dense causal attention where the mask is None).
-
-    Shapes as in :class:`~sgl_loopkv.attention.executor.AttentionExecutor`: ``q``/``out``
-    [num_q_tokens, num_q_heads, head_dim], ``k_cache``/``v_cache`` [pool_slots, num_kv_heads,
-    head_dim]; query head ``h`` uses KV head ``h // (num_q_heads // num_kv_heads)``.
-    """
-
-    @abstractmethod
-    def run(
-        self,
-        plan: SparsePlan,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        scale: float,
-        out: torch.Tensor,
-    ) -> torch.Tensor: ...
-
-
-SPARSE_EXECUTORS: Registry[SparseExecutor] = Registry("sparse attention executor")
-
-
-def one_sequence(base: AttentionPlan, i: int) -> AttentionPlan:
-    """Sequence ``i`` of a dense plan as a plan of its own (its q rows start at 0)."""
-    return AttentionPlan([0, base.q_len(i)], [0, base.kv_len(i)], base.kv_slots(i), base.causal, [base.runs(i)])
-
-
-def run_dense(dense: AttentionExecutor, base: AttentionPlan, i: int, q, k_cache, v_cache, scale, out) -> None:
-    """Sequence ``i`` exactly as the dense executor computes it (a sequence the policy left dense
-    gets the dense backend's numbers even inside a sparse batch)."""
-    q0, q1 = base.qo_indptr[i], base.qo_indptr[i + 1]
-    dense.run(one_sequence(base, i), q[q0:q1], k_cache, v_cache, scale, out[q0:q1])
-
-
-@SPARSE_EXECUTORS.register("torch")
 class TorchSparseExecutor(SparseExecutor):
-    """Gather-based block-sparse attention with torch ops, one sequence at a time; sequences without
-    a mask go to ``dense`` (the backend's dense executor)."""
+    """Gather-based block-sparse attention with torch ops (:func:`sparse_attention`), one sequence
+    at a time; sequences without a mask go to the backend's dense executor."""
 
-    def __init__(self, dense: AttentionExecutor | None = None):
-        self.dense = dense or EXECUTORS.create("torch")
-
-    def run(self, plan, q, k_cache, v_cache, scale, out):
-        base = plan.base
-        for i, mask in enumerate(plan.masks):
-            q0, q1 = base.qo_indptr[i], base.qo_indptr[i + 1]
-            if q0 == q1:
-                continue
-            if mask is None:
-                run_dense(self.dense, base, i, q, k_cache, v_cache, scale, out)
-            else:
-                out[q0:q1] = sparse_attention(q[q0:q1], base.kv_of(i, k_cache), base.kv_of(i, v_cache), mask, scale)
-        return out
+    def attend(self, q, k, v, mask, scale):
+        return sparse_attention(q, k, v, mask, scale)
 
 
 # Gathered keys + values per call stay under this many bytes (items are processed in chunks):
@@ -238,35 +185,3 @@ def _attend(q, k, v, scale, attn_mask=None, causal=False) -> tuple[torch.Tensor,
     lse = s.logsumexp(-1)
     safe = lse.masked_fill(lse == -math.inf, 0.0)  # a row with no key: output 0, like the CPU kernel
     return ((s - safe[..., None]).exp().to(v.dtype) @ v), lse
-
-
-@SPARSE_EXECUTORS.register("triton")
-class TritonSparseExecutor(SparseExecutor):
-    """The Triton block-sparse kernel (kernels/block_sparse_attn.py): GPU, or CPU under
-    ``TRITON_INTERPRET=1`` (slow: tests only)."""
-
-    def __init__(self, dense: AttentionExecutor | None = None):
-        self.dense = dense or EXECUTORS.create("torch")
-
-    def run(self, plan, q, k_cache, v_cache, scale, out):
-        from sgl_loopkv.kernels.block_sparse_attn import block_sparse_attention
-
-        base = plan.base
-        for i, mask in enumerate(plan.masks):
-            q0, q1 = base.qo_indptr[i], base.qo_indptr[i + 1]
-            if q0 == q1:
-                continue
-            if mask is None:
-                run_dense(self.dense, base, i, q, k_cache, v_cache, scale, out)
-            else:
-                k, v = base.kv_of(i, k_cache), base.kv_of(i, v_cache)
-                out[q0:q1] = block_sparse_attention(q[q0:q1], k, v, mask, scale)
-        return out
-
-
-@SPARSE_EXECUTORS.register("flashinfer")
-def _flashinfer_executor(dense: AttentionExecutor | None = None) -> SparseExecutor:
-    """FlashInfer's paged prefill kernel (CUDA only; imported on first use)."""
-    from sgl_loopkv.attention.flashinfer_executor import FlashInferSparseExecutor
-
-    return FlashInferSparseExecutor(dense)

@@ -31,8 +31,8 @@ by log-sum-exp) were measured too: the kernel runs the same lists at most 7% fas
 
 Sequences without a mask run the dense executor. FlashInfer has no fp32 prefill kernels: fp32
 batches run the Triton kernel (same plan semantics) instead. Tested on an H100 with flashinfer
-0.7.2 (tests/test_sparse_gpu.py, fa3 and fa2); the request layout also on CPU
-(tests/test_sparse_kernels.py, tests/test_sparse_gpu.py). Timings: benchmarks/results/gpu_sparse.md.
+0.7.2 (tests/unit/test_sparse_gpu.py, fa3 and fa2); the request layout also on CPU
+(tests/unit/test_sparse_kernels.py, tests/unit/test_sparse_gpu.py). Timings: benchmarks/results/gpu_sparse.md.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sgl_loopkv.attention.executor import EXECUTORS, AttentionExecutor
-from sgl_loopkv.attention.sparse_executor import SparseExecutor, run_dense
+from sgl_loopkv.attention.executor import AttentionExecutor
+from sgl_loopkv.attention.sparse.base import SparseExecutor
 from sgl_loopkv.attention.sparse_plan import SeqMask, SparsePlan
 
 
@@ -63,11 +63,51 @@ class Requests:
     seqs: list[tuple[int, int, int]]
 
 
+@dataclass(slots=True)
+class _Units:
+    """Host counts of one sequence per unit (head, query block), head-major (int64 arrays of
+    H * num_q_blocks, except ``col_head``: one entry per listed column)."""
+
+    mask: SeqMask
+    full: np.ndarray  # bool: the unit's head is full (one request over every key)
+    keep: np.ndarray  # bool: the unit is a request (a full head keeps only its first unit)
+    cnt: np.ndarray  # keys of the request
+    rows: np.ndarray  # query rows of the request
+    nblk: np.ndarray  # whole earlier blocks
+    nc: np.ndarray  # columns before the block that no selected block holds
+    nd: np.ndarray  # diagonal keys
+    ncand: np.ndarray  # candidate columns (every column before the block)
+    estart: np.ndarray  # the unit's first entry in mask.block_indices
+    head: np.ndarray
+    diag: np.ndarray  # the diagonal block's index
+    col_start: np.ndarray  # its head's first column in mask.col_indices
+    col_head: np.ndarray  # per listed column: its head
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Every masked sequence's units, concatenated (what the page-list expansion reads)."""
+
+    B: int  # block size
+    us: list[_Units]
+    unit_seq: np.ndarray  # per unit: its sequence (index into us)
+    first: np.ndarray  # per unit: its first key in kv_indices
+    full: np.ndarray
+    keep: np.ndarray
+    estart: np.ndarray  # per unit: its first entry in the concatenated block indices
+    col_start: np.ndarray  # per unit: its head's first column in the concatenated columns
+    total: int  # keys of all requests
+
+    def cat(self, name: str) -> np.ndarray:
+        """Field ``name`` of every sequence's units, concatenated."""
+        return np.concatenate([getattr(u, name) for u in self.us])
+
+
 def _exclusive(x: np.ndarray) -> np.ndarray:
     return np.cumsum(x) - x
 
 
-def _units(mask: SeqMask) -> dict:
+def _units(mask: SeqMask) -> _Units:
     """Host counts of one sequence per unit (head, query block), head-major; O(listed blocks +
     columns + units). A sparse head's unit is one request: nblk whole earlier blocks, nc columns
     (before the block, in no selected block), nd diagonal keys, ``rows`` query rows."""
@@ -108,7 +148,7 @@ def _units(mask: SeqMask) -> dict:
     first_j = np.tile(np.arange(nqb) == 0, H)
     cnt = np.where(full, np.where(first_j, L, 0), cnt)  # a full head: one request over every key
     rows = np.where(full, np.where(first_j, mask.q_len, 0), rows)
-    return dict(
+    return _Units(
         mask=mask,
         full=full,
         keep=~full | first_j,
@@ -218,10 +258,10 @@ def build_requests(plan: SparsePlan, num_kv_heads: int, device, kernel: bool | N
     if not seqs:
         empty = torch.zeros(1, dtype=torch.int32)
         return Requests(empty, empty, empty[:0], empty[:0], torch.empty(0, dtype=torch.int32, device=device), [])
-    B = us[0]["mask"].block_size
-    assert all(u["mask"].block_size == B for u in us), "one block size per batch"
-    cat = lambda key: np.concatenate([u[key] for u in us])  # noqa: E731
-    n_units = [len(u["cnt"]) for u in us]
+    B = us[0].mask.block_size
+    assert all(u.mask.block_size == B for u in us), "one block size per batch"
+    cat = lambda key: np.concatenate([getattr(u, key) for u in us])  # noqa: E731
+    n_units = [len(u.cnt) for u in us]
     unit_seq = np.repeat(np.arange(len(us)), n_units)
     cnt, keep, full = cat("cnt"), cat("keep"), cat("full")
     first = _exclusive(cnt)  # unit's first key in kv_indices (dropped units have none)
@@ -233,9 +273,9 @@ def build_requests(plan: SparsePlan, num_kv_heads: int, device, kernel: bool | N
         [[0], np.cumsum(rows_u), [0], np.cumsum(cnt_u), cnt_u, np.ones_like(cnt_u)], out=meta.numpy(), casting="unsafe"
     )
     qo_indptr, kv_indptr, kv_lens, last_page_len = meta.split([R + 1, R + 1, R, R])
-    e_off = _exclusive(np.array([len(u["mask"].block_indices) for u in us]))
-    c_off = _exclusive(np.array([len(u["mask"].col_indices) for u in us]))
-    h = dict(
+    e_off = _exclusive(np.array([len(u.mask.block_indices) for u in us]))
+    c_off = _exclusive(np.array([len(u.mask.col_indices) for u in us]))
+    h = _Batch(
         B=B,
         us=us,
         unit_seq=unit_seq,
@@ -260,16 +300,14 @@ def _upload(parts: list[np.ndarray], device, pin: bool) -> list[torch.Tensor]:
     return list(host.to(device, non_blocking=True).split(sizes))
 
 
-def _expand_torch(base, seqs, h, H: int, device, pin: bool) -> torch.Tensor:
+def _expand_torch(base, seqs, h: _Batch, H: int, device, pin: bool) -> torch.Tensor:
     """The page list with vectorised torch ops (a fixed number whatever the batch): the CPU path."""
-    B, us, unit_seq, first, full, keep, total = (
-        h[k] for k in ("B", "us", "unit_seq", "first", "full", "keep", "total")
-    )
-    cat = lambda key: np.concatenate([u[key] for u in us])  # noqa: E731
+    B, us, unit_seq, first, full, keep, total = h.B, h.us, h.unit_seq, h.first, h.full, h.keep, h.total
+    cat = h.cat
     # page table: per (sequence, head) a row of nb * B pages (key -> slot * H + head), flat
-    pt_len = [H * u["mask"].num_blocks * B for u in us]
+    pt_len = [H * u.mask.num_blocks * B for u in us]
     pt_off = _exclusive(np.array(pt_len))
-    nb_u = np.repeat([u["mask"].num_blocks for u in us], [len(u["cnt"]) for u in us])
+    nb_u = np.repeat([u.mask.num_blocks for u in us], [len(u.cnt) for u in us])
     ptrow = pt_off[unit_seq] // B + cat("head") * nb_u  # page-table row of (sequence, head, block 0)
     sp = ~full
     nblk, nc, nd, ncand = (cat(k)[sp] for k in ("nblk", "nc", "nd", "ncand"))
@@ -277,30 +315,28 @@ def _expand_torch(base, seqs, h, H: int, device, pin: bool) -> torch.Tensor:
     offx = _exclusive(nblk)
     row_arrays = [
         nblk,
-        h["estart"][sp] - offx,  # entry k of row r's earlier blocks: idx[k + this]
+        h.estart[sp] - offx,  # entry k of row r's earlier blocks: idx[k + this]
         ptrow_s,
         first_s - offx * B,  # its first page: this + k * B
         first_s + nblk * B + nc,  # the diagonal's first page
         nd,
         ptrow_s + cat("diag")[sp],
         ncand,
-        h["col_start"][sp] - _exclusive(ncand),  # candidate k: cols[k + this]
+        h.col_start[sp] - _exclusive(ncand),  # candidate k: cols[k + this]
         first_s + nblk * B - _exclusive(nc) - 1,  # + running count of kept candidates
     ]
-    nb_max = max(u["mask"].num_blocks for u in us)
+    nb_max = max(u.mask.num_blocks for u in us)
     # per column: its page-table entry (sequence, head, key) and its block
-    col_pt = [
-        off + u["col_head"] * (u["mask"].num_blocks * B) + u["mask"].col_indices.numpy() for u, off in zip(us, pt_off)
-    ]
-    cols = np.concatenate([u["mask"].col_indices.numpy() for u in us])
-    idx = np.concatenate([u["mask"].block_indices.numpy() for u in us])
+    col_pt = [off + u.col_head * (u.mask.num_blocks * B) + u.mask.col_indices.numpy() for u, off in zip(us, pt_off)]
+    cols = np.concatenate([u.mask.col_indices.numpy() for u in us])
+    idx = np.concatenate([u.mask.block_indices.numpy() for u in us])
     dev = _upload([*row_arrays, idx, np.concatenate(col_pt), cols // B], device, pin)
     (d_nblk, d_eoff, d_ptrow, d_fo, d_dpos, d_nd, d_drow, d_ncand, d_cw, d_cp0, d_idx, d_colpt, d_colblk) = dev
 
     pt = torch.zeros(sum(pt_len), dtype=torch.int32, device=device)
     ar_h = torch.arange(H, device=device)
     for (i, _, _), u, off, n in zip(seqs, us, pt_off, pt_len):
-        L = u["mask"].kv_len
+        L = u.mask.kv_len
         slots = base.kv_slots(i).to(device=device, dtype=torch.int64)
         pt[off : off + n].view(H, -1)[:, :L] = (slots * H + ar_h[:, None]).to(torch.int32)
     pt2 = pt.view(-1, B)
@@ -326,7 +362,7 @@ def _expand_torch(base, seqs, h, H: int, device, pin: bool) -> torch.Tensor:
         kept = sel[cr * nb_max + d_colblk[w]] == 0
         kv[torch.where(kept, d_cp0[cr] + kept.cumsum(0), total)] = pt[d_colpt[w]]
     for r in np.flatnonzero(full & keep):  # full heads: every key in order
-        L = us[unit_seq[r]]["mask"].kv_len
+        L = us[unit_seq[r]].mask.kv_len
         kv[first[r] : first[r] + L] = pt[ptrow[r] * B : ptrow[r] * B + L]
     return kv[:total]
 
@@ -334,44 +370,42 @@ def _expand_torch(base, seqs, h, H: int, device, pin: bool) -> torch.Tensor:
 _FULL_CHUNK = 4096  # keys per kernel program of a full head (one program per request is too long)
 
 
-def _expand_triton(base, seqs, h, H: int, device, pin: bool) -> torch.Tensor:
+def _expand_triton(base, seqs, h: _Batch, H: int, device, pin: bool) -> torch.Tensor:
     """The page list by one Triton kernel, one program per request (a full head: per 4096 keys):
     the GPU path (the torch one's ~45 launches cost ~1 ms more per layer on an H100 host)."""
     import triton
 
-    B, us, unit_seq, first, full, keep, total = (
-        h[k] for k in ("B", "us", "unit_seq", "first", "full", "keep", "total")
-    )
-    cat = lambda key: np.concatenate([u[key] for u in us])  # noqa: E731
+    B, us, unit_seq, first, full, keep, total = h.B, h.us, h.unit_seq, h.first, h.full, h.keep, h.total
+    cat = h.cat
     kvoff = np.asarray(base.kv_indptr)[[i for i, _, _ in seqs]][unit_seq]
     sp = ~full
     nblk, nc, ncand = (cat(k)[sp] for k in ("nblk", "nc", "ncand"))
     bpos = first[sp]
     # full heads: items of up to _FULL_CHUNK keys
     fr = np.flatnonzero(full & keep)
-    flen = np.array([us[unit_seq[r]]["mask"].kv_len for r in fr], dtype=np.int64)
+    flen = np.array([us[unit_seq[r]].mask.kv_len for r in fr], dtype=np.int64)
     nchunk = -(-flen // _FULL_CHUNK)
     fu = np.repeat(fr, nchunk)
     f0 = (np.arange(len(fu)) - np.repeat(_exclusive(nchunk), nchunk)) * _FULL_CHUNK  # chunk's first key
     fz = np.zeros(len(fu), dtype=np.int64)
     fields = [  # per work item, field-major
         np.concatenate([nblk, fz]),
-        np.concatenate([h["estart"][sp], fz]),
+        np.concatenate([h.estart[sp], fz]),
         np.concatenate([bpos, fz]),  # earlier blocks from here
         np.concatenate([bpos + nblk * B, fz]),  # columns from here
         np.concatenate([bpos + nblk * B + nc, first[fu] + f0]),  # diagonal (full head: chunk) from here
         np.concatenate([cat("nd")[sp], np.minimum(np.repeat(flen, nchunk) - f0, _FULL_CHUNK)]),  # its length
         np.concatenate([cat("diag")[sp] * B, f0]),  # its first key
         np.concatenate([ncand, fz]),
-        np.concatenate([h["col_start"][sp], fz]),
+        np.concatenate([h.col_start[sp], fz]),
         np.concatenate([kvoff[sp], kvoff[fu]]),
         np.concatenate([cat("head")[sp], cat("head")[fu]]),
     ]
     n = len(fields[0])
-    idx = np.concatenate([u["mask"].block_indices.numpy() for u in us])
-    cols = np.concatenate([u["mask"].col_indices.numpy() for u in us])
+    idx = np.concatenate([u.mask.block_indices.numpy() for u in us])
+    cols = np.concatenate([u.mask.col_indices.numpy() for u in us])
     d_rows, d_idx, d_cols = _upload([np.concatenate(fields), idx, cols], device, pin)
-    nb_max = max(u["mask"].num_blocks for u in us)
+    nb_max = max(u.mask.num_blocks for u in us)
     slots = base.kv_indices.to(device)
     kv = torch.empty(total, dtype=torch.int32, device=device)
     sel = torch.empty(n * nb_max, dtype=torch.int8, device=device)  # per item: its blocks, for the columns
@@ -388,26 +422,25 @@ class FlashInferSparseExecutor(SparseExecutor):
     def __init__(self, dense: AttentionExecutor | None = None, workspace_bytes: int = 128 << 20, backend="auto"):
         import flashinfer
 
+        super().__init__(dense)
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device="cuda")
         self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD", backend=backend)
-        self.dense = dense or EXECUTORS.create("torch")
         self._triton = None
 
     def run(self, plan, q, k_cache, v_cache, scale, out):
         if q.dtype == torch.float32 and q.is_cuda:  # no fp32 kernels in FlashInfer
-            from sgl_loopkv.attention.sparse_executor import TritonSparseExecutor
+            from sgl_loopkv.attention.sparse import SPARSE_EXECUTORS
 
-            self._triton = self._triton or TritonSparseExecutor(self.dense)
+            self._triton = self._triton or SPARSE_EXECUTORS.create("triton", self.dense)
             return self._triton.run(plan, q, k_cache, v_cache, scale, out)
-        base = plan.base
-        assert base.causal, "sparse plans are causal prefill"
-        for i, mask in enumerate(plan.masks):
-            if mask is None and base.q_len(i):
-                run_dense(self.dense, base, i, q, k_cache, v_cache, scale, out)
+        assert plan.base.causal, "sparse plans are causal prefill"
+        return super().run(plan, q, k_cache, v_cache, scale, out)
+
+    def run_masked(self, plan, seqs, q, k_cache, v_cache, scale, out) -> None:
+        """Every masked sequence at once: one ``plan()`` and one ``run()``."""
         reqs = self.plan(plan, q, k_cache, scale)
         if reqs is not None:
             self.execute(reqs, q, k_cache, v_cache, out)
-        return out
 
     def plan(self, plan: SparsePlan, q, k_cache, scale) -> Requests | None:
         """Build the requests and ``plan()`` them (None when no sequence is sparse)."""

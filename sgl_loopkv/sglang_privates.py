@@ -1,0 +1,133 @@
+"""Every SGLang private that sgl-loopkv depends on, in one table: the project's effective patches.
+
+sgl-loopkv extends SGLang through its public extension points (plugin entry point, attention and
+radix-cache registries, ``HookRegistry``, the KV pool's layer transfer counter). Where no public
+method offers the behaviour, the code below overrides or calls a private method, reads a private
+field, or relies on what a method does inside. Each such use is listed here with the SHA-256 of
+the SGLang source it was written against (``inspect.getsource``); :func:`check` (run by
+``tests/unit/test_sglang_privates.py``) fails loudly when an SGLang upgrade changes any of them, so the
+use is re-read instead of silently forking SGLang. A field is pinned through the methods that
+define and maintain it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+
+RADIX = "sglang.srt.mem_cache.radix_cache"
+POOL = "sglang.srt.mem_cache.memory_pool"
+
+
+@dataclass(frozen=True, slots=True)
+class PrivateUse:
+    target: str  # "module:Qualified.name" of the SGLang function / method / property pinned
+    sha256: str  # of inspect.getsource(target) in the pinned SGLang version
+    use: str  # what sgl-loopkv does with it, and where
+
+
+PRIVATES: tuple[PrivateUse, ...] = (
+    PrivateUse(
+        f"{RADIX}:RadixCache._split_node",
+        "41cf62d34631ddfb4d7f2a316c2ccc7db39a40ad498947aee2c52a6f4bd1174e",
+        "overridden (cache/radix.py): a node without a device copy is split too, and its stored extent with it",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache._delete_leaf",
+        "87ffd8307996f475f787cf9ba41ec7791614aeb3e7cc268477fd44ed825dd708",
+        "overridden (cache/radix.py): the per-leaf step of evict; a stored node keeps its place without a device copy",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache.evict",
+        "6a21b4d769f2bf7b02d57b8580308db5062fec6de3f8a5bd8ad0992dfc10b84b",
+        "relied on (cache/radix.py evict calls super): frees each leaf's slots, then calls _delete_leaf",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache._update_leaf_status",
+        "51f24b8b31638db3fb73bf21b142c023f4af36c6698b24e056d493c8aec80f2d",
+        "called (cache/radix.py): keeps the private evictable_leaves set right when a node gains or loses slots",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache.insert",
+        "707457e4ec8e992d50ce7c3100c5c5c49de83e614063dbeab1b6d59302ce941c",
+        "relied on (cache/radix.py insert calls super): nodes given slots before it count as the matched prefix",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache._insert_helper",
+        "6f65095a47591ef29e96fc1944a8b56423c998d4ef081b1b4450a11478a557a5",
+        "relied on (through insert): walks matched nodes, splits, adds the unmatched tail as one new leaf",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache.match_prefix",
+        "00cc574a4e0b9d172ea77110c61bbf8e13a6e777333a463a14c0dcbe54bf7204",
+        "copied in part (cache/radix.py match_prefix): its key normalisation and _empty_match_result",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache.reset",
+        "83715ea6648b5df79312918f6469a83be84a34ca569283c29e67bebfa7da9724",
+        "fields read/written: evictable_size_, evictable_leaves, _empty_match_result, root_node",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache.inc_lock_ref",
+        "ef3f21db134815b32bed476092fe221f87d7f299d462f15de051fc543ae1bfb6",
+        "field evictable_size_: what it counts (unlocked device tokens) when cache/radix.py adjusts it",
+    ),
+    PrivateUse(
+        f"{RADIX}:RadixCache.dec_lock_ref",
+        "27c044fb8f7fc81998c0ae5ced7dafa849a9ca95b43fdd1ba1f0a3de1893d363",
+        "field evictable_size_: as inc_lock_ref",
+    ),
+    PrivateUse(
+        f"{RADIX}:TreeNode.evicted",
+        "616ac47e3e3b38db7862791d5e9fd9439da4b27d8dda524c7266c65933fb02dc",
+        "relied on: a node without a device copy is one whose value is None",
+    ),
+    PrivateUse(
+        f"{POOL}:MHATokenToKVPool.get_key_buffer",
+        "ab5fc2d68e854c1d8c0f34ae5d0ed0d79072df1d95b06ca56198a542046c9919",
+        "relied on (cache/loader.py): waits on the registered layer transfer counter before handing out a layer",
+    ),
+    PrivateUse(
+        f"{POOL}:MHATokenToKVPool.get_value_buffer",
+        "ba5ea7b1b294d656e697ec4ae094a5356271e6735c361d0bc2ede17dcf227d54",
+        "relied on (cache/loader.py): as get_key_buffer",
+    ),
+    PrivateUse(
+        "sglang.srt.managers.scheduler_components.output_streamer:SchedulerOutputStreamer.get_cached_tokens_details",
+        "532f8103ebb758996a2682345a6bc131ce1c0dff4c861004ce831bbadce4138b",
+        "wrapped by an AROUND hook (cache/backend.py): its signature and the dict it returns",
+    ),
+)
+
+
+def resolve(target: str):
+    """The function behind ``"module:Qualified.name"`` (a property's getter)."""
+    module, _, qualname = target.partition(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
+    if isinstance(obj, property):
+        obj = obj.fget
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    return obj
+
+
+def source_hash(obj) -> str:
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()
+
+
+def check(privates: tuple[PrivateUse, ...] = PRIVATES) -> list[str]:
+    """One line per pinned SGLang source that changed (empty: all as pinned)."""
+    changed = []
+    for p in privates:
+        try:
+            h = source_hash(resolve(p.target))
+        except (ImportError, AttributeError, OSError, TypeError) as e:
+            changed.append(f"{p.target}: gone ({e}); it was {p.use}")
+            continue
+        if h != p.sha256:
+            changed.append(f"{p.target}: source changed (sha256 {h}); re-read: {p.use}")
+    return changed
