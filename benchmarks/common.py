@@ -92,10 +92,10 @@ def cpu_pool_dtype(server_flags: list[str] = ()) -> tuple[str, int]:
     unless ``--dtype`` is among the flags) and its element size in bytes."""
     import torch
 
-    from sgl_loopkv.server.launch import CPU_DEFAULTS
+    from sgl_loopkv.platform import default_cpu_dtype
 
     flags = list(server_flags)
-    name = flags[flags.index("--dtype") + 1] if "--dtype" in flags else CPU_DEFAULTS["--dtype"]
+    name = flags[flags.index("--dtype") + 1] if "--dtype" in flags else default_cpu_dtype()
     return name, getattr(torch, name).itemsize
 
 

@@ -140,7 +140,7 @@ class SharingConfig:
     stride: int = field(
         default=4,  # 0.25% distance error, same pairs, 1/4 of the exact cost
         metadata={
-            "help": "Similarity estimator: count every n-th prefill row (1 = exact; decode rows always count).",
+            "help": "Similarity estimator: count the rows at positions that are multiples of n, prefill and decode (1 = exact).",
             "type": int,
         },
     )

@@ -124,7 +124,7 @@ class LoopKVAttnBackend(AttentionBackend):
                 self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                 layer.scaling,
             )
-        if ctx is not None and ctx.observer.wants(forward_batch.forward_mode.is_decode()):  # layer sharing (Krul)
+        if ctx is not None and ctx.observer.wants(layer.layer_id, self.forward_metadata):  # Krul
             rows = (
                 forward_batch.req_pool_indices_cpu
                 if forward_batch.req_pool_indices_cpu is not None

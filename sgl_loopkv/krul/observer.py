@@ -16,8 +16,9 @@ for every row before layer 1. So per forward:
   layer's input); at the last layer every layer's keys are in the pool, and
   :func:`~sgl_loopkv.krul.similarity.row_stats` recomputes the probabilities block by block of rows.
 
-``prefill_stride`` > 1 samples extend rows at absolute positions that are multiples of the stride
-(weighted by the stride); decode rows are always all counted. Stride 1 is exact.
+``prefill_stride`` > 1 samples rows at absolute positions that are multiples of the stride
+(weighted by the stride), extend and decode rows alike: a decode step at any other position costs
+one Python check per layer, not a second attention over the request's keys. Stride 1 is exact.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class KrulObserver:
         self._plan = None
         self._picks: list[torch.Tensor] = []
         self._saved: dict[int, list[torch.Tensor | None]] = {}
+        self._sampled = False  # does this forward have any row on the sampling grid?
 
     def configure(self, enabled: bool, num_layers: int = 0, prefill_stride: int = 1) -> None:
         if enabled and num_layers < 2:
@@ -51,23 +53,23 @@ class KrulObserver:
         self._board.clear()
         self._saved.clear()
 
-    def wants(self, is_decode: bool) -> bool:
-        """Is the estimator on? (Decode and extend rows are both counted.)"""
-        return self.enabled
+    def wants(self, layer_id: int, plan) -> bool:
+        """Does this layer of this forward (``plan``) have rows to record? Never while off; on, only
+        forwards with a row on the sampling grid, so most decode steps skip :meth:`record` entirely."""
+        if not self.enabled:
+            return False
+        if plan is not self._plan or layer_id == 0:
+            self._start(plan)
+        return self._sampled
 
     def _start(self, plan) -> None:
         self._plan, picks = plan, []
         for i in range(plan.batch_size):
             first, last = plan.prefix_len(i), plan.kv_len(i)
-            if self.stride == 1 or last - first <= 1:
-                picks.append(torch.arange(last - first))
-            else:
-                picks.append(stride_positions(first, last, self.stride) - first)
+            picks.append(stride_positions(first, last, self.stride) - first)
         self._picks = picks
+        self._sampled = any(len(p) for p in picks)
         self._saved.clear()
-
-    def _weight(self, plan, i: int) -> float:
-        return 1.0 if self.stride == 1 or plan.q_len(i) <= 1 else float(self.stride)
 
     def _eager_probs(self, plan, i: int, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Probabilities [Hq, m, K] of sequence i's picked rows q [m, Hq, D] over its keys (causal)."""
@@ -93,10 +95,15 @@ class KrulObserver:
         this layer's KV already written to ``kv_pool`` (``get_key_buffer(layer_id)``)."""
         if plan is not self._plan or layer_id == 0:
             self._start(plan)
+        if not self._sampled:  # no row of this forward on the sampling grid (most decode steps)
+            return
         k_cache = kv_pool.get_key_buffer(layer_id)
         per_seq = []
         for i in range(plan.batch_size):
             pick = self._picks[i]
+            if len(pick) == 0:
+                per_seq.append(None)
+                continue
             rows = q[plan.qo_indptr[i] + pick]
             eager = len(pick) <= EAGER_ROWS
             per_seq.append(self._eager_probs(plan, i, rows, k_cache, scale) if eager else rows.clone())
@@ -113,13 +120,11 @@ class KrulObserver:
                 continue
             pos = plan.prefix_len(i) + pick
             if len(pick) <= EAGER_ROWS:
-                stats = probs_stats(
-                    torch.stack([self._saved[layer][i] for layer in range(L)]), pos, self._weight(plan, i)
-                )
+                stats = probs_stats(torch.stack([self._saved[layer][i] for layer in range(L)]), pos, float(self.stride))
             else:
                 qs = torch.stack([self._saved[layer][i] for layer in range(L)])
                 keys = [plan.kv_of(i, kv_pool.get_key_buffer(layer)) for layer in range(L)]
-                stats = row_stats(qs, keys, pos, scale, self._weight(plan, i))
+                stats = row_stats(qs, keys, pos, scale, float(self.stride))
             old = self._board.get(row)
             self._board[row] = stats if old is None else old + stats
         self._saved.clear()

@@ -218,4 +218,4 @@ def stride_positions(first: int, last: int, stride: int) -> torch.Tensor:
     """Positions in [first, last) that a stride-``stride`` sample keeps: multiples of ``stride``
     (absolute, so chunked prefills and later turns sample the same grid)."""
     start = math.ceil(first / stride) * stride
-    return torch.arange(start, last, stride)
+    return torch.arange(start, max(start, last), stride)  # empty when no multiple lies in the range

@@ -12,6 +12,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_loopkv.attention.backend import LoopKVAttnBackend
+from sgl_loopkv.attention.plan import build_dense_plan
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.context import Context
 from sgl_loopkv.krul.codec import CODECS
@@ -86,16 +87,11 @@ def run_backend(be, rows, seq_lens, q_lens, per_layer, decode):
         call(q.reshape(q.shape[0], -1), k, v, fake_layer(i, HQ, D, D**-0.5), fb)
 
 
-@pytest.fixture
-def krul_on():
-    observer = KrulObserver()
-    observer.configure(True, LAYERS)
-    return observer
-
-
-def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
+@pytest.mark.parametrize("stride", [1, 4])
+def test_streamed_distance_equals_offline_distance(capturing_llama, stride):
     """Two requests: A prefills 100 tokens in two chunks (60 + 40), B 70 in one; then 5 decode
-    steps batched together. Each request's board == statistics of its full attention matrices."""
+    steps batched together. Each request's board == statistics of its full attention matrices at
+    the sampled positions (stride 4: multiples of 4, prefill and decode rows alike, weight 4)."""
     model, captured = capturing_llama
     g = random.Random(0)
     toks = {0: [g.randrange(256) for _ in range(105)], 3: [g.randrange(256) for _ in range(75)]}
@@ -107,7 +103,11 @@ def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
     req_to_token = torch.zeros(4, 128, dtype=torch.int32)
     perm = torch.randperm(512, generator=torch.Generator().manual_seed(1))  # scattered slots: gathers
     req_to_token[0], req_to_token[3] = perm[:128], perm[128:256]
-    observer = krul_on
+    observer = KrulObserver()
+    observer.configure(True, LAYERS, stride)
+    recorded = []  # forwards whose rows reached the estimator's attention
+    real_probs = observer._eager_probs
+    observer._eager_probs = lambda plan, i, *a: recorded.append(plan.kv_len(i) - 1) or real_probs(plan, i, *a)
     be = LoopKVAttnBackend(
         fake_runner(req_to_token, FakeKVPool.zeros(LAYERS, 512, HKV, D)),
         context=Context(importance=ChunkImportance(), observer=observer),
@@ -125,10 +125,19 @@ def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
         per_layer = [tuple(torch.cat(x) for x in zip(a, b)) for a, b in zip(fw[0][2 + step], fw[3][1 + step])]
         run_backend(be, [0, 3], [101 + step, 71 + step], [1, 1], per_layer, True)
 
+    # decode positions: A 100..104, B 70..74; stride 4 computes only those on the grid (100, 104, 72)
+    assert set(recorded) == ({100, 101, 102, 103, 104, 70, 71, 72, 73, 74} if stride == 1 else {100, 104, 72})
     for r in toks:
         streamed = observer.pop(r)
-        ref = offline_stats(full[r], torch.arange(len(toks[r])))
-        assert streamed.rows == ref.rows == len(toks[r]) and streamed.ir_rows == ref.ir_rows
+        pos = torch.arange(0, len(toks[r]), stride)
+        ref = offline_stats([a[:, pos] for a in full[r]], pos)
+        ref.sq_dist, ref.ir_mass, ref.rows, ref.ir_rows = (
+            ref.sq_dist * stride,
+            ref.ir_mass * stride,
+            ref.rows * stride,
+            ref.ir_rows * stride,
+        )
+        assert streamed.rows == ref.rows == len(pos) * stride and streamed.ir_rows == ref.ir_rows
         off = ~torch.eye(LAYERS, dtype=torch.bool)
         assert ref.distance()[off].min() > 0.5  # the layers really differ: not a vacuous comparison
         torch.testing.assert_close(streamed.distance(), ref.distance(), rtol=1e-4, atol=1e-5)
@@ -138,13 +147,16 @@ def test_streamed_distance_equals_offline_distance(capturing_llama, krul_on):
 
 
 def test_estimator_is_off_by_default():
-    """A fresh observer records nothing; configuring sharing on turns it on, off again stops it."""
+    """A fresh observer records nothing; on, it wants exactly the forwards with a row on its grid
+    (stride 4: a decode step at position 8 yes, at 9 no); off again, nothing."""
+    plan = build_dense_plan(torch.zeros(1, 16, dtype=torch.int32), [0], [9], [1])  # decode at position 8
+    later = build_dense_plan(torch.zeros(1, 16, dtype=torch.int32), [0], [10], [1])  # position 9
     observer = KrulObserver()
-    assert not observer.wants(False) and not observer.wants(True)
-    observer.configure(True, LAYERS)
-    assert observer.wants(False) and observer.wants(True)
+    assert not observer.wants(0, plan)
+    observer.configure(True, LAYERS, 4)
+    assert observer.wants(0, plan) and observer.wants(1, plan) and not observer.wants(0, later)
     observer.configure(False)
-    assert not observer.wants(False) and not observer.wants(True)
+    assert not observer.wants(0, plan)
 
 
 def random_qk(seed, n_layers=3, n=90, keys=None):
