@@ -1,0 +1,1013 @@
+"""Decode benchmark: per-token decode latency of sgl-loopkv next to stock SGLang (same dtype),
+float32 vs bfloat16, HF transformers ``generate()`` and llama.cpp's server, in one run on this
+machine; the decode slowdown under memory pressure (small pool, disk tier, resumed
+conversations); the physical limit (bytes read per token / measured memory bandwidth); and bf16's
+fidelity vs float32 on SmolLM2.
+
+Grid (``--contexts`` x ``--batch-sizes``): each request has its OWN context (synthetic text, one
+seed per request). Per server, every context is prefilled once, untimed (``max_new_tokens=1``);
+then ``bs`` requests on ``bs`` distinct contexts are sent at once and stream ``--gen`` greedy
+tokens (``ignore_eos``): their prefix is in the radix cache, so what is timed is decode. Per-token
+latency = inter-arrival time of streamed chunks (first chunk excluded; a chunk of k tokens counts
+as k intervals of gap/k), taken only while every request of the batch is decoding; median and p90
+over all tokens of ``--repeats`` batches; aggregate tokens/s over the same window. Every SGLang
+server gets the same ``--max-total-tokens`` (all contexts of the largest batch at once + margin),
+and a timed request whose prefix was not cached is flagged. HF ``generate()`` and llama.cpp run
+bs 1 only (llama-cpp-python's server serves one request at a time); their prefill is in the first
+token, which is excluded. llama.cpp reads the GGUF's Q4_1 weights (~0.6 bytes/parameter, about a
+quarter of bf16's bytes), the others the dequantised weights in the served dtype.
+
+Limit row: per decode step a system must read every weight once plus the attended KV of each
+request: ``(weight bytes + bs x KV bytes/token x (context + gen/2)) / bandwidth`` per token, with
+weight bytes = parameters (from the model's config.json, tied embeddings once) x dtype bytes and
+bandwidth = median of ``torch.sum`` passes over a 1 GiB float32 tensor (all cores), measured at the
+start and end of this run.
+
+Pressure scenario (issue 13): ``--max-total-tokens 4096 --loopkv-disk-dir <tmp> --loopkv-host-bytes
+100000000``, six multi-turn conversations (~880 new tokens a turn, histories up to ~3.5K) over the
+OpenAI chat API with streaming, played interleaved (round robin, one request at a time) and then,
+on a fresh server, concurrently (every conversation its own client); sgl-loopkv vs stock in the
+headline dtype; then one 650-token prompt on the interleaved server ("after" TPOT).
+
+bf16 fidelity (on the grid's loopkv servers): first-token KL(fp32 || bf16) over fp32's top-20 plus
+the tail, and teacher-forced top-1 agreement of bf16 on fp32's 128 greedy tokens, at 2K/4K; and the
+multi-turn benchmark's score per question position (quick suite, dense sgl-loopkv in each dtype).
+
+On a CPU without native bf16 (no ``avx512_bf16`` / ``amx_bf16`` flag) torch's bf16 matmuls convert
+to fp32 on the fly: a one-row decode step (memory-bound) still gains from half the bytes, but
+prefill and larger batches (compute-bound) are several times slower. The headline dtype is then
+float32 and the bf16 rows shrink to the smallest and largest batch at one context (4K) unless
+``--force-bf16``; the prefill table shows what bf16 costs there.
+
+    python -m benchmarks.decode                    # full run (~40 min on 2 cores)
+    python -m benchmarks.decode --quick            # contexts 512/2048, bs 1/4, fewer tokens
+    python -m benchmarks.decode --quick --systems loopkv-fp32 --parts grid
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+import torch
+from tqdm import tqdm
+
+from benchmarks import conversations as conv
+from benchmarks.common import RESULTS, environment, md_table, synthetic_ids, teacher_forced_top1, write_results
+from sgl_loopkv import platform
+from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
+from sgl_loopkv.server.process import ServerProcess
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+# name -> (kind, dtype, launcher flags). fp32 rows first: loopkv-fp32 is bf16's fidelity reference.
+SYSTEMS = {
+    "loopkv-fp32": ("sglang", "float32", ()),
+    "stock-fp32": ("sglang", "float32", ("--loopkv-stock",)),
+    "loopkv-bf16": ("sglang", "bfloat16", ()),
+    "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
+    "hf-fp32": ("hf", "float32", ()),
+    "hf-bf16": ("hf", "bfloat16", ()),
+    "llamacpp": ("llamacpp", "q4_1", ()),
+    # the per-step bookkeeping of the tiered cache and of Krul's estimator, each measured by its absence/presence
+    "loopkv-fp32-radix": (
+        "sglang",
+        "float32",
+        ("--loopkv-stock", "--attention-backend", "loopkv", "--page-size", "16"),
+    ),
+    "loopkv-fp32-krul": ("sglang", "float32", ("--loopkv-share-layers", "minicache")),
+}
+WHAT = {
+    "loopkv": "sgl-loopkv launcher defaults (loopkv attention, tiered radix cache)",
+    "stock": "stock SGLang 0.5.23 CPU configuration (`--loopkv-stock`: torch_native attention, stock radix cache)",
+    "hf": "HF transformers `generate()` (greedy, bs 1, prefill in the excluded first token)",
+    "llamacpp": "llama.cpp server (llama-cpp-python) on the same GGUF: reads Q4_1 weights, ~1/4 of bf16's bytes; bs 1",
+    "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers): the tiered cache's per-step cost",
+    "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
+}
+BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul")  # run at the smallest and largest context and batch only
+
+
+def what(name: str) -> str:
+    return WHAT.get(name) or WHAT[name.split("-")[0]]
+
+
+FID_CONTEXTS = (2048, 4096)
+FID_GEN = 128
+PRESSURE_POOL = 4096
+PRESSURE_HOST_BYTES = 100_000_000
+AFTER_PROMPT = 650
+
+
+# --- small helpers (tested in tests/unit/test_decode_bench.py) ------------------------------------------
+def percentile(xs, q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
+    s = sorted(xs)
+    if not s:
+        return float("nan")
+    k = (len(s) - 1) * q / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    return float(s[lo] + (s[hi] - s[lo]) * (k - lo))
+
+
+def token_intervals(streams: list[list[tuple[float, int]]], steady: bool = True) -> tuple[list[float], float]:
+    """Per-token latencies of concurrent streams, each a list of (arrival time, tokens so far).
+
+    The first chunk (prefill + first token) is excluded; a chunk of k new tokens counts as k
+    intervals of gap/k. With ``steady``, only gaps inside the window where every stream is past
+    its first chunk and none has finished count (the batch decodes at its full size there); if
+    that window holds fewer than 4 gaps, all gaps count. Returns (intervals, aggregate tokens/s
+    over the window)."""
+    streams = [s for s in streams if len(s) >= 2]
+    if not streams:
+        return [], float("nan")
+    w0 = max(s[0][0] for s in streams) if steady else min(s[0][0] for s in streams)
+    w1 = min(s[-1][0] for s in streams) if steady else max(s[-1][0] for s in streams)
+
+    def collect(a: float, b: float) -> list[float]:
+        out = []
+        for s in streams:
+            for (t0, n0), (t1, n1) in zip(s, s[1:]):
+                if n1 > n0 and t0 >= a - 1e-9 and t1 <= b + 1e-9:
+                    out += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
+        return out
+
+    got = collect(w0, w1) if w1 > w0 else []
+    if len(got) < 4:
+        w0, w1 = min(s[0][0] for s in streams), max(s[-1][0] for s in streams)
+        got = collect(w0, w1)
+    return got, (len(got) / (w1 - w0) if w1 > w0 else float("nan"))
+
+
+def model_facts(model_dir: Path) -> dict:
+    """Weights and KV geometry from the model's config.json (parameters counted on the meta
+    device: a tied embedding is one parameter, counted once)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return {
+        "params": int(params),
+        "layers": cfg.num_hidden_layers,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": head_dim,
+        "tie_word_embeddings": bool(getattr(cfg, "tie_word_embeddings", False)),
+        "max_positions": cfg.max_position_embeddings,
+        "eos_token_id": cfg.eos_token_id,
+    }
+
+
+def limit_tpot_ms(facts: dict, dtype: str, context: int, bs: int, gen: int, bandwidth: float) -> float:
+    """Lower bound on per-token latency: one decode step reads every weight once and the attended
+    KV of each of the ``bs`` requests (context + half the generated tokens on average)."""
+    b = DTYPE_BYTES[dtype]
+    kv_per_token = facts["layers"] * 2 * facts["kv_heads"] * facts["head_dim"] * b
+    step_bytes = facts["params"] * b + bs * kv_per_token * (context + gen / 2)
+    return 1000 * step_bytes / bandwidth
+
+
+def memory_bandwidth(passes: int = 5) -> list[float]:
+    """Bytes/s of ``torch.sum`` over a 1 GiB float32 tensor, one value per pass (after a warm-up)."""
+    x = torch.ones(1 << 28)
+    x.sum()
+    out = []
+    for _ in range(passes):
+        t0 = time.perf_counter()
+        x.sum()
+        out.append(x.numel() * 4 / (time.perf_counter() - t0))
+    del x
+    return out
+
+
+def cpu_flags() -> dict:
+    """The flags that decide the dtype (the launcher's rule: :mod:`sgl_loopkv.platform`)."""
+    flags = platform.cpu_flags()
+    out = {k: k in flags for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")}
+    out["native_bf16"] = platform.cpu_has_native_bf16(flags)
+    return out
+
+
+def stats(intervals: list[float], tok_s: float, **extra) -> dict:
+    return {
+        "tpot_ms_median": 1000 * statistics.median(intervals) if intervals else None,
+        "tpot_ms_p90": 1000 * percentile(intervals, 90) if intervals else None,
+        "tok_s": tok_s,
+        "n_tokens": len(intervals),
+        **extra,
+    }
+
+
+# --- streaming clients -------------------------------------------------------------------------------
+def stream_generate(url: str, ids: list[int], n: int, barrier: threading.Barrier | None = None) -> dict:
+    """SGLang /generate, greedy, ignore_eos; arrivals = [(time, completion tokens so far)]."""
+    body = {
+        "input_ids": ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    }
+    if barrier is not None:
+        barrier.wait()
+    t0 = time.perf_counter()
+    arrivals, last = [], None
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            last = json.loads(line[6:])
+            arrivals.append((time.perf_counter(), int(last["meta_info"]["completion_tokens"])))
+    return {
+        "t0": t0,
+        "arrivals": arrivals,
+        "cached_tokens": last["meta_info"].get("cached_tokens", 0),
+        "output_ids": last["output_ids"],
+    }
+
+
+def stream_chat(url: str, messages: list[dict], n: int) -> dict:
+    """One greedy OpenAI chat completion (SGLang), ``n`` tokens (ignore_eos); per-turn TPOT."""
+    body = {
+        "model": "default",
+        "messages": messages,
+        "max_tokens": n,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = last = None
+    text, usage = "", None
+    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            usage = msg.get("usage") or usage
+            for ch in msg.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    last = time.perf_counter()
+                    first = first or last
+                    text += piece
+    end = time.perf_counter()
+    n_out = (usage or {}).get("completion_tokens") or 0
+    return {
+        "t0": t0,
+        "end": end,
+        "ttft_s": (first or end) - t0,
+        "tpot_s": (last - first) / (n_out - 1) if first and n_out > 1 else None,
+        "completion_tokens": n_out,
+        "prompt_tokens": (usage or {}).get("prompt_tokens"),
+        "cached_tokens": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens"),
+        "answer": text,
+    }
+
+
+# --- grid: SGLang ------------------------------------------------------------------------------------
+def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, bar, fid) -> dict:
+    srv = ServerProcess(
+        [*flags, "--dtype", dtype, "--max-total-tokens", str(pool)], log_path=RESULTS / f"decode_{name}.log"
+    )
+    out: dict = {"startup_s": None, "cells": {}, "prefill_s": {}}
+    try:
+        srv.start()
+        out["startup_s"] = srv.startup_s
+        stream_generate(srv.url, ctx_ids[contexts[0]][0][:64], 16)  # warm-up
+        for L in contexts:
+            n_ctx = max(batch_sizes)  # this system's largest batch: each request its own context
+            bar.set_postfix_str(f"{name} prefill {n_ctx} x {L}")
+            for i in range(n_ctx):  # untimed: puts each context into the radix cache
+                t0 = time.perf_counter()
+                stream_generate(srv.url, ctx_ids[L][i], 1)
+                out["prefill_s"].setdefault(str(L), []).append(time.perf_counter() - t0)
+            bar.update()
+            for bs in batch_sizes:
+                bar.set_postfix_str(f"{name} {L} bs {bs}")
+                ivals, toks, uncached = [], [], 0
+                for _ in range(args.repeats):
+                    barrier = threading.Barrier(bs)
+                    with ThreadPoolExecutor(bs) as ex:
+                        jobs = [
+                            ex.submit(stream_generate, srv.url, ctx_ids[L][i], args.gen, barrier) for i in range(bs)
+                        ]
+                        runs = [j.result() for j in jobs]
+                    iv, ts = token_intervals([r["arrivals"] for r in runs])
+                    ivals += iv
+                    toks.append(ts)
+                    uncached += sum(r["cached_tokens"] < L - 16 for r in runs)
+                out["cells"][f"{L}/{bs}"] = stats(ivals, statistics.median(toks), uncached_requests=uncached)
+                if uncached:
+                    print(f"[decode] {name} ctx {L} bs {bs}: {uncached} timed request(s) missed the prefix cache")
+                bar.update()
+            if fid is not None and L in fid["contexts"]:
+                bar.set_postfix_str(f"{name} fidelity {L}")
+                fidelity_step(srv.url, dtype, L, ctx_ids[L][0], fid)
+    finally:
+        srv.stop()
+    return out
+
+
+def fidelity_step(url: str, dtype: str, L: int, ctx: list[int], fid: dict) -> None:
+    """fp32 server: the reference (greedy tokens, top-20 first-token logprobs, self-consistency of
+    teacher forcing); bf16 server: scored on the reference."""
+    from benchmarks.restore import first_token_logprobs, kl_topk, turn_ids
+
+    prompt = ctx + turn_ids(fid["tok"])
+    slot = fid["by_context"].setdefault(str(L), {"prompt_tokens": len(prompt)})
+    if dtype == "float32":
+        ref = stream_generate(url, prompt, FID_GEN)["output_ids"]
+        slot["ref_ids"] = ref
+        slot["ref_logprobs"] = first_token_logprobs(url, prompt, None)["top"]
+        tf = teacher_forced_top1(url, prompt, ref)
+        slot["fp32_self_agreement"] = sum(a == b for a, b in zip(tf, ref)) / len(ref)
+    elif "ref_ids" in slot:
+        ref, ref_lp = slot["ref_ids"], slot["ref_logprobs"]
+        lp = first_token_logprobs(url, prompt, list(ref_lp))
+        slot["first_token_kl"] = kl_topk(ref_lp, {**lp["top"], **lp["chosen"]})
+        tf = teacher_forced_top1(url, prompt, ref)
+        slot["teacher_forced_agreement"] = sum(a == b for a, b in zip(tf, ref)) / len(ref)
+        own = stream_generate(url, prompt, FID_GEN)["output_ids"]
+        slot["greedy_identical_prefix"] = next((i for i, (a, b) in enumerate(zip(own, ref)) if a != b), len(ref))
+
+
+# --- grid: HF and llama.cpp (bs 1) ----------------------------------------------------------------------
+def run_hf(model_dir, dtype: str, contexts, ctx_ids, args, bar) -> dict:
+    from transformers import AutoModelForCausalLM
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times: list[float] = []
+
+        def put(self, value):  # first call: the prompt; then one call per generated token
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+
+    def gen(ids, n):
+        clock = Clock()
+        with torch.no_grad():
+            model.generate(
+                torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, streamer=clock, pad_token_id=0
+            )
+        return clock.times[1:]  # generated tokens only
+
+    gen(ctx_ids[contexts[0]][0][:64], 4)  # warm-up
+    out = {"cells": {}}
+    for L in contexts:
+        bar.set_postfix_str(f"hf-{SHORT[dtype]} {L}")
+        times = gen(ctx_ids[L][0], args.gen)
+        ivals = [b - a for a, b in zip(times, times[1:])]
+        out["cells"][f"{L}/1"] = stats(ivals, len(ivals) / (times[-1] - times[0]))
+        bar.update()
+    return out
+
+
+def run_llamacpp(contexts, ctx_ids, tok, args, eos: int, bar) -> dict:
+    from benchmarks.multiturn import LlamaCppServer, llamacpp_version
+
+    srv = LlamaCppServer(n_ctx=max(contexts) + args.gen + 128, log_path=RESULTS / "decode_llamacpp.log")
+    out = {"cells": {}, "version": llamacpp_version()}
+
+    def complete(prompt: str, n: int) -> dict:
+        body = {
+            "model": DEFAULT_MODEL_NAME,
+            "prompt": prompt,
+            "max_tokens": n,
+            "temperature": 0,
+            "top_k": 1,
+            "top_p": 1.0,
+            "min_p": 0.0,
+            "repeat_penalty": 1.0,
+            "seed": 0,
+            "logit_bias": {str(eos): -100.0},  # ignore_eos
+            "stream": True,
+        }
+        arrivals = []
+        with requests.post(f"{srv.url}/v1/completions", json=body, stream=True, timeout=1800) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    arrivals.append((time.perf_counter(), len(arrivals) + 1))  # one token per chunk
+        return {"arrivals": arrivals}
+
+    try:
+        srv.start()
+        out["startup_s"] = srv.startup_s
+        complete("Hello", 8)  # warm-up
+        for L in contexts:
+            bar.set_postfix_str(f"llamacpp {L}")
+            text = tok.decode(ctx_ids[L][0])
+            ivals = []
+            for _ in range(args.repeats):  # its prompt cache serves the repeats' prefix
+                iv, _ = token_intervals([complete(text, args.gen)["arrivals"]])
+                ivals += iv
+            out["cells"][f"{L}/1"] = stats(ivals, 1 / statistics.median(ivals) if ivals else float("nan"))
+            bar.update()
+    finally:
+        srv.stop()
+    return out
+
+
+# --- pressure scenario ------------------------------------------------------------------------------
+def pressure_convs(tok, n_convs: int, n_turns: int, per_turn: int) -> list[conv.Conversation]:
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    tasks = [conv.TASKS[i % len(conv.TASKS)] for i in range(n_convs)]
+    return [conv.generate(t, 100 + i, n_turns, per_turn * n_turns, count) for i, t in enumerate(tasks)]
+
+
+def run_pressure(name, dtype, flags, convs, mode: str, args, tok, bar) -> dict:
+    disk = Path(tempfile.mkdtemp(prefix="loopkv-decode-pressure-"))
+    srv = ServerProcess(
+        [
+            *flags,
+            "--dtype",
+            dtype,
+            "--max-total-tokens",
+            str(PRESSURE_POOL),
+            "--loopkv-disk-dir",
+            str(disk),
+            "--loopkv-host-bytes",
+            str(PRESSURE_HOST_BYTES),
+        ],  # fmt: skip
+        log_path=RESULTS / f"decode_pressure_{name}_{mode}.log",
+    )
+    turns: list[dict] = []
+    lock = threading.Lock()
+
+    def play(c, t):
+        r = stream_chat(srv.url, c.messages(t), args.pressure_gen)
+        r.update(conv=c.id, turn=t)
+        with lock:
+            turns.append(r)
+            bar.update()
+
+    try:
+        srv.start()
+        stream_generate(srv.url, synthetic_ids(tok, 64, seed=5), 16)  # warm-up
+        bar.set_postfix_str(f"pressure {name} {mode}")
+        t0 = time.perf_counter()
+        n_turns = max(len(c.turns) for c in convs)
+        if mode == "interleaved":  # round robin: each return finds its history evicted
+            for t in range(n_turns):
+                for c in convs:
+                    if t < len(c.turns):
+                        play(c, t)
+        else:  # every conversation its own client, its turns back to back
+            with ThreadPoolExecutor(len(convs)) as ex:
+                list(ex.map(lambda c: [play(c, t) for t in range(len(c.turns))], convs))
+        wall = time.perf_counter() - t0
+        after = None
+        if mode == "interleaved":  # does decode stay slow after the resumes? (issue 13)
+            r = stream_generate(srv.url, synthetic_ids(tok, AFTER_PROMPT, seed=650), args.gen)
+            iv, _ = token_intervals([r["arrivals"]])
+            after = 1000 * statistics.median(iv) if iv else None
+    finally:
+        srv.stop()
+        shutil.rmtree(disk, ignore_errors=True)
+    tpots = [x["tpot_s"] for x in turns if x["tpot_s"]]
+    return {
+        "wall_s": wall,
+        "turns_per_min": 60 * len(turns) / wall,
+        "tpot_ms_median": 1000 * statistics.median(tpots) if tpots else None,
+        "tpot_ms_p90": 1000 * percentile(tpots, 90) if tpots else None,
+        "ttft_s_median": statistics.median(x["ttft_s"] for x in turns),
+        "after_tpot_ms": after,
+        "turns": sorted(turns, key=lambda x: (x["conv"], x["turn"])),
+    }
+
+
+# --- multi-turn score per question position, fp32 vs bf16 ------------------------------------------------
+def run_multiturn_dtypes(tok, dtypes: list[str], bar) -> dict:
+    from benchmarks import multiturn as mt
+
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    convs = conv.suite(conv.TASKS, 1, [1024, 2048, 3072], (2, 3), 0, count)  # multiturn --quick
+    hist = {}
+    for c in convs:
+        hist[c.id] = [
+            count(tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True))
+            for t in range(len(c.turns))
+        ]
+    pool = (max(max(h) for h in hist.values()) + 64 + 15) // 16 * 16 + 256
+    total = sum(hist[c.id][-1] + count(c.turns[-1].gold_reply) for c in convs)
+    host_bytes = int(0.25 * total * mt.KV_BYTES_PER_TOKEN_FP32)
+    out = {}
+    for dt in dtypes:
+        s = mt.System(f"decode_dense_{SHORT[dt]}", ("--dtype", dt), f"dense sgl-loopkv, {dt}")
+        res = mt.run_system(s, convs, hist, pool, host_bytes, bar)
+        rows = res["turns"]
+        score = {p: mt.mean(x["score"] for x in rows if x["position"] == p) for p in conv.POSITIONS}
+        score["all"] = mt.mean(x["score"] for x in rows)
+        out[dt] = {"score": score, "answers": [x["answer"] for x in rows], "n_turns": len(rows)}
+    return out
+
+
+# --- report ---------------------------------------------------------------------------------------
+def cell(res: dict, name: str, L: int, bs: int) -> dict | None:
+    return (res.get(name) or {}).get("cells", {}).get(f"{L}/{bs}")
+
+
+def tpot(res, name, L, bs):
+    c = cell(res, name, L, bs)
+    return c["tpot_ms_median"] if c else None
+
+
+def summarize(p: dict) -> dict:
+    res, cfg, hd = p["grid"], p["config"], p["config"]["headline_dtype"]
+    ratios = {}
+    for dt in ("float32", "bfloat16"):
+        for L in cfg["contexts"]:
+            for bs in cfg["batch_sizes"]:
+                a, b = tpot(res, f"stock-{SHORT[dt]}", L, bs), tpot(res, f"loopkv-{SHORT[dt]}", L, bs)
+                if a and b:
+                    ratios[f"{SHORT[dt]}/{L}/{bs}"] = a / b
+    fp32_4k, bf16_4k = tpot(res, "loopkv-fp32", 4096, 1), tpot(res, "loopkv-bf16", 4096, 1)
+
+    def step_cost(num: str, den: str) -> dict:  # TPOT num / den per cell both ran (> 1: num is slower)
+        out = {}
+        for L in cfg["contexts"]:
+            for bs in cfg["batch_sizes"]:
+                a, b = tpot(res, num, L, bs), tpot(res, den, L, bs)
+                if a and b:
+                    out[f"{L}/{bs}"] = a / b
+        return out
+
+    pr = p.get("pressure") or {}
+    lk, st = f"loopkv-{SHORT[hd]}", f"stock-{SHORT[hd]}"
+
+    def pratio(mode, key, inverse=False):
+        try:
+            a, b = pr[lk][mode][key], pr[st][mode][key]
+            return (b / a) if inverse else (a / b)
+        except (KeyError, TypeError, ZeroDivisionError):
+            return None
+
+    fid = (p.get("fidelity") or {}).get("by_context", {})
+    tfs = [v["teacher_forced_agreement"] for v in fid.values() if "teacher_forced_agreement" in v]
+    kls = {L: v["first_token_kl"] for L, v in fid.items() if "first_token_kl" in v}
+    mtd = p.get("multiturn_dtypes") or {}
+    mt_ratio = None
+    if "float32" in mtd and "bfloat16" in mtd:
+        f, b = mtd["float32"]["score"], mtd["bfloat16"]["score"]
+        mt_ratio = {k: (b[k] / f[k] if f[k] else None) for k in f}
+    identical = {}
+    for mode in ("interleaved", "concurrent"):
+        try:
+            a = {(x["conv"], x["turn"]): x["answer"] for x in pr[lk][mode]["turns"]}
+            b = {(x["conv"], x["turn"]): x["answer"] for x in pr[st][mode]["turns"]}
+            identical[mode] = sum(a[k] == b.get(k) for k in a) / len(a)
+        except KeyError:
+            pass
+    return {
+        "headline_dtype": hd,
+        "native_bf16": p["env"]["cpu_flags"]["native_bf16"],
+        "tpot_ratio_stock_over_loopkv_min": min(ratios.values()) if ratios else None,
+        "tpot_ratio_stock_over_loopkv": ratios,
+        "pressure_turns_per_min_ratio": pratio("concurrent", "turns_per_min"),
+        "pressure_turns_per_min_ratio_interleaved": pratio("interleaved", "turns_per_min"),
+        "pressure_tpot_ratio_stock_over_loopkv": {
+            m: pratio(m, "tpot_ms_median", inverse=True) for m in ("interleaved", "concurrent")
+        },
+        "pressure_answers_identical_fraction": identical,
+        "bf16_speedup_4k": fp32_4k / bf16_4k if fp32_4k and bf16_4k else None,
+        "bf16_teacher_forced_agreement": min(tfs) if tfs else None,
+        "bf16_first_token_kl": kls,
+        "bf16_first_token_kl_max": max(kls.values()) if kls else None,
+        "bf16_multiturn_score_ratio": mt_ratio,
+        # per-step bookkeeping, each against the same server without it (issue 13: "measure each")
+        "tiered_cache_tpot_ratio": step_cost("loopkv-fp32", "loopkv-fp32-radix"),
+        "krul_estimator_tpot_ratio": step_cost("loopkv-fp32-krul", "loopkv-fp32"),
+        "llamacpp_tpot_ms_4k": tpot(res, "llamacpp", 4096, 1),
+        "hf_tpot_ms_4k": tpot(res, f"hf-{SHORT[hd]}", 4096, 1),
+        "stock_tpot_ms_4k": tpot(res, st, 4096, 1),
+        "loopkv_tpot_ms_4k": tpot(res, lk, 4096, 1),
+        "limit_tpot_ms_4k": p["limit"]["tpot_ms"][hd].get("4096/1"),
+        "bandwidth_gb_s": p["limit"]["bandwidth_bytes_s"] / 1e9,
+    }
+
+
+def fmt_ms(v) -> str:
+    return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def report_md(p: dict) -> str:
+    cfg, env, sm, res, lim = p["config"], p["env"], p["summary"], p["grid"], p["limit"]
+    hd = cfg["headline_dtype"]
+    head = (
+        f"# decode ({env['when']}; `python -m benchmarks.decode {' '.join(cfg['argv'])}`; git {env['git']['commit'][:10]}"
+        f"{' (dirty)' if env['git']['dirty_files'] else ''}; {env['cores']} cores, torch {env['torch']}, CPU flags "
+        f"{', '.join(k for k, v in env['cpu_flags'].items() if v) or 'none'}; load avg {env['loadavg_start']:.1f} -> "
+        f"{env['loadavg_end']:.1f}; {env['wall_s'] / 60:.1f} min wall)\n\n"
+        f"SmolLM2-135M-Instruct, greedy, {cfg['gen']} generated tokens per request (ignore_eos), each request its own "
+        f"context, prefix prefilled untimed; per-token latency = streamed inter-arrival time (first token excluded), "
+        f"median (p90) in ms over {cfg['repeats']} batch(es). Every SGLang server: `--max-total-tokens {cfg['pool']}`. "
+        f"Headline dtype: **{hd}** (native bf16 on this CPU: {sm['native_bf16']}). Limit = (weights + attended KV) / "
+        f"{sm['bandwidth_gb_s']:.1f} GB/s ({lim['how']}).\n\n"
+    )
+    names = [n for n in SYSTEMS if n in res]
+    md = head
+    for bs in cfg["batch_sizes"]:
+        rows = []
+        for n in names:
+            cells = [cell(res, n, L, bs) for L in cfg["contexts"]]
+            if any(cells):
+                rows.append(
+                    [n]
+                    + [f"{fmt_ms(c['tpot_ms_median'])} ({fmt_ms(c['tpot_ms_p90'])})" if c else "-" for c in cells]
+                    + [" / ".join(f"{c['tok_s']:.1f}" if c else "-" for c in cells)]
+                )
+        for dt in lim["tpot_ms"]:
+            rows.append(
+                [f"limit-{SHORT[dt]}"]
+                + [fmt_ms(lim["tpot_ms"][dt][f"{L}/{bs}"]) for L in cfg["contexts"]]
+                + [" / ".join(f"{bs * 1000 / lim['tpot_ms'][dt][f'{L}/{bs}']:.1f}" for L in cfg["contexts"])]
+            )
+        md += f"Batch size {bs} ({bs} concurrent requests): TPOT ms, median (p90); aggregate tokens/s per context\n\n"
+        md += md_table(["system", *(f"ctx {L}" for L in cfg["contexts"]), "tok/s"], rows) + "\n"
+    pre = [
+        [n, *(fmt_ms(1000 * statistics.median(v)) if (v := res[n].get("prefill_s", {}).get(str(L))) else "-"
+              for L in cfg["contexts"])]
+        for n in names
+        if res[n].get("prefill_s")
+    ]  # fmt: skip
+    if pre:
+        md += (
+            "Prefill of one whole context (the untimed fills before the decode cells; ms, median over the requests): "
+            "what a dtype or backend costs a resume that recomputes\n\n"
+            + md_table(["system", *(f"ctx {L}" for L in cfg["contexts"])], pre)
+            + "\n"
+        )
+    if sm["tpot_ratio_stock_over_loopkv"]:
+        md += (
+            "TPOT stock / loopkv (same dtype; > 1: sgl-loopkv faster): "
+            + ", ".join(f"{k} {v:.2f}" for k, v in sm["tpot_ratio_stock_over_loopkv"].items())
+            + f"; min **{sm['tpot_ratio_stock_over_loopkv_min']:.2f}**.\n\n"
+        )
+    for key, what_ in (("tiered_cache_tpot_ratio", "tiered cache (loopkv-fp32 / loopkv-fp32-radix)"),
+                       ("krul_estimator_tpot_ratio", "Krul's estimator (loopkv-fp32-krul / loopkv-fp32)")):  # fmt: skip
+        if sm.get(key):
+            md += (
+                f"Per-step cost of the {what_}, TPOT ratio per ctx/bs: "
+                + ", ".join(f"{k} {v:.2f}" for k, v in sm[key].items())
+                + ".\n\n"
+            )
+    pr = p.get("pressure")
+    if pr:
+        c = p["config"]["pressure"]
+        rows = [
+            [n, m, fmt_ms(r["tpot_ms_median"]), fmt_ms(r["tpot_ms_p90"]), r["ttft_s_median"], r["turns_per_min"],
+             r["wall_s"], fmt_ms(r["after_tpot_ms"])]
+            for n, modes in pr.items()
+            for m, r in modes.items()
+        ]  # fmt: skip
+        md += (
+            f"Pressure scenario: `--max-total-tokens {PRESSURE_POOL} --loopkv-disk-dir <tmp> --loopkv-host-bytes "
+            f"{PRESSURE_HOST_BYTES}`, {c['convs']} conversations x {c['turns']} turns (~{c['mean_new_tokens_per_turn']} new tokens a "
+            f"turn, prompts up to {c['max_prompt_tokens']} tokens), {c['gen']} tokens per answer, OpenAI chat API "
+            f"streaming; interleaved = round robin one request at a time, concurrent = all conversations at once "
+            f"(fresh server). TPOT per turn (decode time / (tokens - 1)), median and p90 over turns; after = TPOT of a "
+            f"{AFTER_PROMPT}-token prompt right after the interleaved run.\n\n"
+            + md_table(
+                [
+                    "system",
+                    "mode",
+                    "TPOT ms median",
+                    "TPOT ms p90",
+                    "TTFT s median",
+                    "turns/min",
+                    "wall s",
+                    "after: TPOT ms",
+                ],
+                rows,
+            )  # fmt: skip
+            + f"\nturns/min loopkv / stock: concurrent {_f(sm['pressure_turns_per_min_ratio'])}, interleaved "
+            f"{_f(sm['pressure_turns_per_min_ratio_interleaved'])}; TPOT stock / loopkv: "
+            + ", ".join(f"{m} {_f(v)}" for m, v in sm["pressure_tpot_ratio_stock_over_loopkv"].items())
+            + "; answers identical to stock: "
+            + ", ".join(f"{m} {v:.2f}" for m, v in sm["pressure_answers_identical_fraction"].items())
+            + ".\n\n"
+        )
+    fid = (p.get("fidelity") or {}).get("by_context")
+    if fid:
+        rows = [
+            [L, v["prompt_tokens"], v.get("first_token_kl", "-"), v.get("teacher_forced_agreement", "-"),
+             v.get("greedy_identical_prefix", "-"), v.get("fp32_self_agreement", "-")]
+            for L, v in fid.items()
+        ]  # fmt: skip
+        md += (
+            f"bf16 vs fp32 (sgl-loopkv servers, prompt = context + a user turn; fp32's {FID_GEN} greedy tokens are the "
+            "reference):\n\n"
+            + md_table(
+                [
+                    "context",
+                    "prompt tokens",
+                    "first-token KL",
+                    "teacher-forced top-1 agreement",
+                    "identical greedy tokens before first divergence",
+                    "fp32 teacher forcing on itself",
+                ],
+                rows,
+            )  # fmt: skip
+            + "\n"
+        )
+    mtd = p.get("multiturn_dtypes")
+    if mtd:
+        keys = [*conv.POSITIONS, "all"]
+        rows = [[dt, *(v["score"][k] for k in keys)] for dt, v in mtd.items()]
+        if sm["bf16_multiturn_score_ratio"]:
+            rows.append(["bf16 / fp32", *(sm["bf16_multiturn_score_ratio"][k] or "-" for k in keys)])
+        md += (
+            "Multi-turn benchmark score per question position (quick suite, dense sgl-loopkv):\n\n"
+            + md_table(["dtype", *(f"q@{k}" if k != "all" else "all" for k in keys)], rows)
+            + "\n"
+        )
+    md += "".join(f"- `{n}`: {what(n)}, {SYSTEMS[n][1]}\n" for n in names)
+    md += "".join(f"- `{n}` failed: {e}\n" for n, e in p.get("failed", {}).items())
+    return md + "\n![decode](decode.png)\n"
+
+
+def _f(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def plot(p: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cfg, res, lim = p["config"], p["grid"], p["limit"]["tpot_ms"]
+    more = [bs for bs in cfg["batch_sizes"] if bs > 1]
+    fig, axes = plt.subplots(1, 2 if more else 1, figsize=(12 if more else 6.5, 4.4), squeeze=False)
+    colors = {n: f"C{i}" for i, n in enumerate([*SYSTEMS, "limit-fp32", "limit-bf16"])}
+    styles = {1: "-o", **{bs: s for bs, s in zip(more, ("-s", "--^", ":v"))}}
+    for ax, sizes in zip(axes[0], ([1], more)):
+        for bs in sizes:
+            for n in SYSTEMS:
+                pts = [(L, tpot(res, n, L, bs)) for L in cfg["contexts"]]
+                pts = [(x, y) for x, y in pts if y]
+                if pts:
+                    lab = n if len(sizes) == 1 else f"{n} bs {bs}"
+                    ax.plot(*zip(*pts), styles[bs], color=colors[n], label=lab, alpha=0.85)
+            for dt, t in lim.items():
+                ax.plot(
+                    cfg["contexts"],
+                    [t[f"{L}/{bs}"] for L in cfg["contexts"]],
+                    styles[bs],
+                    color=colors[f"limit-{SHORT[dt]}"],
+                    alpha=0.5,
+                    lw=1,
+                    label=f"limit {SHORT[dt]}" + (f" bs {bs}" if len(sizes) > 1 else ""),
+                )
+        ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="TPOT ms (median)")
+        ax.set_xticks(cfg["contexts"], [str(L) for L in cfg["contexts"]])
+        ax.set_title("bs 1" if sizes == [1] else "concurrent requests: " + ", ".join(f"bs {b}" for b in sizes))
+        ax.legend(fontsize=7)
+    fig.suptitle("Decode TPOT vs context (SmolLM2-135M, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# --- main -------------------------------------------------------------------------------------------
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="contexts 512/2048, bs 1/4, 32 tokens, small pressure run")
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="grid systems to run (default: all)")
+    ap.add_argument("--parts", nargs="+", default=["grid", "pressure", "fidelity", "multiturn"],
+                    choices=["grid", "pressure", "fidelity", "multiturn"])  # fmt: skip
+    ap.add_argument("--contexts", type=int, nargs="+")
+    ap.add_argument("--batch-sizes", type=int, nargs="+")
+    ap.add_argument("--gen", type=int, help="generated tokens per request (default 64, quick 32)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed batches per grid cell")
+    ap.add_argument("--pressure-convs", type=int)
+    ap.add_argument("--pressure-turns", type=int)
+    ap.add_argument(
+        "--pressure-per-turn",
+        type=int,
+        help="target new tokens per turn (default 940: ~880 measured, histories up to ~3.5K)",
+    )
+    ap.add_argument("--pressure-gen", type=int, help="tokens per answer (default 32)")
+    ap.add_argument("--force-bf16", action="store_true", help="full bf16 grid even without native bf16")
+    ap.add_argument("--replot", action="store_true", help="re-render decode.md/png from decode.json")
+    args = ap.parse_args()
+    if args.replot:
+        payload = json.loads((RESULTS / "decode.json").read_text())
+        (RESULTS / "decode.md").write_text(report_md(payload))
+        plot(payload, RESULTS / "decode.png")
+        return
+    q = args.quick
+    contexts = sorted(args.contexts or ([512, 2048] if q else [512, 2048, 4096, 8000]))
+    batch_sizes = sorted(args.batch_sizes or ([1, 4] if q else [1, 4, 8]))
+    args.gen = args.gen or (32 if q else 64)
+    args.pressure_gen = args.pressure_gen or (16 if q else 32)
+    pc = {
+        "convs": args.pressure_convs or (3 if q else 6),
+        "turns": args.pressure_turns or (2 if q else 4),
+        "per_turn": args.pressure_per_turn or (600 if q else 940),
+        "gen": args.pressure_gen,
+    }
+    flags = cpu_flags()
+    bf16_full = flags["native_bf16"] or args.force_bf16
+    headline = "bfloat16" if flags["native_bf16"] else "float32"
+    names = args.systems or list(SYSTEMS)
+    if not bf16_full and not args.systems:
+        names = [n for n in names if n != "hf-bf16"]
+    # bf16 without native support: bs 1 at the context nearest 4K only (emulated bf16 is ~5-10x slower)
+    bf16_ctx = contexts if bf16_full else [min(contexts, key=lambda L: abs(L - 4096))]
+    bf16_bs = batch_sizes if bf16_full else sorted({batch_sizes[0], batch_sizes[-1]})
+    ends = lambda xs: sorted({xs[0], xs[-1]})  # noqa: E731
+
+    def scope(n: str) -> tuple[list[int], list[int]]:
+        """(contexts, batch sizes) system ``n`` runs."""
+        if SYSTEMS[n][1] == "bfloat16":
+            return bf16_ctx, bf16_bs
+        return (ends(contexts), ends(batch_sizes)) if n in BOOKKEEPING else (contexts, batch_sizes)
+
+    if not bf16_full:
+        print(
+            f"[decode] no native bf16 on this CPU: bf16 rows only at ctx {bf16_ctx[0]}, bs {bf16_bs} (--force-bf16: all)"
+        )
+
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    facts = model_facts(model_dir)
+    assert max(contexts) + args.gen <= facts["max_positions"], "context + generated tokens past the model's positions"
+    n_ctx = max(batch_sizes)
+    ctx_ids = {L: [synthetic_ids(tok, L, seed=1000 * L + i) for i in range(n_ctx)] for L in contexts}
+    page = 16
+    pool = n_ctx * ((max(contexts) + args.gen + 2 * page) // page * page) + 4096
+
+    want_llama = "llamacpp" in names and "grid" in args.parts
+    if want_llama:
+        from benchmarks.multiturn import LLAMACPP_VENV, install_llamacpp, llamacpp_version
+
+        if llamacpp_version() is None:
+            print("installing llama-cpp-python[server] into", LLAMACPP_VENV, "(compiles; several minutes)")
+            install_llamacpp()
+
+    env = {
+        **environment(),
+        "loadavg_start": os.getloadavg()[0],
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "cpu_flags": flags,
+    }
+    from benchmarks.multiturn import _git_state
+
+    env["git"] = _git_state()
+    t_start = time.monotonic()
+    bw = memory_bandwidth()
+
+    fid_ctx = [L for L in FID_CONTEXTS if L in contexts and (bf16_full or L in bf16_ctx)] or [bf16_ctx[-1]]
+    fid = None
+    if "fidelity" in args.parts and {"loopkv-fp32", "loopkv-bf16"} <= set(names) and "grid" in args.parts:
+        fid = {"contexts": fid_ctx, "by_context": {}, "tok": tok}
+    convs = pressure_convs(tok, pc["convs"], pc["turns"], pc["per_turn"]) if "pressure" in args.parts else []
+    mt_dtypes = ["float32", "bfloat16"]  # fidelity is a property of the dtype, measured on any CPU
+
+    # progress units: per SGLang system one per context prefill + one per cell; HF/llama.cpp one per context
+    units = 0
+    if "grid" in args.parts:
+        for n in names:
+            cs, bss = scope(n)
+            units += len(cs) * (1 + len(bss)) if SYSTEMS[n][0] == "sglang" else len(cs)
+    units += 4 * sum(len(c.turns) for c in convs)
+    if "multiturn" in args.parts:
+        units += 5 * 3 * len(mt_dtypes)  # ~turns of the quick suite (approximate)
+
+    grid, failed, pressure, mtd = {}, {}, {}, None
+    with tqdm(total=units, desc="decode") as bar:
+        if "grid" in args.parts:
+            for n in names:
+                kind, dt, fl = SYSTEMS[n]
+                cs, bss = scope(n)
+                t_sys = time.monotonic()
+                try:
+                    if kind == "sglang":
+                        f = fid if n in ("loopkv-fp32", "loopkv-bf16") else None
+                        grid[n] = run_sglang(n, dt, fl, cs, bss, ctx_ids, args, pool, bar, f)
+                    elif kind == "hf":
+                        grid[n] = run_hf(model_dir, dt, cs, ctx_ids, args, bar)
+                    else:
+                        grid[n] = run_llamacpp(cs, ctx_ids, tok, args, facts["eos_token_id"], bar)
+                    grid[n]["wall_s"] = time.monotonic() - t_sys  # start-up and untimed prefills included
+                except Exception as e:  # one broken system must not cost the others' measurements
+                    failed[n] = repr(e)
+                    print(f"[decode] {n} failed: {e!r}")
+        if convs:
+            for base, fl in (("loopkv", ()), ("stock", ("--loopkv-stock",))):
+                n = f"{base}-{SHORT[headline]}"
+                for m in ("interleaved", "concurrent"):
+                    try:
+                        t_run = time.monotonic()
+                        pressure.setdefault(n, {})[m] = run_pressure(n, headline, fl, convs, m, args, tok, bar)
+                        pressure[n][m]["run_wall_s"] = time.monotonic() - t_run  # with server start-up
+                    except Exception as e:
+                        failed[f"pressure {n} {m}"] = repr(e)
+                        print(f"[decode] pressure {n} {m} failed: {e!r}")
+        if "multiturn" in args.parts:
+            try:
+                t_mt = time.monotonic()
+                mtd = run_multiturn_dtypes(tok, mt_dtypes, bar)
+                env["multiturn_wall_s"] = time.monotonic() - t_mt
+            except Exception as e:
+                failed["multiturn"] = repr(e)
+                print(f"[decode] multiturn failed: {e!r}")
+    bw += memory_bandwidth()
+    env["loadavg_end"] = os.getloadavg()[0]
+    env["wall_s"] = time.monotonic() - t_start
+    env["git_end"] = _git_state()
+
+    bandwidth = statistics.median(bw)
+    limit = {
+        "bandwidth_bytes_s": bandwidth,
+        "bandwidth_passes_bytes_s": bw,
+        "how": "median of 10 torch.sum passes over a 1 GiB float32 tensor, 5 at the start and 5 at the end of the run, "
+        f"{torch.get_num_threads()} torch threads",
+        "weight_bytes": {dt: facts["params"] * b for dt, b in DTYPE_BYTES.items()},
+        "kv_bytes_per_token": {
+            dt: facts["layers"] * 2 * facts["kv_heads"] * facts["head_dim"] * b for dt, b in DTYPE_BYTES.items()
+        },
+        "tpot_ms": {
+            dt: {
+                f"{L}/{bs}": limit_tpot_ms(facts, dt, L, bs, args.gen, bandwidth)
+                for L in contexts
+                for bs in batch_sizes
+            }
+            for dt in DTYPE_BYTES
+        },
+    }
+    if fid:
+        fid.pop("tok")
+        for v in fid["by_context"].values():
+            v.pop("ref_ids", None)
+            v["ref_logprobs"] = {str(k): lp for k, lp in (v.get("ref_logprobs") or {}).items()}
+    max_prompt = mean_new = None
+    if pressure:
+        rows = [x for modes in pressure.values() for r in modes.values() for x in r["turns"]]
+        max_prompt = max(x["prompt_tokens"] or 0 for x in rows)
+        last = {}  # per conversation: its last turn's prompt (the whole history) / its turns
+        for x in rows:
+            last[x["conv"]] = max(last.get(x["conv"], (0, 0)), (x["prompt_tokens"] or 0, x["turn"] + 1))
+        mean_new = round(statistics.mean(p / t for p, t in last.values()))
+    payload = {
+        "config": {
+            "argv": sys.argv[1:],
+            "contexts": contexts,
+            "batch_sizes": batch_sizes,
+            "bf16_contexts": bf16_ctx,
+            "bf16_batch_sizes": bf16_bs,
+            "gen": args.gen,
+            "repeats": args.repeats,
+            "pool": pool,
+            "headline_dtype": headline,
+            "systems": {n: {"kind": SYSTEMS[n][0], "dtype": SYSTEMS[n][1], "flags": SYSTEMS[n][2]} for n in names},
+            "pressure": {**pc, "max_prompt_tokens": max_prompt, "mean_new_tokens_per_turn": mean_new}
+            if convs
+            else None,
+            "parts": args.parts,
+        },
+        "model": facts,
+        "limit": limit,
+        "grid": grid,
+        "pressure": pressure,
+        "fidelity": fid,
+        "multiturn_dtypes": mtd,
+        "failed": failed,
+        "env": env,
+    }
+    payload["summary"] = summarize(payload)
+    payload = {"summary": payload.pop("summary"), **payload}
+    md = report_md(payload)
+    json_path, _ = write_results("decode", payload, md)
+    plot(payload, RESULTS / "decode.png")
+    print(md)
+    print(json.dumps({k: v for k, v in payload["summary"].items() if not isinstance(v, dict)}, indent=1))
+    print(f"-> {json_path}")
+
+
+if __name__ == "__main__":
+    main()
