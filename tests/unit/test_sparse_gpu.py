@@ -256,19 +256,6 @@ def test_request_lists_equal_a_direct_build(seed):
     assert reqs.kv_lens.tolist() == torch.tensor(kv).diff().tolist() and bool((reqs.last_page_len == 1).all())
 
 
-EXPAND_CHECK = """
-import json, torch
-from sgl_loopkv.attention.sparse.flashinfer import build_requests
-from tests.unit.test_sparse_gpu import long_full_head_batch, random_column_batch
-plans = [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]
-print(json.dumps({"equal": [
-    torch.equal(build_requests(p, p.masks[0].num_heads, "cpu", kernel=True).kv_indices,
-                build_requests(p, p.masks[0].num_heads, "cpu", kernel=False).kv_indices)
-    for p in plans
-]}))
-"""
-
-
 def long_full_head_batch():
     """Full heads longer than a kernel program's chunk (4096 keys), next to a sparse head."""
     g = torch.Generator().manual_seed(5)
