@@ -4,9 +4,13 @@ machine; the decode slowdown under memory pressure (small pool, disk tier, resum
 conversations); the physical limit (bytes read per token / measured memory bandwidth); and bf16's
 fidelity vs float32 on SmolLM2.
 
-Grid (``--contexts`` x ``--batch-sizes``): each request has its OWN context (synthetic text, one
-seed per request). Per server, every context is prefilled once, untimed (``max_new_tokens=1``);
-then ``bs`` requests on ``bs`` distinct contexts are sent at once and stream ``--gen`` greedy
+Grid (``--contexts`` x ``--batch-sizes``): the ``bs`` requests of a batch share one synthetic
+context except its last ``SUFFIX`` tokens, each request its own (``--distinct-contexts``: every
+request a whole context of its own; on 2 cores stock SGLang prefills 8K tokens at ~40 tokens/s, so
+eight distinct 8K contexts alone take half an hour per system). The shared part sits once in the
+pool and every request's decode still reads all of its L keys and values, so a batch reads the
+same bytes from one place: both systems get that same help from the CPU caches. Per server,
+every context is prefilled once, untimed (``max_new_tokens=1``); then ``bs`` requests are sent at once and stream ``--gen`` greedy
 tokens (``ignore_eos``): their prefix is in the radix cache, so what is timed is decode. Per-token
 latency = inter-arrival time of streamed chunks (first chunk excluded; a chunk of k tokens counts
 as k intervals of gap/k), taken only while every request of the batch is decoding; median and p90
@@ -109,6 +113,7 @@ FID_GEN = 128
 PRESSURE_POOL = 4096
 PRESSURE_HOST_BYTES = 100_000_000
 AFTER_PROMPT = 650
+SUFFIX = 64  # the requests of a batch differ in their last SUFFIX context tokens (unless --distinct-contexts)
 
 
 # --- small helpers (tested in tests/unit/test_decode_bench.py) ------------------------------------------
@@ -808,6 +813,9 @@ def main() -> None:
         help="target new tokens per turn (default 940: ~880 measured, histories up to ~3.5K)",
     )
     ap.add_argument("--pressure-gen", type=int, help="tokens per answer (default 32)")
+    ap.add_argument(
+        "--distinct-contexts", action="store_true", help="every request of a batch its own whole context (slow prefill)"
+    )
     ap.add_argument("--force-bf16", action="store_true", help="full bf16 grid even without native bf16")
     ap.add_argument("--replot", action="store_true", help="re-render decode.md/png from decode.json")
     args = ap.parse_args()
@@ -857,7 +865,15 @@ def main() -> None:
     facts = model_facts(model_dir)
     assert max(contexts) + args.gen <= facts["max_positions"], "context + generated tokens past the model's positions"
     n_ctx = max(batch_sizes)
-    ctx_ids = {L: [synthetic_ids(tok, L, seed=1000 * L + i) for i in range(n_ctx)] for L in contexts}
+    if args.distinct_contexts:
+        ctx_ids = {L: [synthetic_ids(tok, L, seed=1000 * L + i) for i in range(n_ctx)] for L in contexts}
+    else:  # one context per length, each request its own last SUFFIX tokens (see the module docstring)
+        ctx_ids = {
+            L: [synthetic_ids(tok, L, seed=1000 * L)]
+            + [synthetic_ids(tok, L, seed=1000 * L)[: L - SUFFIX] + synthetic_ids(tok, SUFFIX, seed=1000 * L + i)
+               for i in range(1, n_ctx)]
+            for L in contexts
+        }  # fmt: skip
     page = 16
     pool = n_ctx * ((max(contexts) + args.gen + 2 * page) // page * page) + 4096
 
