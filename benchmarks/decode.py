@@ -43,9 +43,10 @@ prefill and larger batches (compute-bound) are several times slower. The headlin
 float32 and the bf16 rows shrink to bs 1 at one context (4K) unless ``--force-bf16``; the prefill
 table shows what bf16 costs there.
 
-    python -m benchmarks.decode                    # full run (~40 min on 2 cores)
+    python -m benchmarks.decode                    # full run (~65 min on 2 cores with native bf16)
     python -m benchmarks.decode --quick            # contexts 512/2048, bs 1/4, fewer tokens
     python -m benchmarks.decode --quick --systems loopkv-fp32 --parts grid
+    python -m benchmarks.decode --add-multiturn    # only the multi-turn scores, into the existing decode.json
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ import requests
 import torch
 from tqdm import tqdm
 
+from benchmarks import common
 from benchmarks import conversations as conv
 from benchmarks.common import RESULTS, environment, md_table, synthetic_ids, teacher_forced_top1, write_results
 from sgl_loopkv import platform
@@ -516,7 +518,9 @@ def run_multiturn_dtypes(tok, dtypes: list[str], bar) -> dict:
         ]
     pool = (max(max(h) for h in hist.values()) + 64 + 15) // 16 * 16 + 256
     total = sum(hist[c.id][-1] + count(c.turns[-1].gold_reply) for c in convs)
-    host_bytes = int(0.25 * total * mt.KV_BYTES_PER_TOKEN_FP32)
+    # a quarter of the fp32 histories in RAM, the same bytes for both dtypes (as benchmarks.multiturn sizes it)
+    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    host_bytes = int(0.25 * total * common.model_facts(model_dir).kv_bytes_per_token(4))
     out = {}
     for dt in dtypes:
         s = mt.System(f"decode_dense_{SHORT[dt]}", ("--dtype", dt), f"dense sgl-loopkv, {dt}")
@@ -616,6 +620,12 @@ def fmt_ms(v) -> str:
     return "-" if v is None else f"{v:.0f}" if v >= 100 else f"{v:.1f}"
 
 
+def contexts_how(cfg: dict) -> str:
+    if "--distinct-contexts" in cfg["argv"]:
+        return "each request its own context"
+    return f"the requests of a batch share their context except its last {SUFFIX} tokens"
+
+
 def report_md(p: dict) -> str:
     cfg, env, sm, res, lim = p["config"], p["env"], p["summary"], p["grid"], p["limit"]
     hd = cfg["headline_dtype"]
@@ -624,8 +634,8 @@ def report_md(p: dict) -> str:
         f"{' (dirty)' if env['git']['dirty_files'] else ''}; {env['cores']} cores, torch {env['torch']}, CPU flags "
         f"{', '.join(k for k, v in env['cpu_flags'].items() if v) or 'none'}; load avg {env['loadavg_start']:.1f} -> "
         f"{env['loadavg_end']:.1f}; {env['wall_s'] / 60:.1f} min wall)\n\n"
-        f"SmolLM2-135M-Instruct, greedy, {cfg['gen']} generated tokens per request (ignore_eos), each request its own "
-        f"context, prefix prefilled untimed; per-token latency = streamed inter-arrival time (first token excluded), "
+        f"SmolLM2-135M-Instruct, greedy, {cfg['gen']} generated tokens per request (ignore_eos), "
+        f"{contexts_how(cfg)}, prefix prefilled untimed; per-token latency = streamed inter-arrival time (first token excluded), "
         f"median (p90) in ms over {cfg['repeats']} batch(es). Every SGLang server: `--max-total-tokens {cfg['pool']}`. "
         f"Headline dtype: **{hd}** (native bf16 on this CPU: {sm['native_bf16']}). Limit = (weights + attended KV) / "
         f"{sm['bandwidth_gb_s']:.1f} GB/s ({lim['how']}).\n\n"
@@ -743,7 +753,13 @@ def report_md(p: dict) -> str:
         if sm["bf16_multiturn_score_ratio"]:
             rows.append(["bf16 / fp32", *(sm["bf16_multiturn_score_ratio"][k] or "-" for k in keys)])
         md += (
-            "Multi-turn benchmark score per question position (quick suite, dense sgl-loopkv):\n\n"
+            "Multi-turn benchmark score per question position (quick suite, dense sgl-loopkv"
+            + (
+                f"; a later run, {mr['when']}, git {mr['git']['commit'][:10]}"
+                if (mr := env.get("multiturn_run"))
+                else ""
+            )
+            + "):\n\n"
             + md_table(["dtype", *(f"q@{k}" if k != "all" else "all" for k in keys)], rows)
             + "\n"
         )
@@ -787,11 +803,26 @@ def plot(p: dict, path: Path) -> None:
                 )
         ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="TPOT ms (median)")
         ax.set_xticks(cfg["contexts"], [str(L) for L in cfg["contexts"]])
+        ax.set_xticks([], minor=True)  # the log axis' own minor labels overprint the contexts
         ax.set_title("bs 1" if sizes == [1] else "concurrent requests: " + ", ".join(f"bs {b}" for b in sizes))
         ax.legend(fontsize=7)
     fig.suptitle("Decode TPOT vs context (SmolLM2-135M, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def add_multiturn(payload: dict) -> None:
+    """Run the bf16-vs-fp32 multi-turn scores into an existing payload (a later run: its own env record)."""
+    from transformers import AutoTokenizer
+
+    from benchmarks.multiturn import _git_state
+
+    tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
+    t0, env = time.monotonic(), {**environment(), "git": _git_state(), "argv": sys.argv[1:]}
+    with tqdm(total=5 * 3 * 2, desc="decode multiturn") as bar:
+        payload["multiturn_dtypes"] = run_multiturn_dtypes(tok, ["float32", "bfloat16"], bar)
+    payload["env"]["multiturn_run"] = {**env, "wall_s": time.monotonic() - t0}
+    payload["summary"] = summarize(payload)
 
 
 # --- main -------------------------------------------------------------------------------------------
@@ -818,10 +849,17 @@ def main() -> None:
     )
     ap.add_argument("--force-bf16", action="store_true", help="full bf16 grid even without native bf16")
     ap.add_argument("--replot", action="store_true", help="re-render decode.md/png from decode.json")
+    ap.add_argument(
+        "--add-multiturn",
+        action="store_true",
+        help="run only the multi-turn part and add it to the existing decode.json (its run recorded beside the grid's)",
+    )
     args = ap.parse_args()
-    if args.replot:
+    if args.replot or args.add_multiturn:
         payload = json.loads((RESULTS / "decode.json").read_text())
-        (RESULTS / "decode.md").write_text(report_md(payload))
+        if args.add_multiturn:
+            add_multiturn(payload)
+        write_results("decode", payload, report_md(payload))
         plot(payload, RESULTS / "decode.png")
         return
     q = args.quick
