@@ -10,9 +10,9 @@ request a whole context of its own; on 2 cores stock SGLang prefills 8K tokens a
 eight distinct 8K contexts alone take half an hour per system). The shared part sits once in the
 pool and every request's decode still reads all of its L keys and values, so a batch reads the
 same bytes from one place: both systems get that same help from the CPU caches. Per server,
-every context is prefilled once, untimed (``max_new_tokens=1``); then ``bs`` requests are sent at once and stream ``--gen`` greedy
-tokens (``ignore_eos``): their prefix is in the radix cache, so what is timed is decode. Per-token
-latency = inter-arrival time of streamed chunks (first chunk excluded; a chunk of k tokens counts
+every context is prefilled once, untimed (``max_new_tokens=1``); then ``bs`` requests are sent at
+once and stream ``--gen`` greedy tokens (``ignore_eos``): their prefix is in the radix cache, so
+what is timed is decode. Per-token latency = inter-arrival time of streamed chunks (first chunk excluded; a chunk of k tokens counts
 as k intervals of gap/k), taken only while every request of the batch is decoding; median and p90
 over all tokens of ``--repeats`` batches; aggregate tokens/s over the same window. Every SGLang
 server gets the same ``--max-total-tokens`` (all contexts of the largest batch at once + margin),
@@ -115,6 +115,8 @@ FID_GEN = 128
 PRESSURE_POOL = 4096
 PRESSURE_HOST_BYTES = 100_000_000
 AFTER_PROMPT = 650
+MT_DTYPES = ["float32", "bfloat16"]  # fidelity is a property of the dtype, measured on any CPU
+MT_UNITS = 5 * 3 * len(MT_DTYPES)  # progress units: ~turns of the quick multi-turn suite per dtype (approximate)
 SUFFIX = 64  # the requests of a batch differ in their last SUFFIX context tokens (unless --distinct-contexts)
 
 
@@ -819,8 +821,8 @@ def add_multiturn(payload: dict) -> None:
 
     tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
     t0, env = time.monotonic(), {**environment(), "git": _git_state(), "argv": sys.argv[1:]}
-    with tqdm(total=5 * 3 * 2, desc="decode multiturn") as bar:
-        payload["multiturn_dtypes"] = run_multiturn_dtypes(tok, ["float32", "bfloat16"], bar)
+    with tqdm(total=MT_UNITS, desc="decode multiturn") as bar:
+        payload["multiturn_dtypes"] = run_multiturn_dtypes(tok, MT_DTYPES, bar)
     payload["env"]["multiturn_run"] = {**env, "wall_s": time.monotonic() - t0}
     payload["summary"] = summarize(payload)
 
@@ -941,7 +943,6 @@ def main() -> None:
     if "fidelity" in args.parts and {"loopkv-fp32", "loopkv-bf16"} <= set(names) and "grid" in args.parts:
         fid = {"contexts": fid_ctx, "by_context": {}, "tok": tok}
     convs = pressure_convs(tok, pc["convs"], pc["turns"], pc["per_turn"]) if "pressure" in args.parts else []
-    mt_dtypes = ["float32", "bfloat16"]  # fidelity is a property of the dtype, measured on any CPU
 
     # progress units: per SGLang system one per context prefill + one per cell; HF/llama.cpp one per context
     units = 0
@@ -951,7 +952,7 @@ def main() -> None:
             units += len(cs) * (1 + len(bss)) if SYSTEMS[n][0] == "sglang" else len(cs)
     units += 4 * sum(len(c.turns) for c in convs)
     if "multiturn" in args.parts:
-        units += 5 * 3 * len(mt_dtypes)  # ~turns of the quick suite (approximate)
+        units += MT_UNITS
 
     grid, failed, pressure, mtd = {}, {}, {}, None
     with tqdm(total=units, desc="decode") as bar:
@@ -986,7 +987,7 @@ def main() -> None:
         if "multiturn" in args.parts:
             try:
                 t_mt = time.monotonic()
-                mtd = run_multiturn_dtypes(tok, mt_dtypes, bar)
+                mtd = run_multiturn_dtypes(tok, MT_DTYPES, bar)
                 env["multiturn_wall_s"] = time.monotonic() - t_mt
             except Exception as e:
                 failed["multiturn"] = repr(e)
