@@ -39,9 +39,9 @@ multi-turn benchmark's score per question position (quick suite, dense sgl-loopk
 
 On a CPU without native bf16 (no ``avx512_bf16`` / ``amx_bf16`` flag) torch's bf16 matmuls convert
 to fp32 on the fly: a one-row decode step (memory-bound) still gains from half the bytes, but
-prefill and larger batches (compute-bound) are several times slower. The headline dtype is then
-float32 and the bf16 rows shrink to bs 1 at one context (4K) unless ``--force-bf16``; the prefill
-table shows what bf16 costs there.
+prefill and larger batches (compute-bound) are several times slower. Then the bf16 rows shrink to bs 1 at one context (4K) unless ``--force-bf16``; the prefill
+table shows what bf16 costs there. The headline dtype (pressure scenario, the summary's TPOT
+ratio) is the launcher's default, float32 (bf16 is opt-in: ``platform.default_cpu_dtype``).
 
     python -m benchmarks.decode                    # full run (~65 min on 2 cores with native bf16)
     python -m benchmarks.decode --quick            # contexts 512/2048, bs 1/4, fewer tokens
@@ -554,6 +554,7 @@ def summarize(p: dict) -> dict:
                 if a and b:
                     ratios[f"{SHORT[dt]}/{L}/{bs}"] = a / b
     fp32_4k, bf16_4k = tpot(res, "loopkv-fp32", 4096, 1), tpot(res, "loopkv-bf16", 4096, 1)
+    default = [v for k, v in ratios.items() if k.startswith(SHORT[hd] + "/")]
 
     def step_cost(num: str, den: str) -> dict:  # TPOT num / den per cell both ran (> 1: num is slower)
         out = {}
@@ -593,7 +594,9 @@ def summarize(p: dict) -> dict:
     return {
         "headline_dtype": hd,
         "native_bf16": p["env"]["cpu_flags"]["native_bf16"],
-        "tpot_ratio_stock_over_loopkv_min": min(ratios.values()) if ratios else None,
+        # the acceptance figure: the launcher's default dtype; the other dtype's cells are in the dict
+        "tpot_ratio_stock_over_loopkv_min": min(default) if default else None,
+        "tpot_ratio_stock_over_loopkv_min_all_dtypes": min(ratios.values()) if ratios else None,
         "tpot_ratio_stock_over_loopkv": ratios,
         "pressure_turns_per_min_ratio": pratio("concurrent", "turns_per_min"),
         "pressure_turns_per_min_ratio_interleaved": pratio("interleaved", "turns_per_min"),
@@ -639,7 +642,7 @@ def report_md(p: dict) -> str:
         f"SmolLM2-135M-Instruct, greedy, {cfg['gen']} generated tokens per request (ignore_eos), "
         f"{contexts_how(cfg)}, prefix prefilled untimed; per-token latency = streamed inter-arrival time (first token excluded), "
         f"median (p90) in ms over {cfg['repeats']} batch(es). Every SGLang server: `--max-total-tokens {cfg['pool']}`. "
-        f"Headline dtype: **{hd}** (native bf16 on this CPU: {sm['native_bf16']}). Limit = (weights + attended KV) / "
+        f"Headline dtype: **{hd}**, the launcher's default (native bf16 on this CPU: {sm['native_bf16']}; bf16 is opt-in). Limit = (weights + attended KV) / "
         f"{sm['bandwidth_gb_s']:.1f} GB/s ({lim['how']}).\n\n"
     )
     names = [n for n in SYSTEMS if n in res]
@@ -679,7 +682,8 @@ def report_md(p: dict) -> str:
         md += (
             "TPOT stock / loopkv (same dtype; > 1: sgl-loopkv faster): "
             + ", ".join(f"{k} {v:.2f}" for k, v in sm["tpot_ratio_stock_over_loopkv"].items())
-            + f"; min **{sm['tpot_ratio_stock_over_loopkv_min']:.2f}**.\n\n"
+            + f"; min in the default dtype ({hd}) **{_f(sm['tpot_ratio_stock_over_loopkv_min'])}**, over both dtypes "
+            f"{_f(sm.get('tpot_ratio_stock_over_loopkv_min_all_dtypes'))}.\n\n"
         )
     for key, what_ in (("tiered_cache_tpot_ratio", "tiered cache (loopkv-fp32 / loopkv-fp32-radix)"),
                        ("krul_estimator_tpot_ratio", "Krul's estimator (loopkv-fp32-krul / loopkv-fp32)")):  # fmt: skip
@@ -877,7 +881,7 @@ def main() -> None:
     }
     flags = cpu_flags()
     bf16_full = flags["native_bf16"] or args.force_bf16
-    headline = "bfloat16" if flags["native_bf16"] else "float32"
+    headline = platform.default_cpu_dtype()  # the launcher's default: what a user gets
     names = args.systems or list(SYSTEMS)
     if not bf16_full and not args.systems:
         names = [n for n in names if n != "hf-bf16"]

@@ -4,10 +4,10 @@ Every ``sglang.launch_server`` flag passes through unchanged. sgl-loopkv adds it
 flags, the embedded default model when no ``--model-path`` is given, and device defaults that a
 flag on the command line always overrides:
 
-- CPU (no GPU visible): SGLang's CPU engine, the ``loopkv`` attention backend, bfloat16 where the
-  CPU computes it natively (AVX512-BF16 / AMX) and float32 elsewhere, no overlap
-  schedule / CUDA graphs, ``--sleep-on-idle`` (else the idle scheduler busy-polls a core), a
-  32K-token KV pool.
+- CPU (no GPU visible): SGLang's CPU engine, the ``loopkv`` attention backend, float32
+  (``--dtype bfloat16`` is opt-in, see ``platform.default_cpu_dtype``), no overlap schedule /
+  CUDA graphs, ``--sleep-on-idle`` (else the idle scheduler busy-polls a core), a 32K-token KV
+  pool.
 - GPU: SGLang's own defaults (the loopkv GPU attention path is not built yet).
 """
 
@@ -37,7 +37,7 @@ STOCK_CPU_DEFAULTS["--attention-backend"] = "torch_native"
 
 
 def cpu_defaults(stock: bool) -> dict[str, str | None]:
-    """The CPU defaults with the dtype this CPU runs fastest (decided from its feature flags)."""
+    """The CPU defaults; stock mode gets the same dtype as sgl-loopkv."""
     return {**(STOCK_CPU_DEFAULTS if stock else CPU_DEFAULTS), "--dtype": default_cpu_dtype()}
 
 

@@ -57,21 +57,23 @@ def test_stock_mode_uses_none_of_the_loopkv_components():
     assert "--radix-cache-backend" not in out and "--page-size" not in out
 
 
-def test_cpu_dtype_follows_native_bf16_support(monkeypatch):
-    """bf16 only where the CPU computes it natively (AVX512-BF16 / AMX); stock gets the same dtype;
-    an explicit --dtype still wins."""
+def test_cpu_dtype_is_float32_and_bf16_opt_in(monkeypatch):
+    """float32 on every CPU, native bf16 or not (bf16 missed its bars, see platform.default_cpu_dtype);
+    stock gets the same dtype; an explicit --dtype wins. The native-bf16 detection still reads the
+    CPU flags (benchmarks use it to decide whether to run the full bf16 grid)."""
     from sgl_loopkv import platform
     from sgl_loopkv.server import launch
 
     assert platform.cpu_has_native_bf16({"avx2", "avx512f", "avx512_bf16"})
     assert platform.cpu_has_native_bf16({"amx_bf16", "amx_tile"})
     assert not platform.cpu_has_native_bf16({"avx2", "avx512f", "fma"})
-    for flags, dtype in (({"avx512_bf16"}, "bfloat16"), ({"avx2"}, "float32")):
+    for flags in ({"avx512_bf16"}, {"avx2"}):
         monkeypatch.setattr(platform, "cpu_flags", lambda f=flags: f)
         for stock in (False, True):
             argv = with_defaults([], launch.cpu_defaults(stock))
-            assert argv[argv.index("--dtype") + 1] == dtype
-        assert "--dtype=float16" in with_defaults(["--dtype=float16"], launch.cpu_defaults(False))
+            assert argv[argv.index("--dtype") + 1] == "float32"
+        argv = with_defaults(["--dtype", "bfloat16"], launch.cpu_defaults(False))
+        assert argv.count("--dtype") == 1 and argv[argv.index("--dtype") + 1] == "bfloat16"
 
 
 def test_gpu_defaults_keep_sglangs_own_components():
