@@ -665,16 +665,29 @@ def report_md(p: dict) -> str:
             )
         md += f"Batch size {bs} ({bs} concurrent requests): TPOT ms, median (p90); aggregate tokens/s per context\n\n"
         md += md_table(["system", *(f"ctx {L}" for L in cfg["contexts"]), "tok/s"], rows) + "\n"
+
+    def fills(v: list[float] | None) -> str:  # first fill = the whole context; the others extend its cached prefix
+        if not v:
+            return "-"
+        rest = f" ({fmt_ms(1000 * statistics.median(v[1:]))})" if len(v) > 1 else ""
+        return fmt_ms(1000 * v[0]) + rest
+
     pre = [
-        [n, *(fmt_ms(1000 * statistics.median(v)) if (v := res[n].get("prefill_s", {}).get(str(L))) else "-"
-              for L in cfg["contexts"])]
+        [n, *(fills(res[n]["prefill_s"].get(str(L))) for L in cfg["contexts"])]
         for n in names
         if res[n].get("prefill_s")
-    ]  # fmt: skip
+    ]
     if pre:
+        shared = "--distinct-contexts" not in cfg["argv"]
         md += (
-            "Prefill of one whole context (the untimed fills before the decode cells; ms, median over the requests): "
-            "what a dtype or backend costs a resume that recomputes\n\n"
+            "Prefill, the untimed fills before the decode cells (ms): the first request's whole context, one sample"
+            + (
+                f"; in parentheses the median of the other requests, which find all but their last {SUFFIX} tokens "
+                "cached (an extend onto a cached history: what a returning turn costs)"
+                if shared
+                else "; in parentheses the median of the other requests' whole contexts"
+            )
+            + "\n\n"
             + md_table(["system", *(f"ctx {L}" for L in cfg["contexts"])], pre)
             + "\n"
         )
