@@ -583,6 +583,17 @@ def summarize(p: dict) -> dict:
     if "float32" in mtd and "bfloat16" in mtd:
         f, b = mtd["float32"]["score"], mtd["bfloat16"]["score"]
         mt_ratio = {k: (b[k] / f[k] if f[k] else None) for k in f}
+    # interleaved turns run one at a time, so a turn's wall = TTFT + decode adds up: what loopkv's
+    # turns per minute would be with its own TTFTs (resume + new tokens) and stock's decode times
+    if_decode_equal = None
+    try:
+        lt = {(x["conv"], x["turn"]): x for x in pr[lk]["interleaved"]["turns"]}
+        stt = pr[st]["interleaved"]["turns"]
+        walls = sum(x["end"] - x["t0"] for x in stt)
+        hyp = sum(lt[(x["conv"], x["turn"])]["ttft_s"] + (x["end"] - x["t0"] - x["ttft_s"]) for x in stt)
+        if_decode_equal = walls / hyp
+    except (KeyError, TypeError, ZeroDivisionError):
+        pass
     identical = {}
     for mode in ("interleaved", "concurrent"):
         try:
@@ -600,6 +611,10 @@ def summarize(p: dict) -> dict:
         "tpot_ratio_stock_over_loopkv": ratios,
         "pressure_turns_per_min_ratio": pratio("concurrent", "turns_per_min"),
         "pressure_turns_per_min_ratio_interleaved": pratio("interleaved", "turns_per_min"),
+        "pressure_interleaved_ratio_if_decode_equal": if_decode_equal,
+        "pressure_ttft_ratio_stock_over_loopkv": {
+            m: pratio(m, "ttft_s_median", inverse=True) for m in ("interleaved", "concurrent")
+        },
         "pressure_tpot_ratio_stock_over_loopkv": {
             m: pratio(m, "tpot_ms_median", inverse=True) for m in ("interleaved", "concurrent")
         },
@@ -738,6 +753,10 @@ def report_md(p: dict) -> str:
             + f"\nturns/min loopkv / stock: concurrent {_f(sm['pressure_turns_per_min_ratio'])}, interleaved "
             f"{_f(sm['pressure_turns_per_min_ratio_interleaved'])}; TPOT stock / loopkv: "
             + ", ".join(f"{m} {_f(v)}" for m, v in sm["pressure_tpot_ratio_stock_over_loopkv"].items())
+            + "; TTFT stock / loopkv: "
+            + ", ".join(f"{m} {_f(v)}" for m, v in sm["pressure_ttft_ratio_stock_over_loopkv"].items())
+            + "; interleaved turns/min ratio with stock's decode times (loopkv's TTFTs kept): "
+            + _f(sm["pressure_interleaved_ratio_if_decode_equal"])
             + "; answers identical to stock: "
             + ", ".join(f"{m} {v:.2f}" for m, v in sm["pressure_answers_identical_fraction"].items())
             + ".\n\n"
@@ -878,6 +897,7 @@ def main() -> None:
         payload = json.loads((RESULTS / "decode.json").read_text())
         if args.add_multiturn:
             add_multiturn(payload)
+        payload["summary"] = summarize(payload)  # the summary follows the code that reads the runs
         write_results("decode", payload, report_md(payload))
         plot(payload, RESULTS / "decode.png")
         return
