@@ -257,6 +257,11 @@ class LoopKVRadixCache(RadixCache):
             return
         if ref is not None:
             self._seg_nodes[ref[0]].discard(node)
+        # Its stored children (if its own segment was lost while it was on the device) would be
+        # orphaned below a deleted node, and losing their segments later would put that deleted
+        # node, whose slots are already freed, back among the evictable leaves: drop them now.
+        for child in list(node.children.values()):
+            self._drop_subtree(child)
         super()._delete_leaf(node)
 
     def insert(self, params: InsertParams) -> InsertResult:
