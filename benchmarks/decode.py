@@ -650,7 +650,7 @@ def report_md(p: dict) -> str:
     cfg, env, sm, res, lim = p["config"], p["env"], p["summary"], p["grid"], p["limit"]
     hd = cfg["headline_dtype"]
     head = (
-        f"# decode ({env['when']}; `python -m benchmarks.decode {' '.join(cfg['argv'])}`; git {env['git']['commit'][:10]}"
+        f"# {cfg.get('name', 'decode')} ({env['when']}; `python -m benchmarks.decode {' '.join(cfg['argv'])}`; git {env['git']['commit'][:10]}"
         f"{' (dirty)' if env['git']['dirty_files'] else ''}; {env['cores']} cores, torch {env['torch']}, CPU flags "
         f"{', '.join(k for k, v in env['cpu_flags'].items() if v) or 'none'}; load avg {env['loadavg_start']:.1f} -> "
         f"{env['loadavg_end']:.1f}; {env['wall_s'] / 60:.1f} min wall)\n\n"
@@ -803,7 +803,8 @@ def report_md(p: dict) -> str:
         )
     md += "".join(f"- `{n}`: {what(n)}, {SYSTEMS[n][1]}\n" for n in names)
     md += "".join(f"- `{n}` failed: {e}\n" for n, e in p.get("failed", {}).items())
-    return md + "\n![decode](decode.png)\n"
+    name = cfg.get("name", "decode")
+    return md + f"\n![{name}]({name}.png)\n"
 
 
 def _f(v) -> str:
@@ -886,7 +887,12 @@ def main() -> None:
         "--distinct-contexts", action="store_true", help="every request of a batch its own whole context (slow prefill)"
     )
     ap.add_argument("--force-bf16", action="store_true", help="full bf16 grid even without native bf16")
-    ap.add_argument("--replot", action="store_true", help="re-render decode.md/png from decode.json")
+    ap.add_argument(
+        "--name",
+        default="decode",
+        help="results stem under benchmarks/results/ (a partial run, e.g. --systems/--parts, goes beside decode.json)",
+    )
+    ap.add_argument("--replot", action="store_true", help="re-render <name>.md/png from <name>.json")
     ap.add_argument(
         "--add-multiturn",
         action="store_true",
@@ -894,12 +900,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     if args.replot or args.add_multiturn:
-        payload = json.loads((RESULTS / "decode.json").read_text())
+        payload = json.loads((RESULTS / f"{args.name}.json").read_text())
         if args.add_multiturn:
             add_multiturn(payload)
         payload["summary"] = summarize(payload)  # the summary follows the code that reads the runs
-        write_results("decode", payload, report_md(payload))
-        plot(payload, RESULTS / "decode.png")
+        write_results(args.name, payload, report_md(payload))
+        plot(payload, RESULTS / f"{args.name}.png")
         return
     q = args.quick
     contexts = sorted(args.contexts or ([512, 2048] if q else [512, 2048, 4096, 8000]))
@@ -1082,6 +1088,7 @@ def main() -> None:
             if convs
             else None,
             "parts": args.parts,
+            "name": args.name,
         },
         "model": facts,
         "limit": limit,
@@ -1095,8 +1102,8 @@ def main() -> None:
     payload["summary"] = summarize(payload)
     payload = {"summary": payload.pop("summary"), **payload}
     md = report_md(payload)
-    json_path, _ = write_results("decode", payload, md)
-    plot(payload, RESULTS / "decode.png")
+    json_path, _ = write_results(args.name, payload, md)
+    plot(payload, RESULTS / f"{args.name}.png")
     print(md)
     print(json.dumps({k: v for k, v in payload["summary"].items() if not isinstance(v, dict)}, indent=1))
     print(f"-> {json_path}")

@@ -271,6 +271,17 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
   }
 }
 
+// Whether at::parallel_for spreads work over torch's threads here (it is serial when the extension
+// is built without OpenMP: a decode step's attention then ran on one of the two cores).
+bool intra_op_parallel() {
+#ifdef INTRA_OP_PARALLEL
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over SGLang's KV pool (CPU)");
+  m.def("intra_op_parallel", &intra_op_parallel, "at::parallel_for runs on torch's intra-op threads");
 }

@@ -68,7 +68,11 @@ def load(verbose: bool = False):
             _module = load_extension(
                 name="loopkv_paged_decode",
                 sources=[str(SOURCE)],
-                extra_cflags=["-O3", "-march=native", "-fopenmp-simd"],
+                # -fopenmp: at::parallel_for is a header template that runs serially unless the
+                # extension itself is compiled with OpenMP. The link resolves to the libgomp.so.1
+                # torch already loaded (same soname): one thread pool, torch's.
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
                 build_directory=str(out),
                 verbose=verbose,
             )

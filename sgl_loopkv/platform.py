@@ -97,3 +97,28 @@ def activate_cpu_standin() -> bool:
         os.environ["PYTHONPATH"] = os.pathsep.join([*parts, standin])
     logger.info("sgl_kernel not installed: using sgl-loopkv's CPU stand-in (%s)", standin)
     return True
+
+
+def keep_torch_on_this_thread() -> bool:
+    """Make the calling helper thread run its torch ops on itself, without an OpenMP team.
+
+    Call it first thing in any long-lived thread that runs torch ops beside the forward (the
+    loader, the disk writer). With libgomp, the first parallel op on a thread outside the main team
+    gives that thread a team of its own, whose workers live as long as the process. Once libgomp
+    manages more threads than there are CPUs it stops spinning between parallel regions, so every
+    op of the forward has to wake its worker through the kernel: on 2 cores that made decode after
+    the first resume or disk write about 20% slower than stock SGLang, and it stayed so.
+    ``torch.set_num_threads(1)`` would also lower the default of every thread started later (it is
+    process-wide), so only this thread's OpenMP setting is changed. False where the OpenMP runtime
+    is not libgomp (torch's threads are then left alone)."""
+    import ctypes
+
+    import torch
+
+    torch.get_num_threads()  # torch's per-thread lazy init first: it would overwrite the setting below
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")  # the copy torch loaded (same soname): its runtime
+    except OSError:
+        return False
+    gomp.omp_set_num_threads(1)
+    return torch.get_num_threads() == 1

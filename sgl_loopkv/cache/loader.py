@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_loopkv.platform import keep_torch_on_this_thread
+
 logger = logging.getLogger(__name__)
 
 
@@ -114,6 +116,7 @@ class LayerwiseLoader:
                 self._cond.notify_all()
 
     def _run(self) -> None:
+        keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
         while True:
             parts = self._queue.get()
             if parts is None:

@@ -24,6 +24,7 @@ from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.value import ValuePolicy
+from sgl_loopkv.platform import keep_torch_on_this_thread
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,7 @@ class TieredKVStore:
             self.stats.disk_bytes = self.disk.used_bytes
 
     def _write_loop(self) -> None:
+        keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
         while True:
             seg_id = self._queue.get()
             if seg_id is None:

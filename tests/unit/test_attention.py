@@ -39,6 +39,26 @@ def test_dense_attention_matches_reference(n, L, hq, hkv):
     )
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["lse-merge", "masked-sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_over_cached_prefix_both_paths(fused, dtype, monkeypatch):
+    """An extend over a cached prefix merges an unmasked prefix part and a causal part by their
+    log-sum-exp when torch has the flash op, else one masked SDPA call: both equal the reference."""
+    from sgl_loopkv.attention import executor
+
+    if not fused:
+        monkeypatch.setattr(executor, "_FLASH_LSE", None)
+    elif executor._FLASH_LSE is None:
+        pytest.skip("this torch has no CPU flash op with log-sum-exp")
+    g = torch.Generator().manual_seed(7)
+    n, L = 48, 200
+    q = torch.randn(n, 9, 32, generator=g).to(dtype)
+    k, v = torch.randn(L, 3, 32, generator=g).to(dtype), torch.randn(L, 3, 32, generator=g).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    ref = reference_attention(q.float(), k.float(), v.float(), 0.2)
+    torch.testing.assert_close(dense_attention(q, k, v, 0.2).float(), ref, atol=tol, rtol=tol)
+
+
 def _random_batch(seed, seq_lens, q_lens, pool=1024, hq=6, hkv=2, d=8):
     """A pool with randomly placed slots per request, as SGLang's allocator leaves them."""
     g = torch.Generator().manual_seed(seed)

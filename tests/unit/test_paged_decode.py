@@ -58,6 +58,15 @@ def test_kernel_builds_where_a_compiler_exists():
     assert paged_decode.load() is not None
 
 
+def test_kernel_spreads_work_over_torchs_threads_with_torchs_openmp(native):
+    """Built without OpenMP, at::parallel_for (a header template) ran the kernel on one core; built
+    with it, the extension must use the OpenMP runtime torch loaded, not a second thread pool."""
+    assert native.intra_op_parallel()
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) <= 1, runtimes
+
+
 @pytest.mark.parametrize("lens", [[1], [37], [300, 5, 1024], [4000, 16, 700, 1]])
 @pytest.mark.parametrize("hq,hkv", [(9, 3), (4, 4), (8, 1)])
 def test_native_kernel_equals_reference(native, lens, hq, hkv):

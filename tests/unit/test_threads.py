@@ -1,0 +1,88 @@
+"""Helper threads (the loader, the disk writer) run their torch ops without an OpenMP team of their
+own: libgomp stops spinning between parallel regions once it manages more threads than there are
+CPUs, which made every later decode step slower (issue 13's slowdown after resumes and disk writes)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, tempfile, threading, torch
+    from pathlib import Path
+    from sgl_loopkv.platform import keep_torch_on_this_thread
+
+    def tasks():
+        return len(os.listdir("/proc/self/task"))
+
+    def work():
+        x = torch.randn(2_000_000)
+        (x * 2).sum()
+        torch.zeros(60_000, 3, 64).index_copy_(0, torch.arange(50_000), torch.randn(50_000, 3, 64))
+
+    def in_thread(fn):
+        t = threading.Thread(target=fn)
+        t.start()
+        t.join()
+
+    work()  # the main thread's team (torch's intra-op threads)
+    out = {"threads": torch.get_num_threads()}
+    n = tasks()
+    in_thread(lambda: (keep_torch_on_this_thread(), work()))
+    out["kept"] = tasks() - n
+    n = tasks()
+    in_thread(work)
+    out["plain"] = tasks() - n
+    out["later_thread_default"] = []
+    in_thread(lambda: out["later_thread_default"].append(torch.get_num_threads()))
+
+    from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
+    bufs = [torch.zeros(60_000, 3, 64) for _ in range(4)]
+    loader = LayerwiseLoader(bufs, [b.clone() for b in bufs])
+    n = tasks()
+    loader.submit([LoadPart(torch.randn(4, 2, 50_000, 3, 64), torch.arange(50_000))])
+    loader.wait_all()
+    out["loader"] = tasks() - n
+
+    from sgl_loopkv.cache.disk import SegmentRecord
+    from sgl_loopkv.cache.layout import KVGeometry
+    from sgl_loopkv.cache.store import TieredKVStore
+    from sgl_loopkv.cache.value import LRUValuePolicy
+    g = KVGeometry(num_layers=4, num_kv_heads=3, head_dim=64, dtype=torch.float32, chunk_tokens=16)
+    store = TieredKVStore(g, LRUValuePolicy(), 1 << 30, Path(tempfile.mkdtemp()), 1 << 30)
+    n = tasks()
+    rec = SegmentRecord("a" * 32, None, 0, 256, 0, token_ids=list(range(256 * 16)))
+    store.put(rec, torch.randn(4, 2, 256 * 16, 3, 64))
+    store.flush()
+    out["writer"] = tasks() - n
+    print(out)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict:
+    r = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return eval(r.stdout.strip().splitlines()[-1])  # a dict literal printed by the script
+
+
+def test_a_plain_helper_thread_would_start_a_team(counts):
+    """The control: without the call, a helper thread's first parallel op adds OpenMP workers."""
+    if counts["threads"] < 2:
+        pytest.skip("torch runs one intra-op thread here: no team is ever started")
+    assert counts["plain"] > 0
+
+
+def test_helper_threads_start_no_team_and_leave_the_default_alone(counts):
+    assert counts["kept"] == 0
+    assert counts["later_thread_default"] == [counts["threads"]]
+
+
+def test_loader_and_disk_writer_threads_start_no_team(counts):
+    assert counts["loader"] == 0
+    assert counts["writer"] == 0
