@@ -107,7 +107,8 @@ def keep_torch_on_this_thread() -> bool:
     gives that thread a team of its own, whose workers live as long as the process. Once libgomp
     manages more threads than there are CPUs it stops spinning between parallel regions, so every
     op of the forward has to wake its worker through the kernel: on 2 cores that made decode after
-    the first resume or disk write about 20% slower than stock SGLang, and it stayed so.
+    the first resume or disk write slower than stock SGLang, and it stayed so
+    (``benchmarks/results/NOTES.md``, 2026-11-24).
     ``torch.set_num_threads(1)`` would also lower the default of every thread started later (it is
     process-wide), so only this thread's OpenMP setting is changed. False where the OpenMP runtime
     is not libgomp (torch's threads are then left alone)."""
