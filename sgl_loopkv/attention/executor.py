@@ -6,6 +6,7 @@ The torch executor here is the CPU path (and the correctness reference for every
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections import Counter
 from enum import StrEnum
@@ -84,23 +85,36 @@ _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 LSE_MERGE_MIN_ROWS = 1024
 
 
+def attend_with_lse(q, k, v, scale, attn_mask=None, causal=False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of softmax attention. q [b, hq, m, D]; k, v [b, hk, s, D] with hq a multiple
+    of hk; ``attn_mask`` additive, broadcastable to [b, hq, m, s]; ``causal``: m == s, row r sees 0..r.
+
+    On CPU this is torch's flash-attention kernel (what SDPA runs), called directly because SDPA
+    does not return the log-sum-exp needed to merge partial results; elsewhere a plain reference."""
+    if q.device.type == "cpu" and _FLASH_LSE is not None:
+        return _FLASH_LSE(q, k, v, is_causal=causal, attn_mask=attn_mask, scale=scale)
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = (q @ k.transpose(-1, -2)).float() * scale
+    if attn_mask is not None:
+        s = s + attn_mask
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    lse = s.logsumexp(-1)
+    safe = lse.masked_fill(lse == -math.inf, 0.0)  # a row with no key: output 0, like the CPU kernel
+    return ((s - safe[..., None]).exp().to(v.dtype) @ v), lse
+
+
 def _prefix_then_causal(qh: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, scale: float) -> torch.Tensor:
     """An extend of ``n`` rows over ``L - n`` cached keys plus their own: the cached part without a
     mask and the new part as a causal square, merged by their log-sum-exp. One SDPA call with an
     explicit [n, L] mask takes SDPA's masked path, 1.5x slower at 4K new over 4K cached (SGLang's
     chunked prefill makes every long prompt such an extend). qh: [Hq, n, D]; kh, vh: [Hkv, L, D]."""
-    n, L = qh.shape[1], kh.shape[1]
-    g = qh.shape[0] // kh.shape[0]
-    if g > 1:  # the flash op has no GQA: expand the KV heads
-        kh, vh = kh.repeat_interleave(g, 0), vh.repeat_interleave(g, 0)
-    q4, p = qh[None], L - n
-    o1, lse1 = _FLASH_LSE(q4, kh[None, :, :p], vh[None, :, :p], scale=scale)[:2]
-    o2, lse2 = _FLASH_LSE(q4, kh[None, :, p:], vh[None, :, p:], is_causal=True, scale=scale)[:2]
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = (lse1 - m).exp_(), (lse2 - m).exp_()
-    total = w1 + w2
-    w1, w2 = (w1 / total).unsqueeze(-1), (w2 / total).unsqueeze(-1)  # [1, Hq, n, 1]
-    return (o1.float() * w1 + o2.float() * w2).to(qh.dtype)[0]
+    p = kh.shape[1] - qh.shape[1]
+    o, lse = attend_with_lse(qh[None], kh[None, :, :p], vh[None, :, :p], scale)
+    o_new, lse_new = attend_with_lse(qh[None], kh[None, :, p:], vh[None, :, p:], scale, causal=True)
+    # softmax over both key sets: o + (o_new - o) * sigmoid(lse_new - lse)
+    return o.float().lerp_(o_new.float(), torch.sigmoid(lse_new - lse)[..., None]).to(qh.dtype)[0]
 
 
 def attention_over_runs(

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from sgl_loopkv.attention.executor import attend_with_lse as _attend
 from sgl_loopkv.attention.executor import dense_attention
 from sgl_loopkv.attention.sparse.base import SparseExecutor
 from sgl_loopkv.attention.sparse_plan import SeqMask
@@ -162,26 +163,3 @@ def _head_major(x: torch.Tensor, heads: torch.Tensor, length: int) -> torch.Tens
     out[:, :L] = x.transpose(0, 1) if len(heads) == H else x[:, heads].transpose(0, 1)
     out[:, L:].zero_()
     return out
-
-
-_flash_cpu = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _attend(q, k, v, scale, attn_mask=None, causal=False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, logsumexp) of softmax attention. q [b, hq, m, D]; k, v [b, hk, s, D] with hq a multiple
-    of hk; ``attn_mask`` additive, broadcastable to [b, hq, m, s]; ``causal``: m == s, row r sees 0..r.
-
-    On CPU this is torch's flash-attention kernel (what SDPA runs), called directly because SDPA
-    does not return the log-sum-exp needed to merge partial results; elsewhere a plain reference."""
-    if q.device.type == "cpu" and _flash_cpu is not None:
-        return _flash_cpu(q, k, v, is_causal=causal, attn_mask=attn_mask, scale=scale)
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    s = (q @ k.transpose(-1, -2)).float() * scale
-    if attn_mask is not None:
-        s = s + attn_mask
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
-    lse = s.logsumexp(-1)
-    safe = lse.masked_fill(lse == -math.inf, 0.0)  # a row with no key: output 0, like the CPU kernel
-    return ((s - safe[..., None]).exp().to(v.dtype) @ v), lse
