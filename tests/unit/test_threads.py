@@ -17,28 +17,37 @@ SCRIPT = textwrap.dedent(
     from sgl_loopkv.platform import keep_torch_on_this_thread
 
     def tasks():
-        return len(os.listdir("/proc/self/task"))
+        # A set of thread ids, compared by difference: a thread that is still leaving (a joined
+        # helper, its team's workers) only ever disappears between two reads, so it cannot count
+        # as new; plain counts raced with it under load.
+        return set(os.listdir("/proc/self/task"))
 
     def work():
         x = torch.randn(2_000_000)
         (x * 2).sum()
         torch.zeros(60_000, 3, 64).index_copy_(0, torch.arange(50_000), torch.randn(50_000, 3, 64))
 
-    def in_thread(fn):
-        t = threading.Thread(target=fn)
+    def threads_added_in_a_thread(keep):
+        added = []  # counted inside the helper: its team's workers live as long as it does
+        def run():
+            if keep:
+                keep_torch_on_this_thread()
+            n = tasks()
+            work()
+            added.append(len(tasks() - n))
+        t = threading.Thread(target=run)
         t.start()
         t.join()
+        return added[0]
 
     work()  # the main thread's team (torch's intra-op threads)
     out = {"threads": torch.get_num_threads()}
-    n = tasks()
-    in_thread(lambda: (keep_torch_on_this_thread(), work()))
-    out["kept"] = tasks() - n
-    n = tasks()
-    in_thread(work)
-    out["plain"] = tasks() - n
+    out["kept"] = threads_added_in_a_thread(keep=True)
+    out["plain"] = threads_added_in_a_thread(keep=False)
     out["later_thread_default"] = []
-    in_thread(lambda: out["later_thread_default"].append(torch.get_num_threads()))
+    t = threading.Thread(target=lambda: out["later_thread_default"].append(torch.get_num_threads()))
+    t.start()
+    t.join()
 
     from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
     bufs = [torch.zeros(60_000, 3, 64) for _ in range(4)]
@@ -46,7 +55,7 @@ SCRIPT = textwrap.dedent(
     n = tasks()
     loader.submit([LoadPart(torch.randn(4, 2, 50_000, 3, 64), torch.arange(50_000))])
     loader.wait_all()
-    out["loader"] = tasks() - n
+    out["loader"] = len(tasks() - n)
 
     from sgl_loopkv.cache.disk import SegmentRecord
     from sgl_loopkv.cache.layout import KVGeometry
@@ -58,7 +67,7 @@ SCRIPT = textwrap.dedent(
     rec = SegmentRecord("a" * 32, None, 0, 256, 0, token_ids=list(range(256 * 16)))
     store.put(rec, torch.randn(4, 2, 256 * 16, 3, 64))
     store.flush()
-    out["writer"] = tasks() - n
+    out["writer"] = len(tasks() - n)
     print(out)
     """
 )
