@@ -6,10 +6,13 @@ plausible answer from the wrong model. There is no extension point for request v
 this is an AROUND hook (SGLang's ``HookRegistry``) on ``OpenAIServingBase.handle_request``.
 
 Accepted names: the served model name, the model path, ``default`` (the name SGLang's own docs
-use), and ``<one of those>:<lora adapter>``.
+use), and ``<one of those>:<lora adapter>``. Only in servers started by sgl-loopkv's launcher: a
+plain ``sglang.launch_server`` in the same environment keeps SGLang's behaviour.
 """
 
 from __future__ import annotations
+
+from sgl_loopkv.config import LoopKVConfig
 
 TARGET = "sglang.srt.entrypoints.openai.serving_base.OpenAIServingBase.handle_request"
 
@@ -21,7 +24,7 @@ def accepted_model_names(tokenizer_manager) -> set[str]:
 
 async def check_model_name(original, self, request, raw_request, *args, **kwargs):
     model = getattr(request, "model", None)
-    if model:
+    if model and LoopKVConfig.launched():
         names = accepted_model_names(self.tokenizer_manager)
         base = model
         if model not in names and ":" in model:

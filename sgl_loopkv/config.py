@@ -52,12 +52,20 @@ class TierConfig:
         default=None,
         metadata={
             "help": "Directory of the disk tier; reusing it after a restart resumes the stored conversations "
-            "(default: no disk tier)."
+            "('none' or no value: no disk tier). One server per directory and model: a second is refused."
         },
     )
     disk_bytes: int = field(
         default=20 << 30,
         metadata={"help": "Byte quota of the disk tier (default 20 GiB).", "type": int},
+    )
+    disk_free_share: float = field(
+        default=0.5,
+        metadata={
+            "help": "The disk tier's quota never exceeds this share of its filesystem's free space at start-up "
+            "(plus what the tier already holds there).",
+            "type": float,
+        },
     )
     value_policy: str = field(
         default="attention",
@@ -78,9 +86,17 @@ class TierConfig:
         },
     )
 
+    @property
+    def disk_path(self) -> Path | None:
+        """The disk tier's directory, None when it is off."""
+        off = not self.disk_dir or self.disk_dir.lower() in ("none", "off")
+        return None if off else Path(self.disk_dir).expanduser()
+
     def __post_init__(self):
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("--loopkv-host-bytes and --loopkv-disk-bytes must be >= 0")
+        if not 0 < self.disk_free_share <= 1:
+            raise ValueError("--loopkv-disk-free-share must be in (0, 1]")
 
 
 @dataclass(slots=True)
@@ -248,12 +264,53 @@ class SparsePrefillConfig:
             raise ValueError("--loopkv-sparse-dense-tail/-tail-samples must be >= 0, -full-density in (0, 1]")
 
 
+@dataclass(slots=True)
+class LimitsConfig:
+    """What one request may ask of the server, and how long a stopping server waits for requests.
+
+    Applied only to servers started through ``python -m sgl_loopkv.launch_server``: the plugin leaves
+    a plain ``sglang.launch_server`` as SGLang made it (:mod:`sgl_loopkv.server.limits`)."""
+
+    flag_prefix: ClassVar[str] = ""
+
+    max_n: int = field(
+        default=8,
+        metadata={
+            "help": "Largest number of choices (OpenAI 'n', sampling 'n') one request may ask for; more gets a 400.",
+            "type": int,
+        },
+    )
+    default_max_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Tokens generated for a request that sets no max_tokens / max_new_tokens (SGLang would "
+            "generate up to the whole context). A request may still ask for more, up to the context length.",
+            "type": int,
+        },
+    )
+    shutdown_grace_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "After SIGTERM, seconds the server lets running requests finish before it aborts them "
+            "and exits (SGLang alone waits for every queued request).",
+            "type": float,
+        },
+    )
+
+    def __post_init__(self):
+        if self.max_n < 1 or self.default_max_tokens < 1 or self.shutdown_grace_s < 0:
+            raise ValueError(
+                "--loopkv-max-n and --loopkv-default-max-tokens must be >= 1, --loopkv-shutdown-grace-s >= 0"
+            )
+
+
 #: section field of LoopKVConfig -> its dataclass
 SECTIONS: dict[str, type] = {
     "tiers": TierConfig,
     "restore": RestoreConfig,
     "sharing": SharingConfig,
     "sparse": SparsePrefillConfig,
+    "limits": LimitsConfig,
 }
 
 
@@ -318,6 +375,7 @@ class LoopKVConfig:
     restore: RestoreConfig = field(default_factory=RestoreConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     sparse: SparsePrefillConfig = field(default_factory=SparsePrefillConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):
@@ -380,6 +438,11 @@ class LoopKVConfig:
     # --- hand-over to SGLang's subprocesses -------------------------------------------------------
     def to_env(self) -> None:
         os.environ[ENV_VAR] = json.dumps(asdict(self))
+
+    @staticmethod
+    def launched() -> bool:
+        """True in the processes of a server started by sgl-loopkv's launcher (it sets the variable)."""
+        return bool(os.environ.get(ENV_VAR))
 
     @classmethod
     def from_env(cls) -> LoopKVConfig:

@@ -9,6 +9,7 @@ What it registers today:
 - the ``loopkv`` attention backend (``--attention-backend loopkv``);
 - the ``loopkv`` radix-cache backend (``--radix-cache-backend loopkv``): tiered conversation KV;
 - a check that OpenAI requests name the served model (:mod:`sgl_loopkv.server.openai_model_check`);
+- per-request limits and a bounded stop after SIGTERM (:mod:`sgl_loopkv.server.limits`);
 - per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`).
 New components are registered here, nowhere else.
 """
@@ -72,14 +73,16 @@ def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sgl_loopkv.cache import backend as cache_backend
-    from sgl_loopkv.server import openai_model_check
+    from sgl_loopkv.server import limits, openai_model_check
 
-    for target, hook in (
-        (openai_model_check.TARGET, openai_model_check.check_model_name),
-        (cache_backend.CACHED_TOKENS_DETAILS_TARGET, cache_backend.cached_tokens_details),
+    for target, hook, kind in (
+        (openai_model_check.TARGET, openai_model_check.check_model_name, HookType.AROUND),
+        (cache_backend.CACHED_TOKENS_DETAILS_TARGET, cache_backend.cached_tokens_details, HookType.AROUND),
+        (limits.GENERATE_TARGET, limits.check_generate_request, HookType.BEFORE),
+        (limits.SIGTERM_TARGET, limits.abort_after_grace, HookType.AROUND),
     ):
         if target not in COMPONENTS["hook"]:
-            HookRegistry.register(target, hook, HookType.AROUND)
+            HookRegistry.register(target, hook, kind)
             COMPONENTS["hook"].append(target)
     # load_plugins() applies hooks after calling every plugin; this also covers a direct call.
     HookRegistry.apply_hooks()

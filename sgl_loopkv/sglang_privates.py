@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 RADIX = "sglang.srt.mem_cache.radix_cache"
 POOL = "sglang.srt.mem_cache.memory_pool"
+TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +99,32 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "sglang.srt.managers.scheduler_components.output_streamer:SchedulerOutputStreamer.get_cached_tokens_details",
         "532f8103ebb758996a2682345a6bc131ce1c0dff4c861004ce831bbadce4138b",
         "wrapped by an AROUND hook (cache/backend.py): its signature and the dict it returns",
+    ),
+    PrivateUse(
+        f"{TOKENIZER}:TokenizerManager.generate_request",
+        "PIN",
+        "BEFORE hook (server/limits.py): gets the request before it normalizes it; a ValueError becomes a 400",
+    ),
+    PrivateUse(
+        "sglang.srt.managers.io_struct:GenerateReqInput._handle_parallel_sampling",
+        "PIN",
+        "relied on (server/limits.py): n is read from the un-normalized sampling params, a dict or a list",
+    ),
+    PrivateUse(
+        "sglang.srt.entrypoints.openai.protocol:ChatCompletionRequest.to_sampling_params",
+        "PIN",
+        "relied on (server/limits.py): max_new_tokens None means the client set no max_tokens",
+    ),
+    PrivateUse(
+        f"{TOKENIZER}:TokenizerManager.sigterm_watchdog",
+        "PIN",
+        "AROUND hook (server/limits.py): waits for gracefully_exit, then until rid_to_state is empty; fields "
+        "gracefully_exit, rid_to_state, asyncio_tasks read",
+    ),
+    PrivateUse(
+        f"{TOKENIZER}:TokenizerManager.abort_request",
+        "PIN",
+        "called with abort_all=True (server/limits.py) once the shutdown grace period is over",
     ),
 )
 

@@ -10,7 +10,14 @@ import pytest
 from sgl_loopkv.config import LoopKVConfig
 
 #: fixtures that start a server process (tests/e2e/conftest.py and test modules)
-SERVER_FIXTURES = {"tiny_server", "tiny_native_server", "smollm2_server", "tiny_sparse_server"}
+SERVER_FIXTURES = {
+    "tiny_server",
+    "tiny_native_server",
+    "smollm2_server",
+    "tiny_sparse_server",
+    "capped_server",
+    "plain_sglang_server",
+}
 
 
 def pytest_collection_modifyitems(config, items):

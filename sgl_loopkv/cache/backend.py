@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_loopkv.cache.disk_dir import DirectoryLock, bounded_quota
 from sgl_loopkv.cache.layout import KVGeometry
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
@@ -45,17 +46,27 @@ def create_loopkv_radix_cache(ctx):
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
 
     def store_factory(geometry, on_lost, disk_evictable):
-        disk_dir = (
-            Path(tiers.disk_dir) / model_fingerprint(ctx.server_args.model_path, geometry) if tiers.disk_dir else None
-        )
+        disk_dir, lock, quota = None, None, 0
+        if tiers.disk_path is not None:
+            disk_dir = tiers.disk_path / model_fingerprint(ctx.server_args.model_path, geometry)
+            lock = DirectoryLock(disk_dir)  # before anything reads or cleans the directory
+            quota = bounded_quota(disk_dir, tiers.disk_bytes, tiers.disk_free_share)
+            if quota < tiers.disk_bytes:
+                logger.warning(
+                    "loopkv: disk tier quota %.2f GB (--loopkv-disk-bytes %.2f GB is over %.0f%% of the free space)",
+                    quota / 1e9,
+                    tiers.disk_bytes / 1e9,
+                    100 * tiers.disk_free_share,
+                )
         return TieredKVStore(
             geometry,
             VALUE_POLICIES.create(tiers.value_policy),
             host_quota_bytes=tiers.host_bytes,
             disk_dir=disk_dir,
-            disk_quota_bytes=tiers.disk_bytes,
+            disk_quota_bytes=quota,
             on_lost=on_lost,
             disk_evictable=disk_evictable,
+            dir_lock=lock,
         )
 
     from sgl_loopkv import restore
@@ -85,7 +96,7 @@ def create_loopkv_radix_cache(ctx):
         "loopkv radix cache: chunk %d tokens, host quota %.2f GB, disk %s (quota %.2f GB), value policy %s",
         ctx.params.page_size,
         tiers.host_bytes / 1e9,
-        tiers.disk_dir or "off",
+        tiers.disk_path or "off",
         tiers.disk_bytes / 1e9,
         tiers.value_policy,
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,12 @@ INDEX = "index.json"
 # 2: extents padded to 512-byte sectors (were 4 KiB), float16 summaries next to narrower tiers,
 # int8 tiers. An index of another version is not trusted (its files become orphans, deleted).
 FORMAT_VERSION = 2
+
+
+# Segment ids are minted by the cache (uuid4 hex), never taken from a request. Only plain names are
+# file names: an index entry with anything else (a hand-edited or foreign index) is dropped, and
+# path() refuses it, so no path can leave the directory.
+SEG_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 
 
 class CorruptSegment(Exception):
@@ -55,7 +62,8 @@ class SegmentRecord:
 
 def _atomic_write(path: Path, chunks, fsync_dir: bool = True) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    # 0o600: conversations are private to the server's user, whatever the umask
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         for c in chunks:
             f.write(c)
         f.flush()
@@ -80,7 +88,7 @@ class DiskSegmentStore:
 
     def __init__(self, root: Path, quota_bytes: int, geometry: KVGeometry):
         self.root, self.quota_bytes, self.geometry = Path(root), quota_bytes, geometry
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.records: dict[str, SegmentRecord] = {}
         self.bytes_read = 0
         self.bytes_written = 0
@@ -98,7 +106,11 @@ class DiskSegmentStore:
                     raise ValueError("format changed")
                 if KVGeometry.from_json(index["geometry"]) != self.geometry:
                     raise ValueError("geometry changed")
-                self.records = {sid: SegmentRecord(**e) for sid, e in index["segments"].items()}
+                self.records = {
+                    sid: SegmentRecord(**e)
+                    for sid, e in index["segments"].items()
+                    if SEG_ID.fullmatch(sid) and e.get("seg_id") == sid
+                }
             except (ValueError, KeyError, TypeError):
                 self.records = {}  # unreadable or foreign index: start empty, files become orphans
         for f in self.root.glob("seg_*.kv"):  # written but never indexed (crash before the index)
@@ -118,6 +130,8 @@ class DiskSegmentStore:
         return sum(r.file_bytes for r in self.records.values())
 
     def path(self, seg_id: str) -> Path:
+        if not SEG_ID.fullmatch(seg_id):
+            raise ValueError(f"not a segment id: {seg_id!r}")
         return self.root / f"seg_{seg_id}.kv"
 
     # --- write -------------------------------------------------------------------------------
@@ -189,9 +203,10 @@ class DiskSegmentStore:
         self.bytes_written += layout.file_bytes
 
     def delete(self, seg_id: str) -> None:
+        path = self.path(seg_id)
         self.records.pop(seg_id, None)
         self._write_index()
-        self.path(seg_id).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
 
     # --- read --------------------------------------------------------------------------------
     def read_header(self, seg_id: str) -> dict:

@@ -9,10 +9,12 @@ store (under ``_disk_lock``) and the ``pending`` flags.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk_dir import DirectoryLock
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
 from sgl_loopkv.cache.quant import QuantKV
@@ -58,6 +61,12 @@ class TierStats:
     disk_tokens: int = 0
 
 
+def _close_at_exit(ref: weakref.ref) -> None:
+    store = ref()
+    if store is not None:
+        store.close()
+
+
 class TieredKVStore:
     def __init__(
         self,
@@ -68,8 +77,10 @@ class TieredKVStore:
         disk_quota_bytes: int = 0,
         on_lost: Callable[[str], None] = lambda seg_id: None,
         disk_evictable: Callable[[str], bool] = lambda seg_id: True,
+        dir_lock: DirectoryLock | None = None,
     ):
         self.geometry, self.policy = geometry, policy
+        self.dir_lock = dir_lock  # held while the store lives: one server per disk directory
         self.host_quota = host_quota_bytes
         self.on_lost, self.disk_evictable = on_lost, disk_evictable
         self.segments: dict[str, StoredSegment] = {}
@@ -87,6 +98,9 @@ class TieredKVStore:
             self.stats.disk_bytes = self.disk.used_bytes
             self._writer = threading.Thread(target=self._write_loop, name="loopkv-disk-writer", daemon=True)
             self._writer.start()
+            # Queued stores reach the disk when the process exits normally (SGLang's scheduler on
+            # shutdown); a weak reference, so a store dropped earlier is not kept alive by this.
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     # --- in ------------------------------------------------------------------------------------
     def encode(
@@ -180,6 +194,8 @@ class TieredKVStore:
             self._queue.put(None)
             self._writer.join(timeout=30)
             self._writer = None
+        if self.dir_lock is not None:
+            self.dir_lock.release()
 
     # --- room ----------------------------------------------------------------------------------
     def _host_bytes(self, seg: StoredSegment) -> int:

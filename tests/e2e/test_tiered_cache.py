@@ -5,6 +5,7 @@ flipped, truncated and deleted extents are detected and recomputed; quotas hold.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import time
 
@@ -88,7 +89,7 @@ DISK_QUOTA = 4_000_000  # ~7 tiny-model conversations
 HOST_QUOTA = 2_200_000  # ~4
 
 
-def tiered(tiny_model_dir, disk_dir, log) -> ServerProcess:
+def tiered(tiny_model_dir, disk_dir, log, timeout_s: float = 600) -> ServerProcess:
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
         *("--max-total-tokens", "2048"),  # the device pool holds ~2 conversations
@@ -96,7 +97,7 @@ def tiered(tiny_model_dir, disk_dir, log) -> ServerProcess:
         *("--loopkv-disk-dir", str(disk_dir), "--loopkv-disk-bytes", str(DISK_QUOTA)),
         "--enable-metrics",
     ]
-    return ServerProcess(args, log_path=log).start()
+    return ServerProcess(args, log_path=log).start(timeout_s)
 
 
 def wait_for_files(disk_root, tokenizer, i, timeout=20):
@@ -125,6 +126,12 @@ def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_di
         disk_hit = ask(srv.url, 0)
         assert tiers(disk_hit)["disk"] > 800, tiers(disk_hit)
         assert disk_hit["output_ids"] == reference[0]
+        # A second server on the same directory and model is refused, naming the first.
+        second_log = server_logs / "tiered-second.log"
+        with pytest.raises(RuntimeError, match="server exited"):
+            tiered(tiny_model_dir, disk_dir, second_log, timeout_s=180)
+        assert re.search(r"in use by another sgl-loopkv server \(pid \d+ on ", second_log.read_text())
+        assert ask(srv.url, 1)["output_ids"] == reference[1]  # the first one is unharmed
     finally:
         srv.stop()
 

@@ -118,6 +118,28 @@ def test_index_of_another_format_version_is_not_trusted(tmp_path):
     assert again.records == {} and not any(tmp_path.glob("seg_*.kv"))
 
 
+def test_an_index_naming_paths_outside_the_directory_is_not_followed(tmp_path):
+    """Segment ids become file names: a tampered index must not make the store read or delete
+    anything outside its directory (ids are minted by the cache, never taken from requests)."""
+    root = tmp_path / "disk"
+    store = DiskSegmentStore(root, 1 << 30, GEO)
+    rec, kv, summ = segment(1, 6)
+    store.write(rec, kv, summ)
+    victim = tmp_path / "seg_x.kv"  # what "../x" would name
+    victim.write_bytes(b"not the cache's")
+    index = json.loads((root / "index.json").read_text())
+    for sid in ("../x", "a/b", ".."):
+        index["segments"][sid] = index["segments"][rec.seg_id] | {"seg_id": sid}
+    (root / "index.json").write_text(json.dumps(index))
+    again = DiskSegmentStore(root, 1 << 30, GEO)
+    assert list(again.records) == [rec.seg_id]
+    # private to the server's user whatever the umask: no group or world access
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [root, *root.iterdir()])
+    with pytest.raises(ValueError, match="not a segment id"):
+        again.delete("../x")
+    assert victim.read_bytes() == b"not the cache's"
+
+
 def _tier_bytes(store: TieredKVStore) -> tuple[int, int]:
     host = sum(s.host_kv.numel() * 4 + s.host_summaries.numel() * 4 for s in store.segments.values() if s.in_host)
     disk = sum(p.stat().st_size for p in store.disk.root.glob("seg_*.kv"))
@@ -226,3 +248,30 @@ def test_attention_value_ranks_segments_by_the_mass_they_received():
     pol.on_access("relied_on", 2, importance=torch.tensor([1.8, 1.6]))
     pol.on_access("ignored", 2, importance=torch.tensor([0.3, 0.3]))
     assert pol.value("relied_on") > pol.value("ignored")
+
+
+def test_queued_disk_writes_are_flushed_when_the_process_exits(tmp_path):
+    """A store put just before a normal exit is on disk after it (the writer thread is a daemon:
+    without the exit flush the queued write would be dropped)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import torch
+        from pathlib import Path
+        from sgl_loopkv.cache.disk import SegmentRecord
+        from sgl_loopkv.cache.layout import KVGeometry
+        from sgl_loopkv.cache.store import TieredKVStore
+        from sgl_loopkv.cache.value import LRUValuePolicy
+        g = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_tokens=16)
+        store = TieredKVStore(g, LRUValuePolicy(), 1 << 30, Path({str(tmp_path)!r}), 1 << 30)
+        for i in range(8):
+            store.put(SegmentRecord(f"seg{{i}}", None, 0, 64, 0, token_ids=list(range(1024))), torch.randn(3, 2, 1024, 2, 8))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    assert sorted(again.records) == [f"seg{i}" for i in range(8)]

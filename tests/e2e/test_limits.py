@@ -1,0 +1,100 @@
+"""What one request may ask (``--loopkv-max-n``, ``--loopkv-default-max-tokens``), the bounded stop
+after SIGTERM (``--loopkv-shutdown-grace-s``), and a plain ``sglang.launch_server`` in the same
+environment left as SGLang made it (server/limits.py, issue 16)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from sgl_loopkv.kernels import CPU_STANDIN_DIR
+from sgl_loopkv.server.process import ServerProcess
+from tests.e2e.conftest import COMMON_SERVER_ARGS, _server
+
+pytestmark = pytest.mark.server
+
+CAP, MAX_N, GRACE_S = 3, 2, 2
+
+
+@pytest.fixture(scope="module")
+def capped_server(tiny_model_dir, server_logs):
+    limits = ["--loopkv-default-max-tokens", str(CAP), "--loopkv-max-n", str(MAX_N)]
+    srv = _server(tiny_model_dir, server_logs, "tiny-capped", [*limits, "--loopkv-shutdown-grace-s", str(GRACE_S)])
+    with srv.start():
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def plain_sglang_server(tiny_model_dir, server_logs):
+    """``python -m sglang.launch_server`` (not our launcher) with the plugin installed."""
+    args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--device", "cpu"]
+    args += ["--attention-backend", "torch_native", "--disable-overlap-schedule", "--disable-cuda-graph"]
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STANDIN_DIR)}
+    with ServerProcess(args, module="sglang.launch_server", env=env, log_path=server_logs / "plain.log") as srv:
+        yield srv
+
+
+def chat(url: str, **body) -> requests.Response:
+    body = {"model": "default", "messages": [{"role": "user", "content": "count"}], "ignore_eos": True, **body}
+    return requests.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_n_over_the_limit_gets_a_400_with_the_flag_named(capped_server):
+    r = chat(capped_server.url, n=MAX_N + 1, max_tokens=1)
+    assert r.status_code == 400 and "--loopkv-max-n" in r.text, r.text
+    r = requests.post(
+        f"{capped_server.url}/generate",
+        json={"text": "hi", "sampling_params": {"n": 1000, "max_new_tokens": 1}},
+        timeout=120,
+    )
+    assert r.status_code == 400 and "--loopkv-max-n" in r.text, r.text
+    r = chat(capped_server.url, n=MAX_N, max_tokens=1)
+    assert r.status_code == 200 and len(r.json()["choices"]) == MAX_N
+
+
+def test_a_request_without_max_tokens_gets_the_default_cap_and_may_ask_for_more(capped_server):
+    r = chat(capped_server.url)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == CAP, r.text
+    r = chat(capped_server.url, max_tokens=CAP + 2)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == CAP + 2, r.text
+
+
+def test_sigterm_aborts_what_still_runs_after_the_grace_period_and_exits(capped_server):
+    """Last in this module: it stops the server. A request that would run for minutes must not
+    keep a stopping server alive (SGLang alone waits for every request)."""
+    finish: dict = {}
+
+    def stream():
+        body = {"text": "go", "stream": True, "sampling_params": {"max_new_tokens": 7000, "ignore_eos": True}}
+        with requests.post(f"{capped_server.url}/generate", json=body, stream=True, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: {"):
+                    finish.update(json.loads(line[len(b"data: ") :])["meta_info"])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + 60
+    while not finish and time.monotonic() < deadline:  # generating
+        time.sleep(0.2)
+    assert finish, "the request never started streaming"
+    t0 = time.monotonic()
+    os.kill(capped_server.proc.pid, signal.SIGTERM)  # the launcher only, as systemd or docker stop do
+    capped_server.proc.wait(timeout=90)
+    exited_s = time.monotonic() - t0
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert finish["completion_tokens"] < 7000 and finish["finish_reason"]["type"] == "abort", finish
+    assert exited_s < GRACE_S + 40, exited_s  # SGLang's own drain loop polls every 5 s
+    assert "still running" in capped_server.log_path.read_text()
+
+
+def test_plain_sglang_keeps_its_own_behaviour(plain_sglang_server):
+    """No model-name check, no n limit, no default cap: the plugin only registers its components."""
+    r = chat(plain_sglang_server.url, model="no-such-model", n=MAX_N + 3, max_tokens=1)
+    assert r.status_code == 200 and len(r.json()["choices"]) == MAX_N + 3, r.text
