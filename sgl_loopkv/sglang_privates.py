@@ -102,28 +102,28 @@ PRIVATES: tuple[PrivateUse, ...] = (
     ),
     PrivateUse(
         f"{TOKENIZER}:TokenizerManager.generate_request",
-        "PIN",
+        "894e0b7b045095200ca7ab30150bdcc7ef605c759d5d487d95427c473cf61f0a",
         "BEFORE hook (server/limits.py): gets the request before it normalizes it; a ValueError becomes a 400",
     ),
     PrivateUse(
         "sglang.srt.managers.io_struct:GenerateReqInput._handle_parallel_sampling",
-        "PIN",
+        "26012f2f89c73df3ea3f02e77f737b7410f6c069053f148a5b77f656ea574e83",
         "relied on (server/limits.py): n is read from the un-normalized sampling params, a dict or a list",
     ),
     PrivateUse(
         "sglang.srt.entrypoints.openai.protocol:ChatCompletionRequest.to_sampling_params",
-        "PIN",
+        "f79de67850d933533731cdd8d41a00033476c4eb8163cfc1d11e13554fb21d76",
         "relied on (server/limits.py): max_new_tokens None means the client set no max_tokens",
     ),
     PrivateUse(
         f"{TOKENIZER}:TokenizerManager.sigterm_watchdog",
-        "PIN",
+        "a7c8325071b2137783a428e579165d9c19a55d9d94fdd54cd86b69bdb531fc6b",
         "AROUND hook (server/limits.py): waits for gracefully_exit, then until rid_to_state is empty; fields "
         "gracefully_exit, rid_to_state, asyncio_tasks read",
     ),
     PrivateUse(
         f"{TOKENIZER}:TokenizerManager.abort_request",
-        "PIN",
+        "f4822939e280a0aaffc00ac74cc2d510b701478ec75b1bb2eae473efd9435b7a",
         "called with abort_all=True (server/limits.py) once the shutdown grace period is over",
     ),
 )
