@@ -79,10 +79,11 @@ def dense_attention(
 #: torch's CPU flash-attention op, which also returns each row's log-sum-exp (a torch private: when
 #: a torch upgrade drops it, extends fall back to the masked SDPA call; tests cover both).
 _FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-#: New rows from which the log-sum-exp merge beats one masked call (one layer, 9/3 heads, D 64:
-#: 4096 over 4096 cached 0.64 vs 0.99 s, 1024 over 3072 0.10 vs 0.14 s, 256 over 3840 equal, and
-#: a 9-row extend over 16 cached keys ~10x slower: the flash op's fixed cost).
-LSE_MERGE_MIN_ROWS = 1024
+#: New rows from which the log-sum-exp merge beats one masked call. One layer, 9/3 heads, D 64,
+#: masked / merge time (2026-11-24): 870 over 2600 cached 1.28, 256 over 2600 1.66, 64 over 2600
+#: 1.09, 48 over 2000 and 32 over 500 1.01; below that the flash op's fixed cost loses (9 over
+#: 1000 0.65, 16 over 16 0.59). A returning turn's extend (hundreds of rows) takes the merge.
+LSE_MERGE_MIN_ROWS = 64
 
 
 def attend_with_lse(q, k, v, scale, attn_mask=None, causal=False) -> tuple[torch.Tensor, torch.Tensor]:
