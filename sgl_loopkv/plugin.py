@@ -10,7 +10,9 @@ What it registers today:
 - the ``loopkv`` radix-cache backend (``--radix-cache-backend loopkv``): tiered conversation KV;
 - a check that OpenAI requests name the served model (:mod:`sgl_loopkv.server.openai_model_check`);
 - per-request limits and a bounded stop after SIGTERM (:mod:`sgl_loopkv.server.limits`);
-- per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`).
+- per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`);
+- decode-step linear layers split over torch's threads (:mod:`sgl_loopkv.models.decode_linear`), in
+  servers of sgl-loopkv's launcher other than ``--loopkv-stock``.
 New components are registered here, nowhere else.
 """
 
@@ -73,14 +75,22 @@ def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from sgl_loopkv.cache import backend as cache_backend
+    from sgl_loopkv.config import LoopKVConfig
+    from sgl_loopkv.models import decode_linear
     from sgl_loopkv.server import limits, openai_model_check
 
-    for target, hook, kind in (
+    hooks = [
         (openai_model_check.TARGET, openai_model_check.check_model_name, HookType.AROUND),
         (cache_backend.CACHED_TOKENS_DETAILS_TARGET, cache_backend.cached_tokens_details, HookType.AROUND),
         (limits.GENERATE_TARGET, limits.check_generate_request, HookType.BEFORE),
         (limits.SIGTERM_TARGET, limits.abort_after_grace, HookType.AROUND),
-    ):
+    ]
+    if LoopKVConfig.launched() and not LoopKVConfig.from_env().stock:  # the baseline keeps SGLang's layers
+        hooks += [
+            (decode_linear.LINEAR_TARGET, decode_linear.linear_apply, HookType.AROUND),
+            (decode_linear.LM_HEAD_TARGET, decode_linear.compute_lm_head, HookType.AROUND),
+        ]
+    for target, hook, kind in hooks:
         if target not in COMPONENTS["hook"]:
             HookRegistry.register(target, hook, kind)
             COMPONENTS["hook"].append(target)

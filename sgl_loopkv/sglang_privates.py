@@ -126,6 +126,17 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "f4822939e280a0aaffc00ac74cc2d510b701478ec75b1bb2eae473efd9435b7a",
         "called with abort_all=True (server/limits.py) once the shutdown grace period is over",
     ),
+    PrivateUse(
+        "sglang.srt.layers.logits_processor:LogitsProcessor._compute_lm_head",
+        "c5062fc225cae30ddc3c553a12d789006594a0975b0e48d65a16132ddb6f1f00",
+        "AROUND hook (models/decode_linear.py): takes over its plain-weight branch (hidden @ weight.T) for few "
+        "CPU rows; repeats its conditions (LoRA, quant method, fp32 head, AMX, rl_on_policy_target)",
+    ),
+    PrivateUse(
+        "sglang.srt.layers.quantization.unquant:UnquantizedLinearMethod.apply",
+        "0c43ec585f40ba2e793f23bd01b28fa11faa95da7de3b9a8d1cd99dc1ebd1de5",
+        "AROUND hook (models/decode_linear.py): relies on its CPU path being F.linear unless the layer uses AMX",
+    ),
 )
 
 

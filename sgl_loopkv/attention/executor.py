@@ -171,8 +171,10 @@ def gathered_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     return torch.bmm(probs, v.transpose(0, 1)).reshape(1, hq, d).to(q.dtype)
 
 
-#: Query rows up to which the run-wise path beats gathering the prefix (short turns).
-RUNS_MAX_ROWS = 64
+#: Query rows up to which the run-wise path beats gathering the prefix (short turns). One layer,
+#: 9/3 heads, D 64, 4K cached keys in two runs, run-wise / gather + SDPA (2026-11-24): 3 rows 0.69 /
+#: 1.58 ms, 16 rows 1.82 / 2.07, 32 rows 4.01 / 3.15, 64 rows 11.8 / 5.2.
+RUNS_MAX_ROWS = 16
 #: Decode without the native kernel: read the pool through run views when a sequence has at most
 #: this many slot runs, else gather its KV first. Each run costs two small matmuls (~10-20 us of
 #: dispatch on these CPUs) while a gather of a 4K-token prefix costs about as much as reading it

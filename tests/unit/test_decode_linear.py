@@ -1,0 +1,117 @@
+"""Decode-step linear layers split over torch's threads: bitwise ``F.linear``, the rule that picks
+the split, and the SGLang hooks' fallbacks."""
+
+from __future__ import annotations
+
+import shutil
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sgl_loopkv.kernels import decode_linear
+from sgl_loopkv.models import decode_linear as hooks
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = decode_linear.load()
+    if module is None:
+        pytest.skip("no C++ toolchain: the split kernel is unavailable (linear() is F.linear then)")
+    return module
+
+
+def test_kernel_builds_where_a_compiler_exists():
+    if shutil.which("c++") is None:
+        pytest.skip("no C++ compiler on this machine")
+    assert decode_linear.load() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (192, 576), (1000, 64)])
+def test_linear_is_bitwise_f_linear(native, dtype, shape):
+    """Every row count it takes, with and without bias: the split where the probe found it exact,
+    F.linear elsewhere; either way the caller sees F.linear's bits."""
+    g = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(*shape, generator=g).to(dtype)
+    b = torch.randn(shape[0], generator=g).to(dtype)
+    for rows in [*range(1, 17), 32, 64, decode_linear.MAX_ROWS]:
+        x = torch.randn(rows, shape[1], generator=g).to(dtype)
+        assert torch.equal(decode_linear.linear(x, w), F.linear(x, w)), rows
+        assert torch.equal(decode_linear.linear(x, w, b), F.linear(x, w, b)), rows
+
+
+def test_split_taken_for_one_row(native):
+    """The case it exists for (a decode step of one sequence) takes the split on these CPUs."""
+    w = torch.randn(1536, 576)
+    assert decode_linear.split_is_exact(1, w, None)
+    assert torch.equal(native.decode_linear(torch.ones(1, 576), w, None), F.linear(torch.ones(1, 576), w))
+
+
+def test_inexact_shape_keeps_f_linear(native, monkeypatch):
+    """A shape whose split sums differently (as MKL's self-threaded calls do) keeps F.linear."""
+    off = types.SimpleNamespace(decode_linear=lambda x, w, b: F.linear(x, w, b) + 1e-3)
+    monkeypatch.setattr(decode_linear, "load", lambda: off)
+    monkeypatch.setattr(decode_linear, "_EXACT", {})
+    w, x = torch.randn(64, 32), torch.randn(3, 32)
+    assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
+    assert decode_linear._EXACT == {(3, 64, 32, torch.float32, False, torch.get_num_threads()): False}
+
+
+def test_linear_keeps_leading_dims_and_threads(native):
+    w, x = torch.randn(300, 64), torch.randn(2, 3, 64)
+    assert decode_linear.applies(x, w)
+    assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # nothing to split over: torch's own call
+        assert not decode_linear.applies(x, w)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_rule_falls_back_to_f_linear(native):
+    w = torch.randn(64, 32)
+    assert not decode_linear.applies(torch.randn(decode_linear.MAX_ROWS + 1, 32), w)  # MKL threads these itself
+    assert not decode_linear.applies(torch.randn(0, 32), w)
+    assert not decode_linear.applies(torch.randn(2, 32, dtype=torch.float64), w)
+    assert not decode_linear.applies(torch.randn(2, 64), torch.randn(32, 64).t())  # non-contiguous weight
+    x = torch.randn(decode_linear.MAX_ROWS + 1, 32)
+    assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
+
+
+def test_linear_hook_splits_plain_layers_only(native):
+    calls = []
+
+    def original(self, layer, x, bias=None):
+        calls.append(layer)
+        return F.linear(x, layer.weight, bias)
+
+    layer = types.SimpleNamespace(weight=torch.randn(96, 32))
+    x = torch.randn(2, 32)
+    assert torch.equal(hooks.linear_apply(original, None, layer, x), F.linear(x, layer.weight))
+    assert calls == []  # the split ran
+    amx = types.SimpleNamespace(weight=layer.weight, use_intel_amx_backend=True)
+    hooks.linear_apply(original, None, amx, x)
+    hooks.linear_apply(original, None, layer, torch.randn(decode_linear.MAX_ROWS + 1, 32))
+    assert calls == [amx, layer]  # AMX's packed weights and long prefills: SGLang's code
+
+
+def test_lm_head_hook_keeps_sglang_branches(native):
+    calls = []
+
+    def original(self, hidden, lm_head, embedding_bias=None, **kw):
+        calls.append(lm_head)
+        return hidden @ lm_head.weight.T
+
+    proc = types.SimpleNamespace(use_fp32_lm_head=False, rl_on_policy_target=None)
+    head = types.SimpleNamespace(weight=torch.randn(500, 64), quant_method=None)
+    h = torch.randn(3, 64)
+    assert torch.equal(hooks.compute_lm_head(original, proc, h, head), h @ head.weight.T)
+    assert calls == []
+    lora = types.SimpleNamespace(weight=head.weight, quant_method=None, set_lora=None)
+    hooks.compute_lm_head(original, proc, h, lora)
+    fp32 = types.SimpleNamespace(use_fp32_lm_head=True, rl_on_policy_target=None)
+    hooks.compute_lm_head(original, fp32, h, head)
+    assert calls == [lora, head]
