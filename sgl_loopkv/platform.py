@@ -40,17 +40,17 @@ def cpu_flags() -> set[str]:
 
 def cpu_has_native_bf16(flags: set[str] | None = None) -> bool:
     """True when the CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX-BF16): torch's
-    oneDNN kernels then decode ~1.4-1.6x faster in bf16 than fp32. Without them bf16 is emulated
-    and several times slower than fp32 (benchmarks/decode.py records both)."""
+    oneDNN kernels then run bf16 linear layers faster than fp32 (half the bytes). Without them bf16
+    is emulated and several times slower than fp32 (benchmarks/decode.py records both)."""
     return bool(set(NATIVE_BF16_FLAGS) & (cpu_flags() if flags is None else flags))
 
 
 def default_cpu_dtype() -> str:
     """float32 on every CPU. bfloat16 stays opt-in (``--dtype bfloat16``) even with native bf16:
-    measured on SmolLM2 (``benchmarks/results/decode.md``) it is fast enough (decode >= 1.3x
-    float32 at 4K) but misses the fidelity bar for making it the default (teacher-forced top-1
-    agreement with float32 >= 0.98), and a resumed history's greedy tokens can differ from a
-    recompute's."""
+    measured on SmolLM2 (``benchmarks/results/decode.md``) it misses the fidelity bar for making it
+    the default (teacher-forced top-1 agreement with float32 >= 0.98), a resumed history's greedy
+    tokens can differ from a recompute's, and with float32's linear layers on both cores it is no
+    longer 1.3x faster at 4K."""
     return "float32"
 
 

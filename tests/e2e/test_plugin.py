@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import run_fresh
 
 
@@ -57,3 +59,31 @@ def test_plugin_registration_is_idempotent():
     assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"]
     assert len(out["registered"]) == 4 and set(out["registered"].values()) == {1}, out["registered"]
     assert not out["wrapped_twice"]
+
+
+@pytest.mark.parametrize("stock", [False, True])
+def test_decode_linear_hooks_only_in_loopkv_servers(stock):
+    """The split linear layers are sgl-loopkv's: a server of its launcher gets them, its stock
+    baseline (``--loopkv-stock``) and a plain SGLang process keep SGLang's layers."""
+    import json as _json
+
+    code = """
+        import json
+        from sgl_loopkv.plugin import COMPONENTS, register
+        register()
+        from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+        print(json.dumps({
+            "hooks": COMPONENTS["hook"],
+            "linear_wrapped": hasattr(UnquantizedLinearMethod.apply, "__wrapped__"),
+            "lm_head_wrapped": hasattr(LogitsProcessor._compute_lm_head, "__wrapped__"),
+        }))
+        """
+    from sgl_loopkv.models.decode_linear import LINEAR_TARGET, LM_HEAD_TARGET
+
+    launched = run_fresh(code, env={"LOOPKV_CONFIG": _json.dumps({"stock": stock})})
+    plain = run_fresh(code, drop_env=("LOOPKV_CONFIG",))
+    assert (LINEAR_TARGET in launched["hooks"]) is not stock
+    assert (LM_HEAD_TARGET in launched["hooks"]) is not stock
+    assert launched["linear_wrapped"] is not stock and launched["lm_head_wrapped"] is not stock
+    assert LINEAR_TARGET not in plain["hooks"] and not plain["linear_wrapped"] and not plain["lm_head_wrapped"]
