@@ -50,10 +50,13 @@ from sgl_loopkv.cache.metrics import TierMetrics
 from sgl_loopkv.cache.rebuild import rebuild_from_store
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
+from sgl_loopkv.platform import release_free_heap
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
 from sgl_loopkv.restore.restorer import Restorer
 
 logger = logging.getLogger(__name__)
+
+TRIM_EVERY_S = 5.0  # the C heap's free pages go back to the OS at most this often (at a turn's end)
 
 
 def _ref(node: TreeNode) -> tuple[str, int, int] | None:
@@ -97,6 +100,7 @@ class LoopKVRadixCache(RadixCache):
         logger.info("loopkv: layer-wise loads overlap the forward (the KV pool's layer transfer counter)")
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
+        self._trimmed_at = 0.0
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
         # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
         self.store_geometry = replace(self.geometry, dtype=store_dtype or self.geometry.dtype)
@@ -142,6 +146,8 @@ class LoopKVRadixCache(RadixCache):
             for seg_id in list(self.store.segments):
                 self.store.drop(seg_id)
             self._seg_nodes.clear()
+            self.metrics.publish(self.store.count_tokens())  # else /metrics shows the old tiers until the next turn
+            release_free_heap()
 
     # --- write-through at checkpoint ------------------------------------------------------------
     def checkpoint(self, req, *, up_to: int):
@@ -156,6 +162,9 @@ class LoopKVRadixCache(RadixCache):
             self._touch_path(req.last_node, self.importance.pop(req.kv.req_pool_idx))
             self.metrics.publish(self.store.count_tokens())
             self.metrics.publish_restore(self.restorer.stats)  # the bubbles of this turn's forward
+            if time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # the tiers' freed tensors leave the RSS
+                release_free_heap()
+                self._trimmed_at = time.monotonic()
 
     def _store_path(self, node: TreeNode, pairs: list[tuple[int, int]]) -> None:
         path = []
@@ -196,6 +205,15 @@ class LoopKVRadixCache(RadixCache):
             self.store.touch(
                 seg, self.store.segments[seg].record.n_chunks, vec if vec is not None and vec.sum() > 0 else None
             )
+
+    def _attached(self, node: TreeNode) -> bool:
+        """Whether ``node`` is still reachable from the root (a dropped subtree keeps its parent links)."""
+        while node is not self.root_node:
+            parent = node.parent
+            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
+                return False
+            node = parent
+        return True
 
     def _position(self, node: TreeNode) -> int:
         pos, node = 0, node.parent
@@ -375,11 +393,12 @@ class LoopKVRadixCache(RadixCache):
         plan = self.restorer.plan(job)
         parts: list[tuple[TreeNode, torch.Tensor, str]] = []
         off = 0
+        restoring = {_ref(nd)[0] for nd in stored}  # a promotion must not evict the rest of this history
         for node in stored:
             seg, lo, hi = _ref(node)
             skip = [min(max(s - off, 0), len(node.key)) // self.page_size for s in plan.recompute]
             try:
-                kv, tier = self.store.fetch(seg, lo, hi, skip)
+                kv, tier = self.store.fetch(seg, lo, hi, skip, keep=restoring)
             except CorruptSegment as e:
                 logger.warning("loopkv: %s; recomputing that part of the history", e)
                 break  # _on_segment_lost already removed the node and its subtree
@@ -387,6 +406,14 @@ class LoopKVRadixCache(RadixCache):
                 self.restorer.observe_disk(*self.store.last_disk_read)
             parts.append((node, kv, tier))
             off += len(node.key)
+        # Only nodes still in the tree may get slots: one a tier lost meanwhile was dropped with
+        # its subtree, and slots handed out through it would be owned twice once the request
+        # inserts its history (and freed under it by eviction).
+        for i, (node, _, _) in enumerate(parts):
+            if _ref(node) is None or not self._attached(node):
+                logger.warning("loopkv: part of a history was lost while it was restored; recomputing it")
+                del parts[i:]
+                break
         n = sum(len(node.key) for node, _, _ in parts)
         if n == 0:
             return 0, last_device

@@ -2,22 +2,26 @@
 
 A segment enters through :meth:`TieredKVStore.put` (host arena, then written through to disk
 in the background) and leaves the last tier only when a quota forces it, least valuable first
-(:mod:`sgl_loopkv.cache.value`); then ``on_lost(seg_id)`` tells the radix tree. All calls come
+(:mod:`sgl_loopkv.cache.value`); then ``on_lost(seg_id)`` tells the radix tree. A write the disk
+refuses is counted (``disk_write_errors``) and logged, and the segment stays where it was (host
+arena) or is not stored; a full disk also lowers the tier's quota to what fits. All calls come
 from the scheduler thread; the disk writer is the only other thread and touches only the disk
-store (under ``_disk_lock``) and the ``pending`` flags.
+store (under ``_disk_lock``), the ``pending`` flags and the counters.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from shutil import disk_usage
 
 import torch
 
@@ -57,6 +61,7 @@ class TierStats:
     load_seconds: float = 0.0
     corrupt_segments: int = 0
     lost_segments: int = 0
+    disk_write_errors: int = 0  # segment writes the disk refused (full, I/O error): not stored on disk
     host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
     disk_tokens: int = 0
 
@@ -139,7 +144,7 @@ class TieredKVStore:
         nbytes = kv_nbytes(kv) + summaries.numel() * summaries.element_size()
         disk_bytes = self.disk.file_bytes(record.n_chunks, len(record.token_ids)) if self.disk else 0
         to_disk = self.disk is not None and self._make_disk_room(disk_bytes)
-        in_host = self._make_host_room(nbytes, keep=None)
+        in_host = self._make_host_room(nbytes)
         if not (in_host or to_disk):
             return False
         seg = StoredSegment(record, kv, summaries, pending_disk=to_disk)
@@ -154,6 +159,10 @@ class TieredKVStore:
         else:  # too big for the arena: write from this copy now, keep it on disk only
             self._write(record.seg_id, disk_bytes)
             seg.host_kv = seg.host_summaries = None
+            if not seg.on_disk:  # the write failed: no tier holds it (the tree never saw it: no on_lost)
+                del self.segments[record.seg_id]
+                self.policy.forget(record.seg_id)
+                return False
         return True
 
     def _write(self, seg_id: str, reserved: int) -> None:
@@ -163,8 +172,28 @@ class TieredKVStore:
                 with self._disk_lock:
                     self.disk.write(seg.record, seg.host_kv, seg.host_summaries)
                 seg.on_disk = True
-        except OSError:
-            logger.exception("loopkv: writing segment %s to disk failed; it stays in host memory only", seg_id)
+        except Exception as e:  # whatever went wrong, the writer thread lives on (flush() waits for it)
+            self.stats.disk_write_errors += 1
+            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                # Something else filled the filesystem: hold the tier to what it has plus what is still
+                # free, so later stores replace the least valuable segments (or stay in host memory)
+                # instead of failing too.
+                with self._disk_lock:
+                    before = self.disk.quota_bytes
+                    self.disk.quota_bytes = min(before, self.disk.used_bytes + disk_usage(self.disk.root).free)
+                logger.warning(
+                    "loopkv: disk full writing segment %s (%s): not stored on disk (kept in host memory where it "
+                    "fits); disk tier quota lowered from %.3f to %.3f GB until restart",
+                    seg_id,
+                    e,
+                    before / 1e9,
+                    self.disk.quota_bytes / 1e9,
+                )
+            else:
+                logger.exception(
+                    "loopkv: writing segment %s to disk failed: not stored on disk (kept in host memory where it fits)",
+                    seg_id,
+                )
         finally:
             if seg is not None:
                 seg.pending_disk = False
@@ -178,10 +207,12 @@ class TieredKVStore:
             if seg_id is None:
                 self._queue.task_done()
                 return
-            seg = self.segments.get(seg_id)
-            reserved = self.disk.file_bytes(seg.record.n_chunks, len(seg.record.token_ids)) if seg else 0
-            self._write(seg_id, reserved)
-            self._queue.task_done()
+            try:
+                seg = self.segments.get(seg_id)
+                reserved = self.disk.file_bytes(seg.record.n_chunks, len(seg.record.token_ids)) if seg else 0
+                self._write(seg_id, reserved)
+            finally:
+                self._queue.task_done()
 
     def flush(self) -> None:
         """Wait until every queued disk write is done."""
@@ -201,11 +232,11 @@ class TieredKVStore:
     def _host_bytes(self, seg: StoredSegment) -> int:
         return kv_nbytes(seg.host_kv) + seg.host_summaries.numel() * seg.host_summaries.element_size()
 
-    def _make_host_room(self, nbytes: int, keep: str | None) -> bool:
+    def _make_host_room(self, nbytes: int, keep: Collection[str] = ()) -> bool:
         if nbytes > self.host_quota:
             return False
         while self.stats.host_bytes + nbytes > self.host_quota:
-            victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id != keep]
+            victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id not in keep]
             if not victims:
                 return False
             victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
@@ -273,13 +304,19 @@ class TieredKVStore:
         return "host" if seg.in_host else ("disk" if seg.on_disk else None)
 
     def fetch(
-        self, seg_id: str, chunk_lo: int, chunk_hi: int, skip_chunks: list[int] | None = None
+        self,
+        seg_id: str,
+        chunk_lo: int,
+        chunk_hi: int,
+        skip_chunks: list[int] | None = None,
+        keep: Collection[str] = (),
     ) -> tuple[torch.Tensor, str]:
         """KV [L, 2, T, H, D] of chunks [chunk_lo, chunk_hi) and the tier it came from. A disk
-        read is verified and promoted to the host arena. ``skip_chunks[l]``: leading chunks of the
-        range that layer l does not need (recomputed); a disk read then skips them and is not
-        promoted (it is incomplete). Raises CorruptSegment (and forgets the segment) if the only
-        copy is bad."""
+        read is verified and promoted to the host arena, making room by evicting any segment but
+        this one and ``keep`` (the rest of the history being restored: dropping one would cut the
+        tree under the caller). ``skip_chunks[l]``: leading chunks of the range that layer l does
+        not need (recomputed); a disk read then skips them and is not promoted (it is incomplete).
+        Raises CorruptSegment (and forgets the segment) if the only copy is bad."""
         seg = self.segments.get(seg_id)
         c = self.geometry.chunk_tokens
         if seg is None:
@@ -311,7 +348,7 @@ class TieredKVStore:
         self.stats.disk_bytes_used += kv_nbytes(kv)
         g = self.geometry
         nbytes = kv_nbytes(kv) + g.num_layers * seg.record.n_chunks * g.summary_bytes_per_chunk_layer
-        if self._make_host_room(nbytes, keep=seg_id):  # promote (the summaries only once it fits)
+        if self._make_host_room(nbytes, keep={seg_id, *keep}):  # promote (the summaries only once it fits)
             if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
                 with self._disk_lock:
                     summaries = self.disk.read_summaries(seg_id)

@@ -1,0 +1,131 @@
+"""The loopkv radix cache's tree against its tiers, in process: a real ``LoopKVRadixCache`` over a
+small KV pool and a real tiered store (host arena + disk in a temp dir), no server.
+
+What these pin: a match that loads stored history back never hands out slots through a node that
+a tier lost meanwhile (such a node is no longer in the tree: its slots would be freed by eviction
+and still read by the request, or owned twice after the request's insert)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
+from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+from sglang.srt.mem_cache.radix_cache import RadixKey
+
+from sgl_loopkv.cache.radix import LoopKVRadixCache
+from sgl_loopkv.cache.store import TieredKVStore
+from sgl_loopkv.cache.value import VALUE_POLICIES
+
+CHUNK, LAYERS, HEADS, DIM, SLOTS = 16, 2, 2, 8, 512
+
+
+class PagedAllocator:
+    """SGLang's paged allocator as the radix cache uses it: whole pages out, segments back."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, kv_pool):
+        self.kv_pool = kv_pool
+        self.free_pages = list(range(1, SLOTS // CHUNK))  # page 0 is SGLang's padding page
+
+    def get_kvcache(self):
+        return self.kv_pool
+
+    def available_size(self) -> int:
+        return len(self.free_pages) * CHUNK
+
+    def alloc(self, n: int):
+        if n % CHUNK or n // CHUNK > len(self.free_pages):
+            return None
+        pages, self.free_pages = self.free_pages[: n // CHUNK], self.free_pages[n // CHUNK :]
+        return torch.cat([torch.arange(p * CHUNK, (p + 1) * CHUNK) for p in pages])
+
+    def free_segment(self, slots, start_pos: int = 0):
+        pages = sorted({int(s) // CHUNK for s in slots})
+        assert not set(pages) & set(self.free_pages), f"pages {pages} freed twice"
+        self.free_pages += pages
+
+
+class KVPool:
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.k_buffer = [torch.randn(SLOTS, HEADS, DIM, generator=g) for _ in range(LAYERS)]
+        self.v_buffer = [torch.randn(SLOTS, HEADS, DIM, generator=g) for _ in range(LAYERS)]
+
+    def register_layer_transfer_counter(self, counter):
+        self.counter = counter
+
+
+def make_cache(tmp_path, host_bytes: int):
+    pool = KVPool()
+    allocator = PagedAllocator(pool)
+    params = CacheInitParams(
+        disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=CHUNK
+    )
+
+    def store_factory(geometry, on_lost, disk_evictable):
+        return TieredKVStore(
+            geometry,
+            VALUE_POLICIES.create("lru"),
+            host_quota_bytes=host_bytes,
+            disk_dir=tmp_path,
+            disk_quota_bytes=1 << 30,
+            on_lost=on_lost,
+            disk_evictable=disk_evictable,
+        )
+
+    return LoopKVRadixCache(params, kv_pool=pool, store_factory=store_factory), allocator
+
+
+def add_turn(cache, allocator, tokens: list[int]):
+    """A finished request: its tokens inserted with fresh slots, then stored like a turn's end."""
+    key = RadixKey(tokens, None)
+    match = cache.match_prefix(MatchPrefixParams(key=key))
+    slots = allocator.alloc(len(tokens) - match.device_prefix_len)
+    prefix = cache.path_device_indices(match.last_device_node) if match.device_prefix_len else torch.empty(0)
+    value = torch.cat([prefix.to(torch.int64), slots])
+    cache.insert(InsertParams(key=key, value=value))
+    node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    cache._store_path(node, [])
+    cache.store.flush()
+    return node
+
+
+def attached(cache, node) -> bool:
+    while node is not cache.root_node:
+        if node.parent is None or node.parent.children.get(node.key.child_key(CHUNK)) is not node:
+            return False
+        node = node.parent
+    return True
+
+
+def test_a_segment_lost_while_a_later_one_is_promoted_cuts_the_restored_history_there(tmp_path):
+    """History A (host only) then B (disk only, below A). Loading B promotes it into the arena,
+    whose quota makes room by dropping A, the only copy: A leaves the tree, so the match must not
+    hand out A (nor B below it) as a device prefix."""
+    a, b = list(range(100, 132)), list(range(200, 232))
+    cache, allocator = make_cache(tmp_path, host_bytes=1 << 20)
+    node_a = add_turn(cache, allocator, a)
+    node_b = add_turn(cache, allocator, a + b)
+    seg_a, seg_b = cache.store.segments[node_a.lkv[0]], cache.store.segments[node_b.lkv[0]]
+    assert seg_a.on_disk and seg_b.on_disk
+    # A: only in the arena (its file gone); B: only on disk.
+    cache.store.disk.delete(seg_a.record.seg_id)
+    seg_a.on_disk = False
+    if seg_b.in_host:
+        cache.store.stats.host_bytes -= cache.store._host_bytes(seg_b)
+        seg_b.host_kv = seg_b.host_summaries = None
+    assert seg_a.in_host
+    cache.store.host_quota = cache.store.stats.host_bytes + 1  # A fits; B's promotion must drop A
+    cache.evict(EvictParams(num_tokens=SLOTS))
+    assert node_a.evicted and node_b.evicted
+
+    req = SimpleNamespace(rid="r")
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(a + b + [7] * 16, None), req=req))
+    last = match.last_device_node
+    assert attached(cache, last), "the match handed out a prefix through nodes no longer in the tree"
+    assert match.device_prefix_len == len(cache.path_device_indices(last))
+    # Every slot is owned once: evicting everything frees each page exactly once (the allocator asserts).
+    cache.evict(EvictParams(num_tokens=SLOTS))
