@@ -94,6 +94,7 @@ SYSTEMS = {
         ("--loopkv-stock", "--attention-backend", "loopkv", "--page-size", "16"),
     ),
     "loopkv-fp32-krul": ("sglang", "float32", ("--loopkv-share-layers", "minicache")),
+    "loopkv-fp32-nodisk": ("sglang", "float32", ("--loopkv-disk-dir", "none")),
 }
 WHAT = {
     "loopkv": "sgl-loopkv launcher defaults (loopkv attention, tiered radix cache)",
@@ -102,8 +103,10 @@ WHAT = {
     "llamacpp": "llama.cpp server (llama-cpp-python) on the same GGUF: reads Q4_1 weights, ~1/4 of bf16's bytes; bs 1",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers): the tiered cache's per-step cost",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
+    "loopkv-fp32-nodisk": "sgl-loopkv defaults without the disk tier (`--loopkv-disk-dir none`): the disk writer's cost",
 }
-BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul")  # run at 4K with the smallest and largest batch only
+# run at 4K with the smallest and largest batch only
+BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul", "loopkv-fp32-nodisk")
 
 
 def what(name: str) -> str:
@@ -627,6 +630,7 @@ def summarize(p: dict) -> dict:
         # per-step bookkeeping, each against the same server without it (issue 13: "measure each")
         "tiered_cache_tpot_ratio": step_cost("loopkv-fp32", "loopkv-fp32-radix"),
         "krul_estimator_tpot_ratio": step_cost("loopkv-fp32-krul", "loopkv-fp32"),
+        "disk_tier_tpot_ratio": step_cost("loopkv-fp32", "loopkv-fp32-nodisk"),
         "llamacpp_tpot_ms_4k": tpot(res, "llamacpp", 4096, 1),
         "hf_tpot_ms_4k": tpot(res, f"hf-{SHORT[hd]}", 4096, 1),
         "stock_tpot_ms_4k": tpot(res, st, 4096, 1),
@@ -714,7 +718,8 @@ def report_md(p: dict) -> str:
             f"{_f(sm.get('tpot_ratio_stock_over_loopkv_min_all_dtypes'))}.\n\n"
         )
     for key, what_ in (("tiered_cache_tpot_ratio", "tiered cache (loopkv-fp32 / loopkv-fp32-radix)"),
-                       ("krul_estimator_tpot_ratio", "Krul's estimator (loopkv-fp32-krul / loopkv-fp32)")):  # fmt: skip
+                       ("krul_estimator_tpot_ratio", "Krul's estimator (loopkv-fp32-krul / loopkv-fp32)"),
+                       ("disk_tier_tpot_ratio", "disk tier's writer (loopkv-fp32 / loopkv-fp32-nodisk)")):  # fmt: skip
         if sm.get(key):
             md += (
                 f"Per-step cost of the {what_}, TPOT ratio per ctx/bs: "

@@ -99,19 +99,27 @@ def main(argv: list[str] | None = None) -> None:
     if {"-h", "--help"} & set(argv):
         loopkv_parser(add_help=False).print_help()
         print("\nSGLang's own flags follow (all accepted unchanged):\n")
-    _, sglang_argv, _ = build_sglang_argv(argv)
+    config, sglang_argv, _ = build_sglang_argv(argv)
 
     from sglang.launch_server import run_server
+    from sglang.srt.entrypoints.http_server import app
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
     from sgl_loopkv.plugin import register
+    from sgl_loopkv.server.limits import install_http_limits
+    from sgl_loopkv.server.redact import redact_server_args
+    from sgl_loopkv.server.rendezvous import private_rendezvous
 
     load_plugins()  # our entry point and any other installed plugin, as sglang.launch_server does
     register()  # idempotent; keeps loopkv available even if SGLANG_PLUGINS filters entry points
     server_args = prepare_server_args(sglang_argv)
+    redact_server_args(server_args)  # /server_info shows the command line: no keys in it
+    # Only the one-tokenizer app: with --tokenizer-worker-num > 1 uvicorn workers import a fresh app.
+    install_http_limits(app, config.limits)
     try:
-        run_server(server_args)
+        with private_rendezvous(server_args):  # no scheduler socket on every interface
+            run_server(server_args)
     finally:
         kill_process_tree(os.getpid(), include_parent=False)

@@ -13,7 +13,15 @@ waited for all of it (its ``TokenizerManager.sigterm_watchdog`` drains every req
   what still runs once the grace period after SIGTERM is over, so the drain ends and the server
   exits (every completed store is already on disk: the disk writer flushes at exit).
 
-Both act only in a server started by ``python -m sgl_loopkv.launch_server``; the plugin leaves a
+In SGLang's subprocesses (scheduler, detokenizer) SIGTERM is ignored
+(:func:`leave_sigterm_to_the_launcher`), so a SIGTERM to the whole process group (systemd's default
+``KillMode``, ``kill -- -PGID``) stops the server the same way as one to the launcher alone.
+
+And one ASGI middleware, :class:`ClientConcurrencyLimit`, that the launcher adds to SGLang's
+FastAPI ``app`` before SGLang adds its own (so SGLang's ``--api-key`` check runs first): requests one
+client address has in flight at once, streams counted until they end; one more gets a 429.
+
+All act only in a server started by ``python -m sgl_loopkv.launch_server``; the plugin leaves a
 plain ``sglang.launch_server`` in the same environment as SGLang made it.
 """
 
@@ -21,7 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
+import signal
+import threading
+from collections import Counter
 
 from sgl_loopkv.config import LimitsConfig, LoopKVConfig
 
@@ -67,6 +79,18 @@ async def abort_after_grace(original, self):
     return await original(self)
 
 
+def leave_sigterm_to_the_launcher() -> None:
+    """Ignore SIGTERM in this SGLang subprocess (call from its main thread, e.g. plugin loading).
+
+    Without it a process-group SIGTERM kills the scheduler and detokenizer at once: running requests
+    are cut without the grace period and stores queued for the disk tier are lost. With it the
+    launcher stops them as for a SIGTERM to it alone: the grace period, then SGLang's ``ShutdownReq``
+    (the scheduler exits normally; the disk writer drains at exit), then SIGKILL for what is left.
+    A subprocess whose launcher died still goes: SGLang sets ``PR_SET_PDEATHSIG`` to SIGKILL."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 async def _abort_when_stopping(tokenizer_manager, grace_s: float) -> None:
     while not tokenizer_manager.gracefully_exit:
         await asyncio.sleep(0.5)
@@ -81,3 +105,66 @@ async def _abort_when_stopping(tokenizer_manager, grace_s: float) -> None:
             grace_s,
         )
         tokenizer_manager.abort_request(abort_all=True)
+
+
+#: Paths a monitor polls: never counted, never refused.
+UNCOUNTED_PATHS = frozenset({"/health", "/metrics"})
+
+
+class ClientConcurrencyLimit:
+    """ASGI middleware: at most ``max_requests`` HTTP requests in flight per client address (the
+    peer address: behind a proxy or router that is the proxy's). A request is in flight from its
+    arrival until its response's last byte is sent (a stream's end) or the app returns (a client
+    that went away). Over the limit: 429 with a JSON error naming the flag, and ``Retry-After``."""
+
+    def __init__(self, app, max_requests: int):
+        self.app, self.max_requests = app, max_requests
+        self.in_flight: Counter[str] = Counter()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
+            return await self.app(scope, receive, send)
+        client = scope["client"][0] if scope.get("client") else "unknown"
+        if self.in_flight[client] >= self.max_requests:
+            return await _too_many(send, self.max_requests)
+        self.in_flight[client] += 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight[client] -= 1
+                if not self.in_flight[client]:
+                    del self.in_flight[client]
+
+        async def send_and_release(message):
+            # The request ends with its response's last byte: the app may return much later (an
+            # SGLang stream's handler lingers after the end), and counting until then leaked slots.
+            try:
+                await send(message)
+            finally:
+                if message["type"] == "http.response.body" and not message.get("more_body", False):
+                    release()
+
+        try:
+            await self.app(scope, receive, send_and_release)
+        finally:
+            release()
+
+
+async def _too_many(send, limit: int) -> None:
+    message = (
+        f"this client already has {limit} requests in flight, the server's limit "
+        "(--loopkv-max-client-requests); retry when one has finished"
+    )
+    body = json.dumps({"object": "error", "message": message, "type": "TooManyRequests", "code": 429}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 429, "headers": [*headers, (b"retry-after", b"1")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def install_http_limits(app, limits: LimitsConfig) -> None:
+    """Add :class:`ClientConcurrencyLimit` to SGLang's FastAPI ``app`` (before it starts)."""
+    if limits.max_client_requests:
+        app.add_middleware(ClientConcurrencyLimit, max_requests=limits.max_client_requests)

@@ -7,10 +7,12 @@ way a user does (``python -m sgl_loopkv.launch_server`` or stock ``python -m sgl
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +28,12 @@ def free_port() -> int:
 
 @dataclass
 class ServerProcess:
-    """A server on 127.0.0.1:<port>. ``module`` is what ``python -m`` runs."""
+    """A server on 127.0.0.1:<port>. ``module`` is what ``python -m`` runs.
+
+    With ``private_disk_dir``, an sgl-loopkv server whose args name no ``--loopkv-disk-dir`` gets a
+    fresh temporary one (removed at :meth:`stop`) instead of the launcher's default in the user cache:
+    tests and benchmarks run with the disk tier on, as users do, but never resume one another's
+    stored KV, and two servers of one model never meet on one directory lock."""
 
     args: list[str]
     module: str = "sgl_loopkv.launch_server"
@@ -34,7 +41,10 @@ class ServerProcess:
     log_path: Path | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
-    startup_s: float | None = None  # spawn -> first successful /generate (seconds)
+    startup_s: float | None = None  # spawn -> first successful /generate and /health (seconds)
+    headers: dict[str, str] = field(default_factory=dict)  # of the readiness probe (e.g. an API key)
+    private_disk_dir: bool = True
+    disk_dir: Path | None = None  # the temporary disk-tier directory this object made, if any
 
     @property
     def url(self) -> str:
@@ -42,7 +52,12 @@ class ServerProcess:
 
     def start(self, timeout_s: float = 600) -> ServerProcess:
         env = {**os.environ, **self.env}
-        cmd = [sys.executable, "-m", self.module, *self.args, "--host", "127.0.0.1", "--port", str(self.port)]
+        args = list(self.args)
+        named = any(a.startswith("--loopkv-disk-dir") for a in args)
+        if self.private_disk_dir and self.module == "sgl_loopkv.launch_server" and not named:
+            self.disk_dir = Path(tempfile.mkdtemp(prefix="loopkv-disk-"))
+            args += ["--loopkv-disk-dir", str(self.disk_dir)]
+        cmd = [sys.executable, "-m", self.module, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
         t0 = time.perf_counter()
         # Own process group: SGLang's scheduler/detokenizer children go down with it.
@@ -60,9 +75,11 @@ class ServerProcess:
                 r = requests.post(
                     f"{self.url}/generate",
                     json={"text": "ready?", "sampling_params": {"max_new_tokens": 1, "temperature": 0}},
+                    headers=self.headers,
                     timeout=60,
                 )
-                if r.status_code == 200:
+                # /generate answers before SGLang's own warm-up is over; /health says 503 until then
+                if r.status_code == 200 and requests.get(f"{self.url}/health", timeout=60).status_code == 200:
                     return
             except requests.RequestException:
                 pass
@@ -80,6 +97,14 @@ class ServerProcess:
         return [root.pid, *(c.pid for c in root.children(recursive=True))]
 
     def stop(self) -> None:
+        try:
+            self._stop_process()
+        finally:
+            if self.disk_dir is not None:
+                shutil.rmtree(self.disk_dir, ignore_errors=True)
+                self.disk_dir = None
+
+    def _stop_process(self) -> None:
         if self.proc is None:
             return
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):

@@ -48,11 +48,12 @@ class TierConfig:
         default=2 << 30,
         metadata={"help": "Byte quota of the host-RAM tier of the loopkv radix cache (default 2 GiB).", "type": int},
     )
-    disk_dir: str | None = field(
-        default=None,
+    disk_dir: str = field(
+        default="auto",
         metadata={
-            "help": "Directory of the disk tier; reusing it after a restart resumes the stored conversations "
-            "('none' or no value: no disk tier). One server per directory and model: a second is refused."
+            "help": "Directory of the disk tier; reusing it after a restart resumes the stored conversations. "
+            "'auto' (default): <cache-dir>/kv; 'none': no disk tier. One server per directory and model: a "
+            "second is refused."
         },
     )
     disk_bytes: int = field(
@@ -88,7 +89,7 @@ class TierConfig:
 
     @property
     def disk_path(self) -> Path | None:
-        """The disk tier's directory, None when it is off."""
+        """The disk tier's directory, None when it is off (``auto`` is resolved by :class:`LoopKVConfig`)."""
         off = not self.disk_dir or self.disk_dir.lower() in ("none", "off")
         return None if off else Path(self.disk_dir).expanduser()
 
@@ -288,6 +289,15 @@ class LimitsConfig:
             "type": int,
         },
     )
+    max_client_requests: int = field(
+        default=64,
+        metadata={
+            "help": "Requests one client address may have in flight at once (streams count until they end); "
+            "more get a 429. 0: no limit. Behind a router every request comes from the router's address: "
+            "raise it or set 0 there.",
+            "type": int,
+        },
+    )
     shutdown_grace_s: float = field(
         default=30.0,
         metadata={
@@ -298,9 +308,10 @@ class LimitsConfig:
     )
 
     def __post_init__(self):
-        if self.max_n < 1 or self.default_max_tokens < 1 or self.shutdown_grace_s < 0:
+        if self.max_n < 1 or self.default_max_tokens < 1 or self.shutdown_grace_s < 0 or self.max_client_requests < 0:
             raise ValueError(
-                "--loopkv-max-n and --loopkv-default-max-tokens must be >= 1, --loopkv-shutdown-grace-s >= 0"
+                "--loopkv-max-n and --loopkv-default-max-tokens must be >= 1, --loopkv-shutdown-grace-s and "
+                "--loopkv-max-client-requests >= 0"
             )
 
 
@@ -380,6 +391,8 @@ class LoopKVConfig:
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
+        if self.tiers.disk_dir == "auto":  # resolved here, so the subprocesses get the launcher's path
+            self.tiers.disk_dir = str(self.resolved_cache_dir / "kv")
 
     @property
     def resolved_cache_dir(self) -> Path:

@@ -10,6 +10,9 @@ What it registers today:
 - the ``loopkv`` radix-cache backend (``--radix-cache-backend loopkv``): tiered conversation KV;
 - a check that OpenAI requests name the served model (:mod:`sgl_loopkv.server.openai_model_check`);
 - per-request limits and a bounded stop after SIGTERM (:mod:`sgl_loopkv.server.limits`);
+- API keys redacted from /server_info, the start-up log and crash dumps (:mod:`sgl_loopkv.server.redact`);
+- bad input answered with a readable 4xx, never a 5xx or a server path (:mod:`sgl_loopkv.server.errors`,
+  :mod:`sgl_loopkv.server.request_checks`), in servers of sgl-loopkv's launcher;
 - per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`);
 - decode-step linear layers split over torch's threads (:mod:`sgl_loopkv.models.decode_linear`), in
   servers of sgl-loopkv's launcher other than ``--loopkv-stock``.
@@ -19,6 +22,7 @@ New components are registered here, nowhere else.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 
 from sgl_loopkv.platform import activate_cpu_standin
 
@@ -77,14 +81,25 @@ def _register_hooks() -> None:
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import decode_linear
-    from sgl_loopkv.server import limits, openai_model_check
+    from sgl_loopkv.server import errors, limits, openai_model_check, redact, request_checks
 
     hooks = [
         (openai_model_check.TARGET, openai_model_check.check_model_name, HookType.AROUND),
         (cache_backend.CACHED_TOKENS_DETAILS_TARGET, cache_backend.cached_tokens_details, HookType.AROUND),
         (limits.GENERATE_TARGET, limits.check_generate_request, HookType.BEFORE),
         (limits.SIGTERM_TARGET, limits.abort_after_grace, HookType.AROUND),
+        (redact.REDACT_TARGET, redact.redact_secret_fields, HookType.AFTER),
     ]
+    if LoopKVConfig.launched():
+        hooks += [
+            (request_checks.TARGET, request_checks.check_request_values, HookType.AFTER),
+            (request_checks.DETOKENIZE_TARGET, request_checks.check_detokenize_request, HookType.AFTER),
+            (request_checks.EMBED_NORMALIZE_TARGET, request_checks.normalize_embedding_request, HookType.AROUND),
+        ]
+        if multiprocessing.parent_process() is None:  # the launcher: the HTTP server's process, not a child
+            hooks.append((errors.LAUNCH_TARGET, errors.install_on_launch, HookType.AROUND))
+        else:  # a scheduler or detokenizer
+            limits.leave_sigterm_to_the_launcher()
     if LoopKVConfig.launched() and not LoopKVConfig.from_env().stock:  # the baseline keeps SGLang's layers
         hooks += [
             (decode_linear.LINEAR_TARGET, decode_linear.linear_apply, HookType.AROUND),

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 RADIX = "sglang.srt.mem_cache.radix_cache"
 POOL = "sglang.srt.mem_cache.memory_pool"
 TOKENIZER = "sglang.srt.managers.tokenizer_manager"
+HTTP = "sglang.srt.entrypoints.http_server"
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +128,72 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "called with abort_all=True (server/limits.py) once the shutdown grace period is over",
     ),
     PrivateUse(
+        f"{TOKENIZER}:TokenizerManager._validate_one_request",
+        "913d991d70106bffabf71c04915609bc6cc8b15678478eb5aae2c10b9ef814d8",
+        "AFTER hook (server/request_checks.py): called once per normalized request with its token ids "
+        "(obj.top_logprobs_num an int, obj.return_logprob a bool); a ValueError becomes a 400; field "
+        "model_config.vocab_size read",
+    ),
+    PrivateUse(
+        "sglang.srt.layers.logprob_processor:get_top_logprobs_raw",
+        "d7d2983acb90152f5762f01672a0be56b99e031b01c2308561f042c9cb089c5c",
+        "relied on (server/request_checks.py): topk(max top_logprobs_num) over the vocabulary, whose error ends the "
+        "scheduler: the reason top_logprobs_num past the vocabulary is rejected",
+    ),
+    PrivateUse(
+        "sglang.srt.layers.quantization.unquant:UnquantizedEmbeddingMethod.embedding",
+        "247e6955347819f9f45fc88b73ae1d596a83dff0b3998fd30556fe5274c27906",
+        "relied on (server/request_checks.py): F.embedding without a range check, whose IndexError ends the "
+        "scheduler: the reason input token ids outside the vocabulary are rejected",
+    ),
+    PrivateUse(
+        "sglang.srt.entrypoints.openai.serving_tokenize:OpenAIServingDetokenize._validate_request",
+        "ef8afbe6f1d6d983e59795700921d82dfcf9c1e38fb8e536fe780fac899abb44",
+        "AFTER hook (server/request_checks.py): OpenAIServingBase's (a no-op) until the class defines its own; "
+        "returns an error message or None",
+    ),
+    PrivateUse(
+        "sglang.srt.entrypoints.openai.serving_base:OpenAIServingBase.handle_request",
+        "f47d3e8fad409f773a3c8cfc48246b8cbd00825b89ffe333796649065282ee62",
+        "relied on (server/request_checks.py): a message from _validate_request is answered 400 before the "
+        "handler runs",
+    ),
+    PrivateUse(
+        "sglang.srt.entrypoints.openai.serving_tokenize:OpenAIServingDetokenize._handle_non_streaming_request",
+        "ea72b3218b38736dc987ec8618659e7a7505af8d8b8012f1cc56bf7f182ce003",
+        "relied on (server/request_checks.py): answers the tokenizer's OverflowError (an id < 0 or >= 2^32) with "
+        "a 500: the reason detokenize ids outside the vocabulary are rejected first",
+    ),
+    PrivateUse(
+        "sglang.srt.managers.io_struct:EmbeddingReqInput.normalize_batch_and_arguments",
+        "55ad67ffc0dd68de63ba9a298314929ab7df571639e28697bc87e8d7ce88434f",
+        "AROUND hook (server/request_checks.py): reads only the request's fields (so what it raises is bad "
+        "input); fields is_single, batch_size, rid, sampling_params read after it",
+    ),
+    PrivateUse(
+        "sglang.srt.managers.io_struct:EmbeddingReqInput.__getitem__",
+        "cfadce9d8e664a5947ae43e2aa6d3574137f4998d453a9beb9571ce5fe678ddb",
+        "relied on (server/request_checks.py): indexes rid and sampling_params per request without a length check",
+    ),
+    PrivateUse(
+        f"{HTTP}:launch_server",
+        "92fe88cd0c030d93296678d5a52ff7103e23e51c5612ce8c9dabf07e9888604c",
+        "AROUND hook (server/errors.py): runs in the launcher before uvicorn serves the module's app, so middleware "
+        "and exception handlers added to app then are in effect",
+    ),
+    PrivateUse(
+        f"{HTTP}:validation_exception_handler",
+        "0f73a3d642f94d75da75789e2a76424c8774f6f5f2b3d5a412a4fb9978f0f2d6",
+        "wrapped (server/errors.py): its message is str(exc) (FastAPI's text: endpoint file and line) plus "
+        "str(exc.errors()); the wrapper hands it the errors without the endpoint context",
+    ),
+    PrivateUse(
+        f"{HTTP}:lifespan",
+        "e2bebaf891d920176750d8f0bab701d6959c5ecb4c31376e6169067194aa3341",
+        "relied on (server/errors.py): app.state.openai_serving_responses is set only when the Responses API "
+        "started; without it its routes fail with a 500, so they are answered 404",
+    ),
+    PrivateUse(
         "sglang.srt.layers.logits_processor:LogitsProcessor._compute_lm_head",
         "c5062fc225cae30ddc3c553a12d789006594a0975b0e48d65a16132ddb6f1f00",
         "AROUND hook (models/decode_linear.py): takes over its plain-weight branch (hidden @ weight.T) for few "
@@ -136,6 +203,17 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "sglang.srt.layers.quantization.unquant:UnquantizedLinearMethod.apply",
         "0c43ec585f40ba2e793f23bd01b28fa11faa95da7de3b9a8d1cd99dc1ebd1de5",
         "AROUND hook (models/decode_linear.py): relies on its CPU path being F.linear unless the layer uses AMX",
+    ),
+    PrivateUse(
+        "sglang.srt.server_args:prepare_server_args",
+        "6c062dd465d2d14593d9e4a359e77eaa9282da0ef6a06bfabee267e75165d835",
+        "field _launch_command (set here, the argv joined) overwritten by the launcher (server/redact.py): "
+        "GET /server_info shows it, --api-key/--admin-api-key values included",
+    ),
+    PrivateUse(
+        "sglang.srt.server_args:ServerArgs.launch_command",
+        "343cfeb908ac4427e52476e896f17255dd9f4ab1b3c9c152f17ff457d0dc1ac1",
+        "read (server/redact.py): returns _launch_command",
     ),
 )
 

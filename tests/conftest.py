@@ -17,6 +17,9 @@ SERVER_FIXTURES = {
     "tiny_sparse_server",
     "capped_server",
     "plain_sglang_server",
+    "keyed_server",
+    "faults_server",
+    "fuzz_server",
 }
 
 

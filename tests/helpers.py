@@ -24,3 +24,30 @@ def run_fresh(code: str, env: dict[str, str] | None = None, drop_env: tuple[str,
     )
     assert proc.returncode == 0, f"snippet failed:\n{proc.stderr[-4000:]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def stream_in_background(url: str, max_new_tokens: int, timeout_s: float = 60):
+    """Start a ``/generate`` stream of ``max_new_tokens`` (EOS ignored) on a thread and wait
+    until it is generating. Returns (thread, meta): ``meta`` holds the latest record's ``meta_info``
+    (``finish_reason`` once the stream ended)."""
+    import threading
+    import time
+
+    import requests
+
+    meta: dict = {}
+
+    def stream():
+        body = {"text": "go", "stream": True, "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+        with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith(b"data: {"):
+                    meta.update(json.loads(line[len(b"data: ") :])["meta_info"])
+
+    t = threading.Thread(target=stream)
+    t.start()
+    deadline = time.monotonic() + timeout_s
+    while not meta and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert meta, "the stream never started"
+    return t, meta

@@ -23,10 +23,21 @@ logger = logging.getLogger(__name__)
 BACKEND_NAME = "loopkv"
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
 def model_fingerprint(model_path: str, geometry: KVGeometry) -> str:
-    """Disk subdirectory per model and KV geometry: stored KV is only valid for the exact weights."""
-    config = Path(model_path) / "config.json"
-    ident = [os.path.realpath(model_path), config.read_text() if config.exists() else "", geometry.to_json()]
+    """Disk subdirectory per model and KV geometry: stored KV is only valid for the exact weights.
+    Weights replaced in place (same folder and config) change it too: the weight files' names,
+    sizes and modification times are part of it (hashing their bytes would read gigabytes at start-up)."""
+    root = Path(model_path)
+    config = root / "config.json"
+    weights = []
+    for f in sorted(root.iterdir()) if root.is_dir() else ():
+        if f.name.endswith(WEIGHT_SUFFIXES) and f.exists():  # exists(): not a dangling link
+            st = f.stat()  # through links: a hub snapshot links to its blobs
+            weights.append([f.name, st.st_size, st.st_mtime_ns])
+    ident = [os.path.realpath(model_path), config.read_text() if config.exists() else "", geometry.to_json(), weights]
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -97,7 +108,7 @@ def create_loopkv_radix_cache(ctx):
         ctx.params.page_size,
         tiers.host_bytes / 1e9,
         tiers.disk_path or "off",
-        tiers.disk_bytes / 1e9,
+        cache.store.disk.quota_bytes / 1e9 if cache.store.disk is not None else 0.0,  # as bounded by free space
         tiers.value_policy,
     )
     return cache

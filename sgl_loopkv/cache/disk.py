@@ -4,7 +4,8 @@ Every write goes to a temp file that is fsync'ed and renamed into place, then th
 rewritten the same way; a crash leaves either the old state or the new one. Every extent (one
 chunk of one layer) and the header carry a crc32. A read that finds a missing, truncated or
 corrupt file raises :class:`CorruptSegment`; the caller recomputes that part of the history
-instead of serving it. Layout: :mod:`sgl_loopkv.cache.layout`.
+instead of serving it. A write that fails (a full disk: ``OSError``) leaves nothing behind, neither
+a temp file nor an unindexed segment. Layout: :mod:`sgl_loopkv.cache.layout`.
 """
 
 from __future__ import annotations
@@ -62,13 +63,17 @@ class SegmentRecord:
 
 def _atomic_write(path: Path, chunks, fsync_dir: bool = True) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    # 0o600: conversations are private to the server's user, whatever the umask
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        for c in chunks:
-            f.write(c)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        # 0o600: conversations are private to the server's user, whatever the umask
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+            for c in chunks:
+                f.write(c)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a half-written file would hold the space a full disk lacks
+        raise
     if fsync_dir:
         fd = os.open(path.parent, os.O_RDONLY)
         try:
@@ -111,8 +116,10 @@ class DiskSegmentStore:
                     for sid, e in index["segments"].items()
                     if SEG_ID.fullmatch(sid) and e.get("seg_id") == sid
                 }
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, AttributeError):  # AttributeError: JSON, not an object
                 self.records = {}  # unreadable or foreign index: start empty, files become orphans
+        for sid in [sid for sid in self.records if not self.path(sid).exists()]:
+            del self.records[sid]  # deleted while the index could not be rewritten (disk full), or by hand
         for f in self.root.glob("seg_*.kv"):  # written but never indexed (crash before the index)
             if f.stem.removeprefix("seg_") not in self.records:
                 f.unlink(missing_ok=True)
@@ -199,13 +206,24 @@ class DiskSegmentStore:
         )
         record.file_bytes = layout.file_bytes
         self.records[record.seg_id] = record
-        self._write_index()
+        try:
+            self._write_index()
+        except BaseException:  # not indexed, so not stored: never keep a file the index does not name
+            self.records.pop(record.seg_id, None)
+            self.path(record.seg_id).unlink(missing_ok=True)
+            raise
         self.bytes_written += layout.file_bytes
 
     def delete(self, seg_id: str) -> None:
+        """Forget a segment and remove its file. The file goes even when the index cannot be rewritten
+        (a full disk: deleting is how space comes back); the stale entry then names a missing file,
+        which the next index write drops, or the next start-up."""
         path = self.path(seg_id)
         self.records.pop(seg_id, None)
-        self._write_index()
+        try:
+            self._write_index()
+        except OSError:
+            pass
         path.unlink(missing_ok=True)
 
     # --- read --------------------------------------------------------------------------------

@@ -24,7 +24,8 @@ class DirectoryLock:
     """Held from construction until :meth:`release` or the end of the process."""
 
     def __init__(self, root: Path):
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # the tier's own root (per-model dirs in it)
+        root.mkdir(mode=0o700, exist_ok=True)
         self.path = root / "lock"
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:

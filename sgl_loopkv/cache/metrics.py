@@ -1,5 +1,5 @@
 """Tier counters on SGLang's Prometheus endpoint (``--enable-metrics``): bytes per tier, hit
-tokens per tier, disk bytes read vs used (read amplification), load time, corrupt segments.
+tokens per tier, disk bytes read vs used (read amplification), load time, corrupt segments, refused disk writes.
 
 Created in the scheduler process after SGLang has set ``PROMETHEUS_MULTIPROC_DIR``, like SGLang's
 own scheduler metrics, so ``GET /metrics`` of the HTTP server shows them.
@@ -27,6 +27,9 @@ class TierMetrics:
         )
         self.load_seconds = Counter("loopkv_load_seconds", "Seconds spent fetching and starting tier loads")
         self.corrupt = Counter("loopkv_corrupt_segments", "Stored segments rejected by their checksums")
+        self.write_errors = Counter(
+            "loopkv_disk_write_errors", "Segment writes the disk refused (full, I/O error): not stored on disk"
+        )
         self.restores = Counter("loopkv_restores", "Histories restored from the host/disk tiers")
         self.restore_recompute = Gauge(
             "loopkv_restore_recompute_fraction",
@@ -86,6 +89,7 @@ class TierMetrics:
         self.disk_used.inc(stats.disk_bytes_used - last.disk_bytes_used)
         self.load_seconds.inc(stats.load_seconds - last.load_seconds)
         self.corrupt.inc(stats.corrupt_segments - last.corrupt_segments)
+        self.write_errors.inc(stats.disk_write_errors - last.disk_write_errors)
         self._last = TierStats(
             stats.host_bytes,
             stats.disk_bytes,
@@ -95,4 +99,5 @@ class TierMetrics:
             stats.load_seconds,
             stats.corrupt_segments,
             stats.lost_segments,
+            disk_write_errors=stats.disk_write_errors,
         )

@@ -90,3 +90,26 @@ def smollm2_server(default_model_dir, server_logs):
     srv = ServerProcess([*COMMON_SERVER_ARGS], log_path=server_logs / "smollm2.log")
     with srv.start():
         yield srv
+
+
+API_KEY, ADMIN_KEY = "sk-loopkv-test-api", "sk-loopkv-test-admin"
+
+
+@pytest.fixture(scope="session")
+def keyed_disk_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("keyed-disk")
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tiny_model_dir, server_logs, keyed_disk_dir):
+    """sgl-loopkv on the tiny model with ``--api-key``/``--admin-api-key``, ``--enable-metrics``, an
+    explicit disk tier directory, and a device pool of ~2 conversations of ~900 tokens and a host tier of
+    ~4, so host and disk hits happen (the sizes of tests/e2e/test_tiered_cache.py)."""
+    args = [
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"),
+        *("--loopkv-host-bytes", "2200000", "--loopkv-disk-dir", str(keyed_disk_dir)),
+        *("--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--enable-metrics"),
+    ]
+    auth = {"Authorization": f"Bearer {API_KEY}"}  # a keyless readiness probe would get 401 forever
+    with ServerProcess(args, headers=auth, log_path=server_logs / "keyed.log").start() as srv:
+        yield srv

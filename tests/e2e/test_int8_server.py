@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = pytest.mark.server
+pytestmark = [pytest.mark.server, pytest.mark.slow]  # int8 tiers are opt-in; the codec is unit-tested
 
 
 def test_server_resumes_int8_histories_from_host_and_disk(tiny_server, tiny_model_dir, server_logs, tmp_path):

@@ -4,10 +4,8 @@ environment left as SGLang made it (server/limits.py, issue 16)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -16,6 +14,7 @@ import requests
 from sgl_loopkv.kernels import CPU_STANDIN_DIR
 from sgl_loopkv.server.process import ServerProcess
 from tests.e2e.conftest import COMMON_SERVER_ARGS, _server
+from tests.helpers import stream_in_background
 
 pytestmark = pytest.mark.server
 
@@ -24,7 +23,14 @@ CAP, MAX_N, GRACE_S = 3, 2, 2
 
 @pytest.fixture(scope="module")
 def capped_server(tiny_model_dir, server_logs):
-    limits = ["--loopkv-default-max-tokens", str(CAP), "--loopkv-max-n", str(MAX_N)]
+    limits = [
+        "--loopkv-default-max-tokens",
+        str(CAP),
+        "--loopkv-max-n",
+        str(MAX_N),
+        "--loopkv-max-client-requests",
+        "1",
+    ]
     srv = _server(tiny_model_dir, server_logs, "tiny-capped", [*limits, "--loopkv-shutdown-grace-s", str(GRACE_S)])
     with srv.start():
         yield srv
@@ -65,24 +71,24 @@ def test_a_request_without_max_tokens_gets_the_default_cap_and_may_ask_for_more(
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == CAP + 2, r.text
 
 
+def test_a_client_over_its_concurrency_limit_gets_a_429_until_its_stream_ends(capped_server):
+    body = {"text": "go", "stream": True, "sampling_params": {"max_new_tokens": 5000, "ignore_eos": True}}
+    with requests.post(f"{capped_server.url}/generate", json=body, stream=True, timeout=120) as streaming:
+        next(line for line in streaming.iter_lines() if line.startswith(b"data: {"))  # it is generating
+        r = chat(capped_server.url, max_tokens=1)
+        assert r.status_code == 429 and "--loopkv-max-client-requests" in r.json()["message"], r.text
+        assert requests.get(f"{capped_server.url}/health", timeout=30).status_code == 200
+    # the client hung up mid-stream: SGLang aborts the request and the slot is free again
+    deadline = time.monotonic() + 60
+    while (r := chat(capped_server.url, max_tokens=1)).status_code == 429 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+
+
 def test_sigterm_aborts_what_still_runs_after_the_grace_period_and_exits(capped_server):
     """Last in this module: it stops the server. A request that would run for minutes must not
     keep a stopping server alive (SGLang alone waits for every request)."""
-    finish: dict = {}
-
-    def stream():
-        body = {"text": "go", "stream": True, "sampling_params": {"max_new_tokens": 7000, "ignore_eos": True}}
-        with requests.post(f"{capped_server.url}/generate", json=body, stream=True, timeout=300) as r:
-            for line in r.iter_lines():
-                if line.startswith(b"data: {"):
-                    finish.update(json.loads(line[len(b"data: ") :])["meta_info"])
-
-    t = threading.Thread(target=stream)
-    t.start()
-    deadline = time.monotonic() + 60
-    while not finish and time.monotonic() < deadline:  # generating
-        time.sleep(0.2)
-    assert finish, "the request never started streaming"
+    t, finish = stream_in_background(capped_server.url, 7000)
     t0 = time.monotonic()
     os.kill(capped_server.proc.pid, signal.SIGTERM)  # the launcher only, as systemd or docker stop do
     capped_server.proc.wait(timeout=90)

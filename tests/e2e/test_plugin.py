@@ -57,7 +57,7 @@ def test_plugin_registration_is_idempotent():
         """
     )
     assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"]
-    assert len(out["registered"]) == 4 and set(out["registered"].values()) == {1}, out["registered"]
+    assert len(out["registered"]) == 5 and set(out["registered"].values()) == {1}, out["registered"]
     assert not out["wrapped_twice"]
 
 

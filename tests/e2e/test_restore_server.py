@@ -49,7 +49,10 @@ def _host_bytes_per_token(url: str) -> float:
     return m['loopkv_tier_bytes{tier="host"}'] / m['loopkv_tier_tokens{tier="host"}']
 
 
-@pytest.mark.parametrize("ratio", [pytest.param("0", marks=pytest.mark.slow), "1"])
+# sharing is off by default and its codecs are unit-tested: both ratios run with -m slow
+@pytest.mark.parametrize(
+    "ratio", [pytest.param("0", marks=pytest.mark.slow), pytest.param("1", marks=pytest.mark.slow)]
+)
 def test_server_shares_layers_of_stored_turns(ratio, tiny_server, tiny_model_dir, server_logs):
     """r_l = 0: nothing shared, bytes per token of a full KV, answers exact. r_l = 1 (both layers of
     the tiny model, every layer a candidate) and bf16 tiers: one pair stored as one row in half the

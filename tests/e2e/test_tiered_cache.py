@@ -192,3 +192,30 @@ def test_resume_under_torch_native_attention_loads_layer_by_layer(tiny_native_se
     text = log.read_text()
     assert "layer-wise loads overlap the forward" in text  # the loader is the pool's layer transfer counter
     assert "copied layer by layer on the loader thread" in text  # the resume went through it, not a sync copy
+
+
+def test_disk_tier_is_on_by_default_in_the_cache_dir_and_survives_a_restart(
+    tiny_model_dir, tmp_path, server_logs, tokenizer
+):
+    """No disk flag at all: the stored conversation lands under ``<cache-dir>/kv`` with private
+    permissions and comes back from disk after a restart."""
+    cache = tmp_path / "cache"
+    args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--loopkv-cache-dir", str(cache)]
+
+    def default_server(name: str, timeout_s: float = 600) -> ServerProcess:
+        log = server_logs / f"default-disk-{name}.log"
+        return ServerProcess(args, private_disk_dir=False, log_path=log).start(timeout_s)
+
+    with default_server("1") as srv:
+        first = ask(srv.url, 0)
+        wait_for_files(cache / "kv", tokenizer, 0)
+    kv_root = cache / "kv"
+    (model_dir,) = [d for d in kv_root.iterdir() if d.is_dir()]
+    for path in (kv_root, model_dir, *model_dir.iterdir()):
+        mode = path.stat().st_mode & 0o777
+        assert mode & 0o077 == 0, f"{path} is {oct(mode)}: readable by others"
+    with default_server("2") as srv:
+        resumed = ask(srv.url, 0)
+        assert tiers(resumed)["disk"] > 800, tiers(resumed)
+        assert resumed["output_ids"] == first["output_ids"]
+    # a second server on one directory is refused: test_resume_from_host_and_disk_restart_and_faults

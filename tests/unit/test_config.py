@@ -19,7 +19,7 @@ cache-dir device attention-executor stock host-bytes disk-dir disk-bytes disk-fr
 restore-planner restore-ratio share-layers share-gamma share-ratio share-pairing share-stride
 prefill-policy alpha block-size sparse-min-len sparse-dense-tail sparse-tail-samples sparse-full-density
 streaming-fraction streaming-sink streaming-local streaming-calibration sparse-executor
-max-n default-max-tokens shutdown-grace-s
+max-n default-max-tokens max-client-requests shutdown-grace-s
 """.split()
 
 
@@ -78,7 +78,7 @@ def test_sections_from_flags_and_back_through_the_environment(monkeypatch):
     assert cfg.restore == RestoreConfig(planner="fixed", ratio=0.5)
     assert cfg.sharing == SharingConfig(layers="reuse") and cfg.sharing.enabled
     assert cfg.sparse == SparsePrefillConfig(alpha=0.9) and not cfg.sparse.enabled
-    assert cfg.tiers == TierConfig(host_bytes=123) and cfg.device == "cpu"
+    assert cfg.tiers == TierConfig(host_bytes=123, disk_dir=str(cfg.resolved_cache_dir / "kv")) and cfg.device == "cpu"
     monkeypatch.delenv("LOOPKV_CONFIG", raising=False)
     assert LoopKVConfig.from_env() == LoopKVConfig()
     cfg.to_env()
@@ -104,3 +104,11 @@ def test_each_planner_reads_its_own_section():
     assert isinstance(fixed, FixedSplit) and fixed.ratio == 0.7
     calibrated = {name for name in PLANNERS.names() if PLANNERS.create(name, RestoreConfig()).needs_cost_model}
     assert calibrated == {"krul"} and KrulPlanner.needs_cost_model
+
+
+def test_disk_tier_is_on_by_default_under_the_cache_dir_and_none_turns_it_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert parse().tiers.disk_path == tmp_path / "sgl-loopkv" / "kv"
+    assert parse("--loopkv-cache-dir", str(tmp_path / "c")).tiers.disk_path == tmp_path / "c" / "kv"
+    assert parse("--loopkv-disk-dir", "none").tiers.disk_path is None
+    assert parse("--loopkv-disk-dir", str(tmp_path / "d")).tiers.disk_path == tmp_path / "d"

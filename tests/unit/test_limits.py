@@ -45,3 +45,66 @@ def test_only_servers_started_by_the_launcher_are_limited(monkeypatch):
     finally:
         monkeypatch.delenv(ENV_VAR)
         limits.active_limits.cache_clear()
+
+
+def test_client_concurrency_limit_refuses_one_more_per_client_until_one_ends():
+    import asyncio
+
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):  # a request that runs until released
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = limits.ClientConcurrencyLimit(app, max_requests=2)
+
+    async def call(client: str, path: str = "/generate") -> tuple[int, bytes]:
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        await guard({"type": "http", "path": path, "client": (client, 1)}, None, send)
+        return sent[0]["status"], sent[-1].get("body", b"")
+
+    async def main():
+        running = [asyncio.create_task(call("10.0.0.1")) for _ in range(2)]
+        other = asyncio.create_task(call("10.0.0.2"))  # another client is not affected
+        health = asyncio.create_task(call("10.0.0.1", "/health"))  # monitors never counted
+        await asyncio.sleep(0.05)
+        status, body = await asyncio.wait_for(call("10.0.0.1"), 5)  # refused at once, not queued
+        assert status == 429 and b"--loopkv-max-client-requests" in body
+        release.set()
+        assert [(await t)[0] for t in (*running, other, health)] == [200] * 4
+        assert (await call("10.0.0.1"))[0] == 200 and not guard.in_flight
+
+    asyncio.run(main())
+
+
+def test_a_request_stops_counting_at_its_responses_last_byte():
+    """SGLang's streaming handlers return well after the stream's end: counting until the app returns
+    leaked slots (a soak at 32 clients got 429s under a limit of 64)."""
+    import asyncio
+
+    linger = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"data: [DONE]", "more_body": False})
+        await linger.wait()  # still running after the response ended
+
+    guard = limits.ClientConcurrencyLimit(app, max_requests=1)
+
+    async def send(msg):
+        pass
+
+    async def main():
+        first = asyncio.create_task(guard({"type": "http", "path": "/generate", "client": ("c", 1)}, None, send))
+        await asyncio.sleep(0.05)
+        assert not guard.in_flight  # released at the last byte
+        linger.set()
+        await first
+        assert not guard.in_flight  # and not twice
+
+    asyncio.run(main())
