@@ -11,7 +11,10 @@ pytestmark = pytest.mark.server
 
 
 # --- in a real server: partial recompute + load gives the never-evicted greedy output ------------
-@pytest.mark.parametrize("planner", [["fixed", "--loopkv-restore-ratio", "0.5"], ["recompute_all"]])
+# recompute_all is the fixed split's far end (and unit-tested): -m slow
+@pytest.mark.parametrize(
+    "planner", [["fixed", "--loopkv-restore-ratio", "0.5"], pytest.param(["recompute_all"], marks=pytest.mark.slow)]
+)
 def test_server_restores_with_a_split_plan(planner, tiny_server, tiny_model_dir, server_logs, tmp_path):
     from sgl_loopkv.server.process import ServerProcess
     from tests.e2e.conftest import COMMON_SERVER_ARGS

@@ -169,6 +169,7 @@ def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_di
         srv.stop()
 
 
+@pytest.mark.slow  # the loader under another backend; the default path's loads are in every resume test above
 def test_resume_under_torch_native_attention_loads_layer_by_layer(tiny_native_server, tiny_model_dir, server_logs):
     """SGLang's own ``torch_native`` attention + the loopkv cache: a history evicted to the host
     tier comes back through the loader thread, the forward waiting per layer in the KV pool's
