@@ -604,16 +604,16 @@ def report_md(p: dict) -> str:
         f"{mb(lk['max_disk_dir_bytes'])} MB. Turns/min counts turns finished within the duration; TTFT and "
         "TPOT cover every turn.\n"
     )
-    turns = sorted({int(t) for s in sm["per_system"].values() for t in s["ttft_p50_by_turn_s"]})
+    # int keys: the summary is always recomputed from the results before a report (--report-only too)
+    turns = sorted({t for s in sm["per_system"].values() for t in s["ttft_p50_by_turn_s"]})
     text += "\nTTFT p50 s by turn index (turns finished; a later turn carries a longer history):\n\n" + md_table(
         ["system", *(f"turn {t}" for t in turns)],
         [
             [
                 name,
                 *(
-                    f"{s['ttft_p50_by_turn_s'].get(str(t), s['ttft_p50_by_turn_s'].get(t)):.1f} "
-                    f"({s['turns_by_turn'].get(str(t), s['turns_by_turn'].get(t))})"
-                    if str(t) in s["ttft_p50_by_turn_s"] or t in s["ttft_p50_by_turn_s"]
+                    f"{s['ttft_p50_by_turn_s'][t]:.1f} ({s['turns_by_turn'][t]})"
+                    if t in s["ttft_p50_by_turn_s"]
                     else "-"
                     for t in turns
                 ),
