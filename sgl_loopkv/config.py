@@ -266,6 +266,90 @@ class SparsePrefillConfig:
 
 
 @dataclass(slots=True)
+class SparseDecodeConfig:
+    """Sparse decode: which pages of a long history each KV head reads per step (flags
+    ``--loopkv-decode-*``). Defaults: the papers' settings scaled to SmolLM2's 8K context
+    (README "Sparse decode")."""
+
+    flag_prefix: ClassVar[str] = "decode_"
+
+    policy: str = field(
+        default="dense",
+        metadata={
+            "help": "Sparse decode policy for sequences of at least --loopkv-decode-min-context tokens: 'dense' "
+            "(off), 'lserve' (page min/max scores, reused for --loopkv-decode-reuse steps), 'freekv' (speculative "
+            "selection from the previous query, corrected below --loopkv-decode-tau), 'loopserve' (re-selection "
+            "from the attention of the last --loopkv-decode-n-d generated tokens).",
+            "registry": "sgl_loopkv.attention.decode:DECODE_POLICIES",
+            "off": "dense",
+        },
+    )
+    budget: int = field(
+        default=1024,
+        metadata={"help": "Tokens each KV head reads per decode step, sink and local window included.", "type": int},
+    )
+    page_size: int = field(
+        default=64,
+        metadata={"help": "Physical page (tokens): the unit selected and read.", "type": int},
+    )
+    logical_page: int = field(
+        default=16,
+        metadata={
+            "help": "Logical page (tokens) of the key min/max summaries; divides --loopkv-decode-page-size.",
+            "type": int,
+        },
+    )
+    sink: int = field(
+        default=64,
+        metadata={"help": "First tokens every step reads (attention sink).", "type": int},
+    )
+    local: int = field(
+        default=128,
+        metadata={
+            "help": "Last tokens every step reads (local window; tokens generated since a selection too).",
+            "type": int,
+        },
+    )
+    reuse: int = field(
+        default=4,
+        metadata={"help": "lserve: decode steps one page selection is reused for.", "type": int},
+    )
+    tau: float = field(
+        default=0.9,
+        metadata={
+            "help": "freekv: re-select with the current query when its cosine similarity to the previous step's "
+            "falls below this (> 1: always, i.e. non-speculative).",
+            "type": float,
+        },
+    )
+    n_d: int = field(
+        default=16,
+        metadata={"help": "loopserve: re-select every this many steps from the last this many queries.", "type": int},
+    )
+    min_context: int = field(
+        default=2048,
+        metadata={"help": "Sequences shorter than this decode densely.", "type": int},
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy != "dense"
+
+    def __post_init__(self):
+        if self.page_size < 1 or self.logical_page < 1 or self.page_size % self.logical_page:
+            raise ValueError("--loopkv-decode-logical-page must divide --loopkv-decode-page-size (both >= 1)")
+        if self.budget < 1 or self.sink < 0 or self.local < 1 or self.reuse < 1 or self.n_d < 1 or self.min_context < 0:
+            raise ValueError(
+                "--loopkv-decode-budget, -local, -reuse and -n-d must be >= 1, -sink and -min-context >= 0"
+            )
+        if self.budget < self.sink + self.local + self.page_size:
+            raise ValueError(
+                f"--loopkv-decode-budget ({self.budget}) must leave at least one page beyond the sink and local "
+                f"window ({self.sink} + {self.local} + {self.page_size} tokens)"
+            )
+
+
+@dataclass(slots=True)
 class LimitsConfig:
     """What one request may ask of the server, and how long a stopping server waits for requests.
 
@@ -321,6 +405,7 @@ SECTIONS: dict[str, type] = {
     "restore": RestoreConfig,
     "sharing": SharingConfig,
     "sparse": SparsePrefillConfig,
+    "decode": SparseDecodeConfig,
     "limits": LimitsConfig,
 }
 
@@ -386,6 +471,7 @@ class LoopKVConfig:
     restore: RestoreConfig = field(default_factory=RestoreConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
     sparse: SparsePrefillConfig = field(default_factory=SparsePrefillConfig)
+    decode: SparseDecodeConfig = field(default_factory=SparseDecodeConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self):

@@ -8,6 +8,11 @@ tokens, each layer asks the selection policy for a mask per sequence and the spa
 the resulting :class:`SparsePlan`; every other forward (decode, short extends, no policy) takes the
 dense path unchanged.
 
+Sparse decode (``--loopkv-decode-policy``): decode batches holding a sequence of at least
+``--loopkv-decode-min-context`` tokens run through :class:`SparseDecoder` (per-(layer, KV head) page
+plans, :mod:`sgl_loopkv.attention.decode`); shorter sequences of the batch read every key in the
+same call.
+
 Supports full-attention decoder models (Llama/Qwen2 style): no sliding window, no cross
 attention, no logit soft-capping, no speculative decoding. Anything else fails loudly at the first
 forward instead of computing something different.
@@ -21,6 +26,8 @@ from typing import TYPE_CHECKING
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
+from sgl_loopkv.attention.decode.base import DecodePolicy
+from sgl_loopkv.attention.decode.selector import SparseDecoder
 from sgl_loopkv.attention.executor import EXECUTORS
 from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan
 from sgl_loopkv.attention.policies import POLICIES, ModelShape, SelectionPolicy
@@ -45,6 +52,7 @@ class LoopKVAttnBackend(AttentionBackend):
         sparse_executor: str = "torch",
         sparse_min_len: int = 2048,
         context: Context | None = None,
+        decode_policy: DecodePolicy | None = None,
     ):
         super().__init__()
         self.context = context  # the boards this backend feeds (None: feeds nothing)
@@ -62,6 +70,14 @@ class LoopKVAttnBackend(AttentionBackend):
 
             self.sparse_executor = SPARSE_EXECUTORS.create(sparse_executor, dense=self.executor)
         self.sparse_seqs: list[bool] | None = None  # this batch: per sequence, does its prefill go sparse?
+        self.sparse_decoder = None
+        if decode_policy is not None:
+            num_layers = model_runner.model_config.num_hidden_layers
+            self.sparse_decoder = SparseDecoder(decode_policy, num_layers, getattr(self.executor, "native", None))
+        self.sparse_decode_metrics = SparseDecodeMetrics(
+            model_runner.server_args.enable_metrics and decode_policy is not None
+        )
+        self.decode_is_sparse = False  # this batch: does the sparse decoder run it?
 
     # --- planning: once per batch -------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -73,6 +89,13 @@ class LoopKVAttnBackend(AttentionBackend):
             raise NotImplementedError(f"the loopkv attention backend does not support forward mode {mode.name}")
         self.forward_metadata = self.plan_batch(forward_batch)
         self.sparse_seqs = None
+        self.decode_is_sparse = False
+        if self.sparse_decoder is not None and mode.is_decode():
+            plan = self.forward_metadata
+            ids = forward_batch.rids or plan_rows(forward_batch)
+            self.decode_is_sparse = self.sparse_decoder.begin(ids, [plan.kv_slots(i) for i in range(plan.batch_size)])
+            if self.decode_is_sparse:
+                self.sparse_decode_metrics.publish(self.sparse_decoder)
         if self.policy is not None and not mode.is_decode():
             long = [n > self.sparse_min_len for n in forward_batch.extend_seq_lens_cpu]
             self.sparse_seqs = long if any(long) else None
@@ -134,6 +157,18 @@ class LoopKVAttnBackend(AttentionBackend):
             ctx.observer.record(layer.layer_id, self.forward_metadata, rows, qv, self.token_to_kv_pool, layer.scaling)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        if self.decode_is_sparse and forward_batch.forward_mode.is_decode():
+            self.sparse_decoder.run(
+                layer.layer_id,
+                q,
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                layer.scaling,
+                out,
+            )
+            if layer.layer_id == 0:
+                self.decode_metrics.observe(f"sparse-{type(self.sparse_decoder.policy).__name__}")
+            return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
         if self.sparse_seqs is not None:
             k_buf = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
             plan = self.plan_layer(layer.layer_id, q, k_buf, layer.scaling)
@@ -170,6 +205,46 @@ class LoopKVAttnBackend(AttentionBackend):
 
     def support_triton(self):
         return False
+
+
+def plan_rows(forward_batch) -> list[int]:
+    rows = forward_batch.req_pool_indices_cpu
+    return (rows if rows is not None else forward_batch.req_pool_indices).tolist()
+
+
+class SparseDecodeMetrics:
+    """``/metrics`` of sparse decode (``--enable-metrics``): the fraction of context keys read, page
+    selections and FreeKV corrections (correction rate = corrections / selections) and bytes recalled
+    from slower tiers, updated at each sparse decode step."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._last = (0, 0, 0)
+        if not enabled:
+            return
+        from prometheus_client import Counter, Gauge
+
+        self.fraction = Gauge(
+            "loopkv_decode_selected_fraction",
+            "Fraction of the context's keys sparse decode read (all sparse steps so far)",
+            multiprocess_mode="mostrecent",
+        )
+        self.selections = Counter("loopkv_decode_selections", "Page selections made by the decode policy")
+        self.corrections = Counter("loopkv_decode_corrections", "FreeKV speculative selections corrected")
+        self.recalled = Counter("loopkv_decode_recalled_bytes", "Bytes of pages recalled from slower tiers")
+        self.steps = Counter("loopkv_decode_sparse_steps", "Decode batches run by the sparse decoder")
+
+    def publish(self, decoder: SparseDecoder) -> None:
+        if not self.enabled:
+            return
+        st, pol = decoder.stats, decoder.policy
+        now = (pol.decisions, pol.corrections, st.recalled_bytes)
+        self.selections.inc(now[0] - self._last[0])
+        self.corrections.inc(now[1] - self._last[1])
+        self.recalled.inc(now[2] - self._last[2])
+        self.steps.inc()
+        self.fraction.set(st.selected_fraction)
+        self._last = now
 
 
 class DecodePathMetrics:
@@ -221,6 +296,11 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
         )
         policy = POLICIES.create(config.sparse.prefill_policy, config.sparse, shape)
     ctx.observer.configure(config.sharing.enabled, model_runner.model_config.num_hidden_layers, config.sharing.stride)
+    decode_policy = None
+    if config.decode.enabled:
+        from sgl_loopkv.attention.decode import DECODE_POLICIES, DecodeParams
+
+        decode_policy = DECODE_POLICIES.create(config.decode.policy, DecodeParams.from_config(config.decode))
     return LoopKVAttnBackend(
         model_runner,
         executor=config.attention_executor,
@@ -228,4 +308,5 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
         sparse_executor=config.sparse.sparse_executor,
         sparse_min_len=config.sparse.sparse_min_len,
         context=ctx,
+        decode_policy=decode_policy,
     )

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_loopkv.selection.pages import chunk_minmax
+
 ALIGN = 4096
 SECTOR = 512
 MAGIC = b"LOOPKV01"
@@ -152,9 +154,7 @@ def key_summaries(k: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
 
     k: [L, T, H, D] with T a multiple of ``chunk_tokens`` -> [L, T / chunk_tokens, H, 2, D] float32.
     """
-    L, T, H, D = k.shape
-    kc = k.float().view(L, T // chunk_tokens, chunk_tokens, H, D)
-    return torch.stack([kc.amin(dim=2), kc.amax(dim=2)], dim=3)
+    return chunk_minmax(k, chunk_tokens)  # the scores of sparse decode and re-prefill read the same summaries
 
 
 def baseline_block_read_bytes(token_ranges: list[tuple[int, int]], geometry: KVGeometry, block_tokens: int = 64) -> int:

@@ -1,0 +1,131 @@
+"""Runs a decode policy for a batch: per-sequence state, pages -> pool slots, one executor call per layer.
+
+Engine-agnostic: it sees sequence ids, each sequence's pool slots in position order and one layer's
+pool buffers, so the backend (SGLang) and the fidelity harness (``benchmarks/decode_sparse.py``)
+drive the same code. Sequences shorter than ``min_context`` read every key, in the same call.
+
+The plan of one layer is per (sequence, KV head): ``head_indptr`` [B * Hkv + 1] and the slots each
+KV head reads. The CPU executor is the native paged-decode kernel run over the pool viewed as
+[slots * Hkv, 1, D] (row ``slot * Hkv + h`` is KV head ``h`` of ``slot``): every (sequence, KV head)
+becomes a one-KV-head sequence whose ``g`` query heads are computed together, each selected key
+read once, in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_loopkv.attention.decode.base import DecodePolicy, LayerState, SeqKeys
+from sgl_loopkv.selection.pages import pages_to_positions
+
+
+@dataclass(slots=True)
+class SeqState:
+    layers: list[LayerState]
+    step: int = -1  # sparse decode steps taken
+
+
+@dataclass(slots=True)
+class DecodeStats:
+    """Totals since start: fraction read = selected / context key-reads of the sparse sequences."""
+
+    steps: int = 0  # decode batches that ran at least one sparse sequence
+    selected_tokens: int = 0  # per (sequence, layer, KV head), summed
+    context_tokens: int = 0
+    recalled_bytes: int = 0  # pages copied from a slower tier (the host-resident recall is not built yet)
+
+    @property
+    def selected_fraction(self) -> float:
+        return self.selected_tokens / self.context_tokens if self.context_tokens else 1.0
+
+
+@dataclass(slots=True)
+class _Batch:
+    ids: list
+    slots: list[torch.Tensor]
+    sparse: list[bool]
+    dense_index: list[torch.Tensor | None] = field(default_factory=list)  # per sequence, for dense ones
+
+
+class SparseDecoder:
+    def __init__(self, policy: DecodePolicy, num_layers: int, native=None):
+        self.policy, self.num_layers, self.native = policy, num_layers, native
+        self.p = policy.p
+        self.states: dict = {}
+        self.stats = DecodeStats()
+        self.batch: _Batch | None = None
+
+    def begin(self, ids: list, slots: list[torch.Tensor]) -> bool:
+        """Start a decode step for sequences ``ids`` with pool ``slots`` (each [L_i], position order,
+        the new token's last). False when every sequence decodes densely (the caller's dense path)."""
+        sparse = [len(s) >= self.p.min_context for s in slots]
+        for gone in self.states.keys() - set(ids):  # finished or preempted: a re-selection is cheap
+            del self.states[gone]
+        if not any(sparse):
+            self.batch = None
+            return False
+        for sid, sp in zip(ids, sparse):
+            if sp:
+                st = self.states.get(sid)
+                if st is None:
+                    st = self.states[sid] = SeqState([LayerState() for _ in range(self.num_layers)])
+                st.step += 1
+        self.batch = _Batch(list(ids), list(slots), sparse, [None] * len(ids))
+        self.stats.steps += 1
+        return True
+
+    def run(self, layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, out):
+        """out[b] = attention of q[b] [Hq, D] over the keys this step's plan gives each KV head."""
+        b = self.batch
+        B, hq, d = q.shape
+        hkv = k_cache.shape[1]
+        g = hq // hkv
+        heads = torch.arange(hkv, device=k_cache.device)[:, None]
+        parts = []
+        for i, sid in enumerate(b.ids):
+            slots = b.slots[i]
+            L = len(slots)
+            if not b.sparse[i]:
+                if b.dense_index[i] is None:  # the same in every layer
+                    b.dense_index[i] = (slots[None] * hkv + heads).flatten()
+                parts.append(b.dense_index[i])
+                continue
+            st = self.states[sid].layers[layer]
+            qi = q[i].view(hkv, g, d)
+            seq = SeqKeys(lambda a, e, s=slots: k_cache[s[a:e]], L, st, self.p.logical_page)
+            chosen = self.policy.choose(st, self.states[sid].step, qi, seq, scale)
+            if chosen is not None:
+                st.pages, st.sel_len = chosen
+                st.selected_at = self.states[sid].step
+                st.index = slots[pages_to_positions(st.pages, self.p.page_size, st.sel_len)] * hkv + heads
+            index = (
+                torch.cat([st.index, slots[None, st.sel_len :] * hkv + heads], dim=1) if st.sel_len < L else st.index
+            )
+            self.stats.selected_tokens += index.numel()
+            self.stats.context_tokens += L * hkv
+            parts.append(index.flatten())
+        counts = torch.tensor([0] + [p.numel() // hkv for p in parts], dtype=torch.int64)
+        indptr = counts.repeat_interleave(torch.tensor([1] + [hkv] * B)).cumsum(0)
+        indices = torch.cat(parts)
+        qv = q.reshape(B * hkv, g, d)
+        o = out.view(B * hkv, g, -1)
+        kf, vf = k_cache.view(-1, 1, d), v_cache.view(-1, 1, v_cache.shape[-1])
+        if self.native is not None and k_cache.device.type == "cpu":
+            oc = o if o.is_contiguous() else torch.empty_like(o)
+            self.native.paged_decode(qv.contiguous(), kf, vf, indices, indptr, scale, oc, 256)
+            if oc is not o:
+                o.copy_(oc)
+        else:
+            per_head_decode(qv, kf, vf, indices, indptr.tolist(), scale, o)
+        return out
+
+
+def per_head_decode(q, k_rows, v_rows, indices, indptr: list[int], scale: float, out) -> None:
+    """Torch fallback: q [N, g, D], rows [R, 1, D]; request n reads rows indices[indptr[n]:indptr[n+1]]."""
+    for n in range(q.shape[0]):
+        idx = indices[indptr[n] : indptr[n + 1]]
+        k, v = k_rows[idx, 0], v_rows[idx, 0]  # [m, D]
+        p = (q[n].to(k.dtype) @ k.T).float().mul_(scale).softmax(-1)
+        out[n] = (p.to(v.dtype) @ v).to(out.dtype)

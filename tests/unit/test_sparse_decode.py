@@ -1,0 +1,187 @@
+"""Sparse decode: the page summaries and their score bound, the policies' contract and the selector
+against dense attention over a fragmented pool (native kernel and torch fallback)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_loopkv.attention.decode import DECODE_POLICIES, DecodeParams, LayerState, SeqKeys
+from sgl_loopkv.attention.decode.selector import SparseDecoder
+from sgl_loopkv.cache.layout import key_summaries
+from sgl_loopkv.kernels import paged_decode
+from sgl_loopkv.selection.pages import chunk_minmax, score_bound, top_pages
+from tests.unit.test_paged_decode import reference
+
+POLICIES = ["freekv", "loopserve", "lserve"]
+NATIVE = [pytest.param(True, id="native"), pytest.param(False, id="torch")]
+
+
+def pool(seed, lens, hkv=3, d=32, size=16384, page=16, dtype=torch.float32):
+    """Pool buffers and per-sequence slots over shuffled 16-token pages."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(size, hkv, d, generator=g).to(dtype)
+    v = torch.randn(size, hkv, d, generator=g).to(dtype)
+    pages = torch.randperm(size // page, generator=g).tolist()
+    slots = []
+    for n in lens:
+        own, pages = pages[: -(-n // page)], pages[-(-n // page) :]
+        slots.append(torch.cat([torch.arange(p * page, (p + 1) * page) for p in own])[:n])
+    return k, v, slots
+
+
+def decoder(policy, native, **params):
+    lib = paged_decode.load() if native else None
+    if native and lib is None:
+        pytest.skip("the native paged-decode kernel cannot be built here")
+    return SparseDecoder(DECODE_POLICIES.create(policy, DecodeParams(**params)), num_layers=2, native=lib)
+
+
+def step(dec, ids, slots, q, k, v, layer=0):
+    out = torch.empty_like(q)
+    assert dec.begin(ids, slots)
+    return dec.run(layer, q, k, v, 0.2, out)
+
+
+# --- summaries and the bound --------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 70), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_score_bound_is_at_least_the_true_max_over_every_page(n, g, seed):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, 2, 8, generator=gen) * torch.rand(1, generator=gen) * 10
+    q = torch.randn(2, g, 8, generator=gen)
+    bound = score_bound(q, chunk_minmax(k, 16))  # [H, g, pages]
+    true = torch.einsum("hgd,lhd->hgl", q, k)
+    for j in range(bound.shape[-1]):
+        assert (bound[..., j] >= true[..., j * 16 : (j + 1) * 16].amax(-1) - 1e-4).all()
+
+
+def test_stored_chunk_summaries_are_the_selection_modules():
+    k = torch.randn(2, 64, 3, 8)
+    assert torch.equal(key_summaries(k, 16), chunk_minmax(k, 16))
+
+
+def test_incremental_summaries_equal_recomputed_ones():
+    k = torch.randn(300, 3, 8)
+    state = LayerState()
+    for length in [1, 15, 16, 17, 40, 41, 64, 200, 300]:  # appends inside, at and across page edges
+        seq = SeqKeys(lambda a, e: k[a:e], length, state, 16)
+        assert torch.equal(seq.summaries(), chunk_minmax(k[:length], 16))
+
+
+def test_top_pages_keeps_sink_and_local_and_the_budget():
+    scores = torch.randn(3, 40)
+    pages = top_pages(scores, budget=10, sink=2, local=3)
+    assert pages.shape == (3, 10)
+    for h in range(3):
+        chosen = set(pages[h].tolist())
+        assert {0, 1, 37, 38, 39} <= chosen
+        free = sorted(set(range(2, 37)), key=lambda j: -scores[h, j].item())[:5]
+        assert chosen == {0, 1, 37, 38, 39, *free}
+    assert torch.equal(top_pages(scores, budget=40, sink=1, local=1), torch.arange(40).expand(3, 40))
+
+
+# --- the selector: exactness at full budget, the contract below it ---------------------------------
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_full_budget_equals_dense_attention(policy, native):
+    lens = [2100, 3000, 700]  # the last one below min_context: dense in the same call
+    k, v, slots = pool(0, lens)
+    dec = decoder(policy, native, budget=4096, min_context=1024, tau=0.5)
+    for s in range(3):
+        q = torch.randn(3, 9, 32, generator=torch.Generator().manual_seed(s))
+        out = step(dec, [7, 8, 9], slots, q, k, v)
+        torch.testing.assert_close(out.double(), reference(q, k, v, slots, 0.2), atol=2e-5, rtol=1e-4)
+    assert dec.stats.selected_fraction == 1.0
+
+
+def _sparse_reference(q, k, v, slots, index_of_seq, hkv, scale):
+    """Per query head: attention over exactly the keys its KV head's plan lists (float64)."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    g = q.shape[1] // hkv
+    for i in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            rows = index_of_seq[i][h // g]  # flat rows slot * hkv + kv head
+            kk = k.reshape(-1, k.shape[-1])[rows].double()
+            vv = v.reshape(-1, v.shape[-1])[rows].double()
+            out[i, h] = ((q[i, h].double() @ kk.T) * scale).softmax(-1) @ vv
+    return out
+
+
+@pytest.mark.parametrize("native", NATIVE)
+@pytest.mark.parametrize("policy", POLICIES)
+def test_below_budget_each_group_reads_one_selection_within_the_budget(policy, native):
+    lens = [4000, 2500]
+    k, v, slots = pool(1, lens)
+    dec = decoder(policy, native, budget=512, min_context=1024, sink=64, local=128, reuse=3, n_d=4)
+    for s in range(6):
+        q = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(10 + s))
+        out = step(dec, ["a", "b"], slots, q, k, v)
+        index = [dec.states[sid].layers[0].index for sid in ["a", "b"]]
+        for i, sid in enumerate(["a", "b"]):
+            st_ = dec.states[sid].layers[0]
+            assert st_.pages.shape == (3, 512 // 64), "one selection per KV head, whole pages in budget"
+            assert (st_.pages[:, 0] == 0).all() and (st_.pages[:, -1] == (st_.sel_len - 1) // 64).all()
+            assert (index[i] % 3 == torch.arange(3)[:, None]).all(), "each KV head reads its own rows"
+            assert index[i].shape[1] <= 512 and torch.isin(index[i] // 3, slots[i]).all()
+        torch.testing.assert_close(out.double(), _sparse_reference(q, k, v, slots, index, 3, 0.2), atol=2e-5, rtol=1e-4)
+    assert 0 < dec.stats.selected_fraction < 0.25
+
+
+def test_freekv_with_tau_above_one_is_non_speculative_retrieval():
+    """tau > 1 corrects every step: the pages are those chosen with the current query each step,
+    which is lserve re-selecting every step (reuse 1)."""
+    k, v, slots = pool(2, [3000])
+    spec = decoder("freekv", True, budget=512, min_context=1024, tau=1.01)
+    plain = decoder("lserve", True, budget=512, min_context=1024, reuse=1)
+    for s in range(5):
+        q = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(20 + s))
+        a, b = step(spec, [1], slots, q, k, v), step(plain, [1], slots, q, k, v)
+        assert torch.equal(spec.states[1].layers[0].pages, plain.states[1].layers[0].pages)
+        assert torch.equal(a, b)
+    assert spec.policy.corrections == 4  # every step after the first
+
+
+def test_freekv_speculates_with_the_previous_query_until_they_drift():
+    k, v, slots = pool(3, [3000])
+    dec = decoder("freekv", True, budget=512, min_context=1024, tau=0.9)
+    q0 = torch.randn(1, 9, 32)
+    step(dec, [1], slots, q0, k, v)
+    first = dec.states[1].layers[0].pages.clone()
+    step(dec, [1], slots, q0 + 0.01 * torch.randn_like(q0), k, v)  # similar: the speculation stands
+    assert torch.equal(dec.states[1].layers[0].pages, first) and dec.policy.corrections == 0
+    step(dec, [1], slots, torch.randn(1, 9, 32), k, v)  # unrelated query: corrected
+    assert dec.policy.corrections == 1
+
+
+def test_lserve_reuses_a_selection_and_reads_new_tokens_as_local():
+    k, v, slots = pool(4, [3000])
+    dec = decoder("lserve", True, budget=512, min_context=1024, reuse=4)
+    full = slots[0]
+    for s in range(6):
+        cur = [full[: 2000 + s]]
+        step(dec, [1], cur, torch.randn(1, 9, 32), k, v)
+    assert dec.policy.decisions == 2  # steps 0 and 4
+    st_ = dec.states[1].layers[0]
+    assert st_.sel_len == 2004 and st_.selected_at == 4
+
+
+def test_loopserve_reselects_from_recent_attention_mass():
+    """Keys that the recent queries attend to strongly are chosen, wherever they are."""
+    k, v, slots = pool(5, [3000])
+    target = slots[0][1500:1510]
+    k[target] = 4.0  # a hot spot in the middle
+    dec = decoder("loopserve", True, budget=512, min_context=1024, n_d=2)
+    for _ in range(3):
+        step(dec, [1], slots, torch.ones(1, 9, 32), k, v)
+    pages = dec.states[1].layers[0].pages
+    assert (pages == 1500 // 64).any(dim=1).all()
+
+
+def test_sequences_below_min_context_take_the_dense_path():
+    k, v, slots = pool(6, [500, 900])
+    dec = decoder("lserve", True, min_context=1024)
+    assert not dec.begin([1, 2], slots)
+    assert dec.states == {}
