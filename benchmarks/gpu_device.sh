@@ -54,22 +54,38 @@ FlashInferSparseExecutor(backend=sys.argv[2]).run(plan, q, k, k, 0.125, torch.em
 print(sys.argv[1:], "flashinfer JIT ready in", round(time.time() - t, 1), "s")
 PY
 }
+warm_decode() {  # the sparse decode path's modules (CUDA-core decode; tensor cores: fa2 prefill)
+  python3 - "$1" <<'PY'
+import sys, time, torch
+from sgl_loopkv.attention.decode_gpu import FlashInferSparseDecode
+dt, t = getattr(torch, sys.argv[1]), time.time()
+q = torch.randn(2, 9, 64, device="cuda", dtype=dt); k = torch.randn(100, 3, 64, device="cuda", dtype=dt)
+indptr, slots = torch.arange(7) * 10, torch.arange(60) % 100
+for tc in (False, True):
+    FlashInferSparseDecode(use_tensor_cores=tc)(q, k, k, indptr, slots, 0.125, torch.empty_like(q))
+torch.cuda.synchronize(); print(sys.argv[1:], "flashinfer decode JIT ready in", round(time.time() - t, 1), "s")
+PY
+}
 pids=()
 for b in fa3 fa2; do for d in float16 bfloat16; do
   warm $d $b >>"$OUT/fi_warm.log" 2>&1 &
   pids+=($!)
 done; done
+for d in float16 bfloat16; do
+  warm_decode $d >>"$OUT/fi_warm.log" 2>&1 &
+  pids+=($!)
+done
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfEsx --timeout 600 -o addopts="
 FI_TESTS="flashinfer or loopserve or request_lists"
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  $PYTEST tests/unit/test_sparse_gpu.py -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
+  $PYTEST tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
   stamp "triton/dense tests done"
 fi
 wait "${pids[@]}"
 stamp "flashinfer warm-up finished"; grep -E "ready|Error|error" "$OUT/fi_warm.log" | tail -8
 if [ "$what" != bench ]; then
-  $PYTEST tests/unit/test_sparse_gpu.py -k "($FI_TESTS) and not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
+  $PYTEST tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py -k "($FI_TESTS) and not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
   # the interpreter tests need Triton >= 3.8's interpreter (3.6's cannot loop over loaded bounds)
   $PYTEST tests/unit/test_sparse_kernels.py -k "not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -3
   stamp "flashinfer tests done"

@@ -1,6 +1,7 @@
 """The Triton kernels on CPU under ``TRITON_INTERPRET=1``, each in a fresh interpreter (the variable is
-read at import): the block-sparse attention kernel and the FlashInfer executor's page-list kernel.
-Small sizes; the same kernels on a GPU: tests/unit/test_sparse_gpu.py."""
+read at import): the block-sparse attention kernel, the FlashInfer executor's page-list kernel and the
+sparse decode kernel. Small sizes; the same kernels on a GPU: tests/unit/test_sparse_gpu.py and
+tests/unit/test_sparse_decode_gpu.py."""
 
 from __future__ import annotations
 
@@ -47,3 +48,36 @@ def test_triton_kernel_equals_masked_reference_in_the_interpreter():
 def test_expand_kernel_equals_torch_expansion_in_the_interpreter():
     """The Triton page-list kernel (the GPU path) == the torch expansion, under TRITON_INTERPRET=1."""
     assert all(run_fresh(EXPAND_CHECK, env={"TRITON_INTERPRET": "1"})["equal"])
+
+
+SPARSE_DECODE_CHECK = """
+import json, torch
+from sgl_loopkv.attention.decode_gpu import sparse_decode_reference
+from sgl_loopkv.kernels.sparse_decode_triton import sparse_decode_triton
+from tests.unit.test_sparse_decode_gpu import random_case
+g = torch.Generator().manual_seed(0)
+errs = []
+# (B, Hkv, g, D, list lengths, splits): GQA 3 and MHA, lengths 1 and off the block size, one long
+# list split in 1, 3 and 4 parts (empty splits too: 4 splits of whole 64-key blocks leave the last
+# one of a 150-key list empty), g = 16 (the tl.dot path)
+for B, H, G, D, lens, splits in [
+    (2, 2, 3, 16, [1, 17, 64, 65], None),
+    (3, 1, 1, 32, [5, 100, 33], None),
+    (1, 2, 3, 16, [300, 1], 1),
+    (1, 2, 3, 16, [300, 150], 3),
+    (2, 1, 1, 32, [301, 150], 4),
+    (1, 1, 16, 16, [70], 2),
+]:
+    q, k, v, indptr, slots = random_case(g, B, H, G, D, lens, pool=400)
+    ref = sparse_decode_reference(q.double(), k.double(), v.double(), indptr, slots, 0.3, q.double())
+    out = sparse_decode_triton(q, k, v, indptr, slots, 0.3, torch.full_like(q, float("nan")), num_splits=splits)
+    errs.append(float((out.double() - ref).abs().max()))
+print(json.dumps({"errs": errs}))
+"""
+
+
+def test_sparse_decode_kernel_equals_reference_in_the_interpreter():
+    """The Triton sparse-decode kernel (fp32) == the torch reference: GQA and MHA, per-head lists
+    of different lengths, the split-K merge."""
+    errs = run_fresh(SPARSE_DECODE_CHECK, env={"TRITON_INTERPRET": "1"})["errs"]
+    assert len(errs) == 6 and max(errs) < 1e-5, errs
