@@ -293,7 +293,9 @@ def stream_chat(url: str, messages: list[dict], n: int) -> dict:
 
 
 # --- grid: SGLang ------------------------------------------------------------------------------------
-def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, bar, fid) -> dict:
+def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, bar, fid, on_cell=None) -> dict:
+    """One server: per context, prefill then the timed batches; ``on_cell(url, cell)`` after each
+    cell may add to its dict (benchmarks.decode_sparse reads /metrics there)."""
     srv = ServerProcess(
         [*flags, "--dtype", dtype, "--max-total-tokens", str(pool)], log_path=RESULTS / f"decode_{name}.log"
     )
@@ -325,6 +327,8 @@ def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, b
                     toks.append(ts)
                     uncached += sum(r["cached_tokens"] < L - 16 for r in runs)
                 out["cells"][f"{L}/{bs}"] = stats(ivals, statistics.median(toks), uncached_requests=uncached)
+                if on_cell is not None:
+                    on_cell(srv.url, out["cells"][f"{L}/{bs}"])
                 if uncached:
                     print(f"[decode] {name} ctx {L} bs {bs}: {uncached} timed request(s) missed the prefix cache")
                 bar.update()

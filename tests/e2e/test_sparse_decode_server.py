@@ -39,7 +39,12 @@ def answers(url: str, prompts: list[str], n: int = 24) -> list[list[int]]:
         return list(pool.map(lambda p: generate(url, p, max_new_tokens=n, ignore_eos=True)["output_ids"], prompts))
 
 
-@pytest.mark.parametrize("policy", ["freekv", "loopserve", "lserve"])
+# lserve in the default suite; the others share its selector and executor (their full-budget exactness is
+# in tests/unit/test_sparse_decode.py), their own server runs are slow
+@pytest.mark.parametrize(
+    "policy",
+    ["lserve", pytest.param("freekv", marks=pytest.mark.slow), pytest.param("loopserve", marks=pytest.mark.slow)],
+)
 def test_full_budget_sparse_decode_is_greedy_identical_to_dense(policy, tiny_model_dir, server_logs, tiny_server):
     with _server(tiny_model_dir, server_logs, f"tiny-decode-{policy}", full_budget(policy)).start() as srv:
         assert answers(srv.url, PROMPTS) == answers(tiny_server.url, PROMPTS)

@@ -141,7 +141,7 @@ def test_freekv_with_tau_above_one_is_non_speculative_retrieval():
         a, b = step(spec, [1], slots, q, k, v), step(plain, [1], slots, q, k, v)
         assert torch.equal(spec.states[1].layers[0].pages, plain.states[1].layers[0].pages)
         assert torch.equal(a, b)
-    assert spec.policy.corrections == 4  # every step after the first
+    assert spec.policy.corrections == 4 * 3  # every KV head of every step after the first
 
 
 def test_freekv_speculates_with_the_previous_query_until_they_drift():
@@ -152,8 +152,14 @@ def test_freekv_speculates_with_the_previous_query_until_they_drift():
     first = dec.states[1].layers[0].pages.clone()
     step(dec, [1], slots, q0 + 0.01 * torch.randn_like(q0), k, v)  # similar: the speculation stands
     assert torch.equal(dec.states[1].layers[0].pages, first) and dec.policy.corrections == 0
-    step(dec, [1], slots, torch.randn(1, 9, 32), k, v)  # unrelated query: corrected
-    assert dec.policy.corrections == 1
+    step(dec, [1], slots, torch.randn(1, 9, 32), k, v)  # unrelated query: every head corrected
+    assert dec.policy.corrections == 3
+    drift_one = dec.states[1].layers[0].last_q.clone().view(1, 9, 32)
+    drift_one[0, 6:] = torch.randn(3, 32)  # only KV head 2's group drifts: only it re-selects
+    before = dec.states[1].layers[0].pages.clone()
+    step(dec, [1], slots, drift_one, k, v)
+    after = dec.states[1].layers[0].pages
+    assert dec.policy.corrections == 4 and torch.equal(after[:2], before[:2])
 
 
 def test_lserve_reuses_a_selection_and_reads_new_tokens_as_local():

@@ -42,7 +42,7 @@ class LayerState:
     last one may be partial); ``pages`` were chosen when the sequence had ``sel_len`` tokens
     (positions from ``sel_len`` on are read as the local window until the next selection)."""
 
-    summaries: torch.Tensor | None = None  # [n_logical, Hkv, 2, D] float32
+    summaries: torch.Tensor | None = None  # [capacity >= n_logical, Hkv, 2, D] float32
     summarized: int = 0
     pages: torch.Tensor | None = None  # [Hkv, k] ascending physical page ids
     sel_len: int = 0
@@ -66,13 +66,18 @@ class SeqKeys:
 
     def summaries(self) -> torch.Tensor:
         st, lp = self.state, self.logical_page
+        n = -(-self.length // lp)
         if st.summaries is None or st.summarized < self.length:
             first = st.summarized // lp  # a partial last page is recomputed from its first token
             fresh = chunk_minmax(self.keys(first * lp, self.length), lp)
-            old = st.summaries[:first] if st.summaries is not None else fresh[:0]
-            st.summaries = torch.cat([old, fresh]) if first else fresh
+            if st.summaries is None or st.summaries.shape[0] < n:  # grow by half: appends stay amortised O(1)
+                grown = fresh.new_empty(n + n // 2 + 8, *fresh.shape[1:])
+                if st.summaries is not None:
+                    grown[:first] = st.summaries[:first]
+                st.summaries = grown
+            st.summaries[first:n] = fresh
             st.summarized = self.length
-        return st.summaries
+        return st.summaries[:n]
 
 
 class DecodePolicy(ABC):

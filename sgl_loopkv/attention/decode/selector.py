@@ -56,6 +56,8 @@ class SparseDecoder:
         self.states: dict = {}
         self.stats = DecodeStats()
         self.batch: _Batch | None = None
+        self.keep_index = False  # True: ``last_index`` keeps each sequence's flat rows of the latest layer (harness)
+        self.last_index: list[torch.Tensor] = []
 
     def begin(self, ids: list, slots: list[torch.Tensor]) -> bool:
         """Start a decode step for sequences ``ids`` with pool ``slots`` (each [L_i], position order,
@@ -108,6 +110,8 @@ class SparseDecoder:
             parts.append(index.flatten())
         counts = torch.tensor([0] + [p.numel() // hkv for p in parts], dtype=torch.int64)
         indptr = counts.repeat_interleave(torch.tensor([1] + [hkv] * B)).cumsum(0)
+        if self.keep_index:
+            self.last_index = parts
         indices = torch.cat(parts)
         qv = q.reshape(B * hkv, g, d)
         o = out.view(B * hkv, g, -1)
