@@ -330,6 +330,14 @@ class SparseDecodeConfig:
         default=2048,
         metadata={"help": "Sequences shorter than this decode densely.", "type": int},
     )
+    executor: str = field(
+        default="auto",
+        metadata={
+            "help": "Executor of sparse decode plans: 'native' (CPU kernel), 'reference' (torch), 'triton' or "
+            "'flashinfer' (CUDA); 'auto': native on CPU, triton on CUDA.",
+            "choices": ["auto", "native", "reference", "triton", "flashinfer"],
+        },
+    )
 
     @property
     def enabled(self) -> bool:

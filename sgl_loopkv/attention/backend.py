@@ -53,6 +53,7 @@ class LoopKVAttnBackend(AttentionBackend):
         sparse_min_len: int = 2048,
         context: Context | None = None,
         decode_policy: DecodePolicy | None = None,
+        decode_executor: str = "auto",
     ):
         super().__init__()
         self.context = context  # the boards this backend feeds (None: feeds nothing)
@@ -73,7 +74,9 @@ class LoopKVAttnBackend(AttentionBackend):
         self.sparse_decoder = None
         if decode_policy is not None:
             num_layers = model_runner.model_config.num_hidden_layers
-            self.sparse_decoder = SparseDecoder(decode_policy, num_layers, getattr(self.executor, "native", None))
+            self.sparse_decoder = SparseDecoder(
+                decode_policy, num_layers, getattr(self.executor, "native", None), decode_executor
+            )
         self.sparse_decode_metrics = SparseDecodeMetrics(
             model_runner.server_args.enable_metrics and decode_policy is not None
         )
@@ -309,4 +312,5 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
         sparse_min_len=config.sparse.sparse_min_len,
         context=ctx,
         decode_policy=decode_policy,
+        decode_executor=config.decode.executor,
     )

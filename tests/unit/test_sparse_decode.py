@@ -33,10 +33,12 @@ def pool(seed, lens, hkv=3, d=32, size=16384, page=16, dtype=torch.float32):
 
 
 def decoder(policy, native, **params):
+    """native: the CPU kernel; else the torch reference executor (the GPU interface's)."""
     lib = paged_decode.load() if native else None
     if native and lib is None:
         pytest.skip("the native paged-decode kernel cannot be built here")
-    return SparseDecoder(DECODE_POLICIES.create(policy, DecodeParams(**params)), num_layers=2, native=lib)
+    pol = DECODE_POLICIES.create(policy, DecodeParams(**params))
+    return SparseDecoder(pol, num_layers=2, native=lib, executor="native" if native else "reference")
 
 
 def step(dec, ids, slots, q, k, v, layer=0):

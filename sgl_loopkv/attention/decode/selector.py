@@ -49,9 +49,22 @@ class _Batch:
     dense_index: list[torch.Tensor | None] = field(default_factory=list)  # per sequence, for dense ones
 
 
+EXECUTOR_NAMES = ("auto", "native", "reference", "triton", "flashinfer")
+
+
 class SparseDecoder:
-    def __init__(self, policy: DecodePolicy, num_layers: int, native=None):
+    """``executor``: 'native' (the CPU kernel, ``native`` its loaded module), 'reference' (torch),
+    'triton' or 'flashinfer' (GPU); 'auto' = native on CPU when it loaded, triton on CUDA, else
+    reference. Every one is the same contract (tests/unit/test_sparse_decode*.py)."""
+
+    def __init__(self, policy: DecodePolicy, num_layers: int, native=None, executor: str = "auto"):
         self.policy, self.num_layers, self.native = policy, num_layers, native
+        if executor not in EXECUTOR_NAMES:
+            raise ValueError(f"sparse decode executor must be one of {EXECUTOR_NAMES}, not {executor!r}")
+        if executor == "native" and native is None:
+            raise ValueError("the native sparse decode executor needs the native paged-decode kernel")
+        self.executor = executor
+        self._interface = None
         self.p = policy.p
         self.states: dict = {}
         self.stats = DecodeStats()
@@ -113,23 +126,41 @@ class SparseDecoder:
         if self.keep_index:
             self.last_index = parts
         indices = torch.cat(parts)
-        qv = q.reshape(B * hkv, g, d)
-        o = out.view(B * hkv, g, -1)
-        kf, vf = k_cache.view(-1, 1, d), v_cache.view(-1, 1, v_cache.shape[-1])
-        if self.native is not None and k_cache.device.type == "cpu":
+        name = self.executor_for(k_cache)
+        if name == "native":
+            qv, o = q.reshape(B * hkv, g, d), out.view(B * hkv, g, -1)
+            kf, vf = k_cache.view(-1, 1, d), v_cache.view(-1, 1, v_cache.shape[-1])
             oc = o if o.is_contiguous() else torch.empty_like(o)
             self.native.paged_decode(qv.contiguous(), kf, vf, indices, indptr, scale, oc, 256)
             if oc is not o:
                 o.copy_(oc)
-        else:
-            per_head_decode(qv, kf, vf, indices, indptr.tolist(), scale, o)
-        return out
+            return out
+        if self._interface is None:
+            self._interface = interface_executor(name)
+        dev = k_cache.device
+        return self._interface(q, k_cache, v_cache, indptr.to(dev), indices.to(dev) // hkv, scale, out)
+
+    def executor_for(self, k_cache: torch.Tensor) -> str:
+        if self.executor != "auto":
+            return self.executor
+        if k_cache.device.type == "cpu":
+            return "native" if self.native is not None else "reference"
+        return "triton" if k_cache.device.type == "cuda" else "reference"
 
 
-def per_head_decode(q, k_rows, v_rows, indices, indptr: list[int], scale: float, out) -> None:
-    """Torch fallback: q [N, g, D], rows [R, 1, D]; request n reads rows indices[indptr[n]:indptr[n+1]]."""
-    for n in range(q.shape[0]):
-        idx = indices[indptr[n] : indptr[n + 1]]
-        k, v = k_rows[idx, 0], v_rows[idx, 0]  # [m, D]
-        p = (q[n].to(k.dtype) @ k.T).float().mul_(scale).softmax(-1)
-        out[n] = (p.to(v.dtype) @ v).to(out.dtype)
+def interface_executor(name: str):
+    """The executors of the GPU interface (:mod:`sgl_loopkv.attention.decode_gpu`):
+    ``f(q, k_cache, v_cache, head_indptr, head_slots, scale, out)``."""
+    if name == "reference":
+        from sgl_loopkv.attention.decode_gpu import sparse_decode_reference
+
+        return sparse_decode_reference
+    if name == "triton":
+        from sgl_loopkv.kernels.sparse_decode_triton import sparse_decode_triton
+
+        return sparse_decode_triton
+    if name == "flashinfer":
+        from sgl_loopkv.attention.decode_gpu import FlashInferSparseDecode
+
+        return FlashInferSparseDecode()
+    raise ValueError(f"unknown sparse decode executor {name!r}")
