@@ -19,6 +19,8 @@ cache-dir device attention-executor stock host-bytes disk-dir disk-bytes disk-fr
 restore-planner restore-ratio share-layers share-gamma share-ratio share-pairing share-stride
 prefill-policy alpha block-size sparse-min-len sparse-dense-tail sparse-tail-samples sparse-full-density
 streaming-fraction streaming-sink streaming-local streaming-calibration sparse-executor
+decode-policy decode-budget decode-page-size decode-logical-page decode-sink decode-local decode-reuse decode-tau
+decode-n-d decode-min-context decode-executor
 max-n default-max-tokens max-client-requests shutdown-grace-s
 """.split()
 
