@@ -99,7 +99,7 @@ def test_full_budget_equals_dense_attention(policy, native):
     assert dec.stats.selected_fraction == 1.0
 
 
-def _sparse_reference(q, k, v, slots, index_of_seq, hkv, scale):
+def _sparse_reference(q, k, v, index_of_seq, hkv, scale):
     """Per query head: attention over exactly the keys its KV head's plan lists (float64)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     g = q.shape[1] // hkv
@@ -118,9 +118,11 @@ def test_below_budget_each_group_reads_one_selection_within_the_budget(policy, n
     lens = [4000, 2500]
     k, v, slots = pool(1, lens)
     dec = decoder(policy, native, budget=512, min_context=1024, sink=64, local=128, reuse=3, n_d=4)
+    dec.keep_index = True
     for s in range(6):
         q = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(10 + s))
-        out = step(dec, ["a", "b"], slots, q, k, v)
+        cur = [sl[: len(sl) - 6 + s] for sl in slots]  # one token more each step
+        out = step(dec, ["a", "b"], cur, q, k, v)
         index = [dec.states[sid].layers[0].index for sid in ["a", "b"]]
         for i, sid in enumerate(["a", "b"]):
             st_ = dec.states[sid].layers[0]
@@ -128,7 +130,9 @@ def test_below_budget_each_group_reads_one_selection_within_the_budget(policy, n
             assert (st_.pages[:, 0] == 0).all() and (st_.pages[:, -1] == (st_.sel_len - 1) // 64).all()
             assert (index[i] % 3 == torch.arange(3)[:, None]).all(), "each KV head reads its own rows"
             assert index[i].shape[1] <= 512 and torch.isin(index[i] // 3, slots[i]).all()
-        torch.testing.assert_close(out.double(), _sparse_reference(q, k, v, slots, index, 3, 0.2), atol=2e-5, rtol=1e-4)
+        read = [rows.view(3, -1) for rows in dec.last_index]  # the selection plus tokens since it (local)
+        assert all(r.shape[1] <= 512 + 6 for r in read)
+        torch.testing.assert_close(out.double(), _sparse_reference(q, k, v, read, 3, 0.2), atol=2e-5, rtol=1e-4)
     assert 0 < dec.stats.selected_fraction < 0.25
 
 
@@ -140,7 +144,8 @@ def test_freekv_with_tau_above_one_is_non_speculative_retrieval():
     plain = decoder("lserve", True, budget=512, min_context=1024, reuse=1)
     for s in range(5):
         q = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(20 + s))
-        a, b = step(spec, [1], slots, q, k, v), step(plain, [1], slots, q, k, v)
+        cur = [slots[0][: 2990 + s]]  # one token more each step
+        a, b = step(spec, [1], cur, q, k, v), step(plain, [1], cur, q, k, v)
         assert torch.equal(spec.states[1].layers[0].pages, plain.states[1].layers[0].pages)
         assert torch.equal(a, b)
     assert spec.policy.corrections == 4 * 3  # every KV head of every step after the first
@@ -150,16 +155,17 @@ def test_freekv_speculates_with_the_previous_query_until_they_drift():
     k, v, slots = pool(3, [3000])
     dec = decoder("freekv", True, budget=512, min_context=1024, tau=0.9)
     q0 = torch.randn(1, 9, 32)
-    step(dec, [1], slots, q0, k, v)
+    at = lambda n: [slots[0][:n]]  # noqa: E731
+    step(dec, [1], at(2900), q0, k, v)
     first = dec.states[1].layers[0].pages.clone()
-    step(dec, [1], slots, q0 + 0.01 * torch.randn_like(q0), k, v)  # similar: the speculation stands
+    step(dec, [1], at(2901), q0 + 0.01 * torch.randn_like(q0), k, v)  # similar: the speculation stands
     assert torch.equal(dec.states[1].layers[0].pages, first) and dec.policy.corrections == 0
-    step(dec, [1], slots, torch.randn(1, 9, 32), k, v)  # unrelated query: every head corrected
+    step(dec, [1], at(2902), torch.randn(1, 9, 32), k, v)  # unrelated query: every head corrected
     assert dec.policy.corrections == 3
     drift_one = dec.states[1].layers[0].last_q.clone().view(1, 9, 32)
     drift_one[0, 6:] = torch.randn(3, 32)  # only KV head 2's group drifts: only it re-selects
     before = dec.states[1].layers[0].pages.clone()
-    step(dec, [1], slots, drift_one, k, v)
+    step(dec, [1], at(2903), drift_one, k, v)
     after = dec.states[1].layers[0].pages
     assert dec.policy.corrections == 4 and torch.equal(after[:2], before[:2])
 
@@ -186,6 +192,19 @@ def test_loopserve_reselects_from_recent_attention_mass():
         step(dec, [1], slots, torch.ones(1, 9, 32), k, v)
     pages = dec.states[1].layers[0].pages
     assert (pages == 1500 // 64).any(dim=1).all()
+
+
+def test_a_sequence_that_skips_steps_starts_afresh():
+    """A request preempted and re-admitted may hold other slots: its old selection must not be read."""
+    k, v, slots = pool(7, [3000])
+    dec = decoder("lserve", True, budget=512, min_context=1024, reuse=8)
+    step(dec, [1], [slots[0][:2000]], torch.randn(1, 9, 32), k, v)
+    step(dec, [1], [slots[0][:2001]], torch.randn(1, 9, 32), k, v)
+    assert dec.states[1].step == 1 and dec.policy.decisions == 1  # reused
+    moved = slots[0][:2100].flip(0)  # same id, other slots, not the next length
+    step(dec, [1], [moved], torch.randn(1, 9, 32), k, v)
+    assert dec.states[1].step == 0 and dec.policy.decisions == 2
+    assert torch.isin(dec.states[1].layers[0].index // 3, moved).all()
 
 
 def test_sequences_below_min_context_take_the_dense_path():

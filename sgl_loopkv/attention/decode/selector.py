@@ -25,6 +25,7 @@ from sgl_loopkv.selection.pages import pages_to_positions
 class SeqState:
     layers: list[LayerState]
     step: int = -1  # sparse decode steps taken
+    length: int = 0  # tokens at the latest step: a step that is not the next one starts afresh
 
 
 @dataclass(slots=True)
@@ -81,12 +82,13 @@ class SparseDecoder:
         if not any(sparse):
             self.batch = None
             return False
-        for sid, sp in zip(ids, sparse):
+        for sid, sp, sl in zip(ids, sparse, slots):
             if sp:
                 st = self.states.get(sid)
-                if st is None:
+                if st is None or st.length + 1 != len(sl):  # new, or re-admitted (its slots may have moved)
                     st = self.states[sid] = SeqState([LayerState() for _ in range(self.num_layers)])
                 st.step += 1
+                st.length = len(sl)
         self.batch = _Batch(list(ids), list(slots), sparse, [None] * len(ids))
         self.stats.steps += 1
         return True
