@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -333,12 +334,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["fidelity", "grid", "multiturn"],
                     choices=["fidelity", "grid", "multiturn"])  # fmt: skip
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8000])
+    # 7936 + 256 generated = SmolLM2's 8192 positions (the server refuses more)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7936])
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--name", default="decode_sparse")
     ap.add_argument("--replot", action="store_true")
+    ap.add_argument("--add", action="store_true", help="keep the parts already in <name>.json, run --parts")
     args = ap.parse_args()
     if args.replot:
         payload = json.loads((RESULTS / f"{args.name}.json").read_text())
@@ -353,23 +356,29 @@ def main() -> None:
     contexts = sorted(args.contexts)
     payload: dict = {
         "environment": environment(),
-        "config": {"command": "python -m benchmarks.decode_sparse " + " ".join(__import__("sys").argv[1:]),
-                   "contexts": contexts, "batch_sizes": args.batch_sizes, "gen": args.gen, "defaults": DEFAULTS.__class__.__name__},
+        "config": {"command": "python -m benchmarks.decode_sparse " + " ".join(sys.argv[1:]),
+                   "contexts": contexts, "batch_sizes": args.batch_sizes, "gen": args.gen,
+                   "defaults": dataclasses.asdict(DEFAULTS)},
     }  # fmt: skip
     units = (
         ("fidelity" in args.parts) * (len(contexts) * (1 + len(POLICIES)) + len(POLICIES))
         + ("grid" in args.parts) * (1 + len(POLICIES)) * len(contexts) * (1 + len(args.batch_sizes))
         + ("multiturn" in args.parts) * 4 * dec.MT_UNITS // 2
     )
+    if args.add:
+        old = json.loads((RESULTS / f"{args.name}.json").read_text())
+        payload = {**old, **{k: v for k, v in payload.items() if k != "config"}}
+        payload.setdefault("runs", []).append(payload["config"]["command"])
+    parts = {
+        "fidelity": lambda bar: run_fidelity(contexts, args.gen, tok, model_dir, bar),
+        "grid": lambda bar: run_grid(contexts, args.batch_sizes, args, tok, bar),
+        "multiturn": lambda bar: run_multiturn(tok, bar),
+    }
     with tqdm(total=units, desc="decode_sparse") as bar:
-        if "fidelity" in args.parts:
-            payload["fidelity"] = run_fidelity(contexts, args.gen, tok, model_dir, bar)
-        if "grid" in args.parts:
-            payload["grid"] = run_grid(contexts, args.batch_sizes, args, tok, bar)
-        if "multiturn" in args.parts:
-            payload["multiturn"] = run_multiturn(tok, bar)
-    payload["summary"] = summarize(payload)
-    write_results(args.name, payload, report_md(payload))
+        for part in [p for p in parts if p in args.parts]:
+            payload[part] = parts[part](bar)
+            payload["summary"] = summarize(payload)
+            write_results(args.name, payload, report_md(payload))  # after every part: a failure keeps the rest
     plot(payload, RESULTS / f"{args.name}.png")
     print(json.dumps(payload["summary"], indent=1))
 
