@@ -271,7 +271,11 @@ def report_md(p: dict) -> str:
     ]
     grid = p.get("grid") or {}
     if grid:
-        lines += ["## Speed: TPOT ms median (p90) / aggregate tok/s / selected fraction / correction rate", ""]
+        lines += [
+            "## Speed: TPOT ms median (p90) / aggregate tok/s / selected fraction (the server's running "
+            "total up to the cell) / correction rate (in the cell)",
+            "",
+        ]
         keys = sorted(
             {k for g in grid.values() for k in g.get("cells", {})}, key=lambda k: tuple(map(int, k.split("/")))
         )
