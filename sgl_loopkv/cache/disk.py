@@ -24,6 +24,12 @@ of chunks that match the prompt, and continues after it: one ``open`` per stored
 crossed, never a directory scan per request. A chunk whose link points to an evicted segment is
 found again once any worker stores it anew.
 
+**A write in flight.** Turns end and the next one may arrive at another worker before the segment
+of the first is on disk (the write-through is asynchronous). So a worker that queues a segment
+first *announces* it: ``chunks/<h[s]>.pending`` (empty) for its first chunk, removed when the
+segment is published (or failed). A lookup that misses a chunk whose announcement exists waits for
+it, up to :data:`PENDING_WAIT_S`, instead of recomputing what is being written right now.
+
 Every extent (one chunk of one layer) and the header carry a crc32; a read that finds a missing
 (:class:`SegmentGone`: evicted by some worker), truncated or corrupt file raises
 :class:`CorruptSegment` and the caller recomputes that part of the history instead of serving it.
@@ -43,6 +49,7 @@ import os
 import re
 import socket
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX, SharedDirectory
+from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX, SharedDirectory, pid_alive
 from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
@@ -62,6 +69,9 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 3
 LEGACY_INDEX = "index.json"
 CHUNKS = "chunks"
+PENDING = ".pending"
+PENDING_WAIT_S = 2.0  # the longest a lookup waits for an announced segment (one turn's write: ~0.1 s)
+PENDING_STALE_S = 60.0  # an announcement this old belongs to a writer that died
 
 # Segment ids are minted by the cache (address.segment_id), never taken from a request; path()
 # refuses anything else, and so does a header naming another id, so no path can leave the directory.
@@ -159,11 +169,18 @@ class DiskSegmentStore:
         index.unlink(missing_ok=True)
 
     def _remove_dangling_links(self) -> None:
-        """Chunk links whose segment is gone (a crash mid-eviction): they would keep its bytes alive."""
+        """Chunk links whose segment is gone (a crash mid-eviction): they would keep its bytes alive;
+        announcements of writes that never finished."""
         with os.scandir(self.root / CHUNKS) as it:
             for e in it:
                 try:
-                    if e.stat().st_nlink == 1:
+                    st = e.stat()
+                    if e.name.endswith(PENDING):
+                        host, _, pid = Path(e.path).read_text().partition(" ")
+                        dead = host == self.dir.host and pid.isdigit() and not pid_alive(int(pid))
+                        if dead or time.time() - st.st_mtime > PENDING_STALE_S:
+                            os.unlink(e.path)
+                    elif st.st_nlink == 1:
                         os.unlink(e.path)
                 except FileNotFoundError:
                     continue
@@ -174,10 +191,25 @@ class DiskSegmentStore:
             raise ValueError(f"not a segment id: {seg_id!r}")
         return self.root / f"{SEG_PREFIX}{seg_id}{SEG_SUFFIX}"
 
-    def _chunk_path(self, chunk_hash: str) -> Path:
+    def _chunk_path(self, chunk_hash: str, suffix: str = "") -> Path:
         if not CHUNK_HASH.fullmatch(chunk_hash):
             raise ValueError(f"not a chunk hash: {chunk_hash!r}")
-        return self.root / CHUNKS / chunk_hash
+        return self.root / CHUNKS / (chunk_hash + suffix)
+
+    def announce(self, record: SegmentRecord) -> None:
+        """A write of ``record`` is queued: a lookup of its first chunk waits for it (see the module doc)."""
+        if record.chunk_hashes:
+            with contextlib.suppress(OSError):  # only an optimisation: a miss recomputes
+                fd = os.open(self._chunk_path(record.chunk_hashes[0], PENDING), os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    os.write(fd, f"{self.dir.host} {os.getpid()}".encode())  # whose: a dead writer's goes at start-up
+                finally:
+                    os.close(fd)
+
+    def unannounce(self, record: SegmentRecord) -> None:
+        """The announced write will not happen (or is done): lookups stop waiting for it."""
+        if record.chunk_hashes:
+            self._chunk_path(record.chunk_hashes[0], PENDING).unlink(missing_ok=True)
 
     # --- write -------------------------------------------------------------------------------
     def file_bytes(self, n_chunks: int, n_tokens_ids: int) -> int:
@@ -191,6 +223,12 @@ class DiskSegmentStore:
         worker's) to stay under the quota. Returns the ids it evicted. A segment already published
         (by any worker) is not written again. Raises :class:`NoRoom` when the quota cannot hold it,
         ``OSError`` when the disk refuses it."""
+        try:
+            return self._write(record, kv, summaries)
+        finally:
+            self.unannounce(record)
+
+    def _write(self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor) -> list[str]:
         parts = self._encode(record, kv, summaries)
         size = sum(len(p) for p in parts)
         final = self.path(record.seg_id)
@@ -339,14 +377,26 @@ class DiskSegmentStore:
                 os.utime(self.path(seg_id))
 
     # --- find ----------------------------------------------------------------------------------
-    def find(self, chain: list[str], first: int) -> Found | None:
+    def find(self, chain: list[str], first: int, wait_s: float = PENDING_WAIT_S) -> Found | None:
         """The stored segment holding chunk ``first`` of the history whose chain hashes are
         ``chain``, and how many of the following chunks it holds too (one ``open``). None when no
-        worker stored that chunk (or its segment was evicted)."""
-        try:
-            fd = os.open(self._chunk_path(chain[first]), os.O_RDONLY)
-        except FileNotFoundError:
-            return None
+        worker stored that chunk (or its segment was evicted); a chunk announced by a writer is
+        waited for, up to ``wait_s``."""
+        link = self._chunk_path(chain[first])
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fd = os.open(link, os.O_RDONLY)
+                break
+            except FileNotFoundError:
+                pending = self._chunk_path(chain[first], PENDING)
+                try:
+                    fresh = time.time() - pending.stat().st_mtime < PENDING_STALE_S
+                except FileNotFoundError:
+                    fresh = False
+                if not fresh or time.monotonic() > deadline:
+                    return None
+                time.sleep(0.005)
         try:
             header = self._header(fd, "chunk " + chain[first])
         except CorruptSegment as e:

@@ -148,7 +148,7 @@ class SharedDirectory:
             fields = self._tmp_fields(f.name)
             try:
                 if fields and fields[0] == self.host:
-                    stale = not _pid_alive(fields[1])
+                    stale = not pid_alive(fields[1])
                 else:  # another host's (or a name of another shape): only when clearly abandoned
                     stale = time.time() - f.stat().st_mtime > STALE_TMP_S
                 if stale:
@@ -159,7 +159,7 @@ class SharedDirectory:
         return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -64,6 +64,9 @@ from sgl_loopkv.restore.restorer import Restorer
 logger = logging.getLogger(__name__)
 
 TRIM_EVERY_S = 5.0  # the C heap's free pages go back to the OS at most this often (at a turn's end)
+# A waiting request is matched again at every scheduling round: its shared-disk lookup (a hash chain
+# over the prompt, an open per segment) is redone at most this often for the same position.
+RELOOK_S = 1.0
 
 
 def _ref(node: TreeNode) -> tuple[str, int, int] | None:
@@ -107,6 +110,8 @@ class LoopKVRadixCache(RadixCache):
         logger.info("loopkv: layer-wise loads overlap the forward (the KV pool's layer transfer counter)")
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per source
+        # rid -> (prompt chunks, their chain hashes, position of the last lookup that found nothing, when)
+        self._lookups: OrderedDict[str, tuple[int, list[str], int, float]] = OrderedDict()
         self._trimmed_at = 0.0
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
         # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
@@ -360,7 +365,7 @@ class LoopKVRadixCache(RadixCache):
         device_len, last_device, stored = self._walk(key)
         if getattr(params, "req", None) is not None and self.store.disk is not None:
             end = stored[-1] if stored else last_device
-            stored += self._discover(key, end, device_len + sum(len(nd.key) for nd in stored))
+            stored += self._discover(key, end, device_len + sum(len(nd.key) for nd in stored), params.req.rid)
         if stored and getattr(params, "req", None) is not None:
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
@@ -398,18 +403,26 @@ class LoopKVRadixCache(RadixCache):
                 break
         return device_len, last_device, stored
 
-    def _discover(self, key: RadixKey, node: TreeNode, pos: int) -> list[TreeNode]:
+    def _discover(self, key: RadixKey, node: TreeNode, pos: int, rid: str) -> list[TreeNode]:
         """Stored runs of ``key`` after position ``pos`` (where the tree's match ended, at ``node``)
         that the shared disk holds: found chunk by chunk (one ``open`` per stored segment), hung
         below ``node`` as stored nodes. Returns them, root first."""
         page = self.page_size
         if pos >= len(key) or key[pos:].child_key(page) in node.children:
             return []  # the tree knows this continuation (its copy is gone): not looked up again
-        chain = self._chain(key.raw_token_ids(), key)
+        now, n = time.monotonic(), len(key) // page
+        last = self._lookups.get(rid)
+        if last is not None and last[0] == n and last[2] == pos and now - last[3] < RELOOK_S:
+            return []  # the same request, still waiting: nothing found here a moment ago
+        chain = last[1] if last is not None and last[0] == n else self._chain(key.raw_token_ids(), key)
         found_nodes = []
         while pos < len(key):
             found = self.store.disk.find(chain, pos // page)
             if found is None:
+                self._lookups[rid] = (n, chain, pos, now)
+                self._lookups.move_to_end(rid)
+                while len(self._lookups) > 4096:
+                    self._lookups.popitem(last=False)
                 break
             n = (found.hi - found.lo) * page
             self.store.register(found.record)

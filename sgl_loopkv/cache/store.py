@@ -156,6 +156,8 @@ class TieredKVStore:
         seg = StoredSegment(record, kv, summaries, pending_disk=to_disk)
         self.segments[record.seg_id] = seg
         self.policy.on_access(record.seg_id, record.n_chunks)
+        if to_disk:
+            self.disk.announce(record)  # another worker's lookup of it waits for the write, not recomputes
         if in_host:
             self.stats.host_bytes += nbytes
             if to_disk:
@@ -176,6 +178,8 @@ class TieredKVStore:
             if seg is not None and seg.host_kv is not None:
                 self._evicted.extend(self.disk.write(seg.record, seg.host_kv, seg.host_summaries))
                 seg.on_disk = True
+            elif seg is not None:  # its only copy went before the write: nothing will be published
+                self.disk.unannounce(seg.record)
         except NoRoom as e:  # every other segment is being written: stays in the arena (if it is there)
             logger.info("loopkv: segment %s not stored on disk: %s", seg_id, e)
         except Exception as e:  # whatever went wrong, the writer thread lives on (flush() waits for it)

@@ -151,9 +151,10 @@ def check_consistent(sub: Path, scratch: Path) -> set[str]:
     extent (on a copy: opening a directory cleans it, and this must only look). A server still
     running may be finishing a write: it gets a few seconds."""
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and list(sub.glob("*.tmp")):
+    while time.monotonic() < deadline and (list(sub.glob("*.tmp")) or list(sub.glob("chunks/*.pending"))):
         time.sleep(0.2)
     assert not list(sub.glob("*.tmp")), list(sub.glob("*.tmp"))
+    assert not list(sub.glob("chunks/*.pending"))  # every announced write was published or given up
     assert all(link.stat().st_nlink >= 2 for link in (sub / "chunks").iterdir())
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(sub, scratch)  # copies the links as files: only the segments are read below

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -213,3 +214,30 @@ def test_eviction_by_three_workers_never_exceeds_the_quota_nor_breaks_a_read(tmp
         assert torch.equal(reader.read(f.seg_id, 0, 2), _segment(expected[f.seg_id])[1])
     links = list((root / "chunks").iterdir())
     assert len(links) == 2 * len(usage.published) and all(p.stat().st_nlink >= 2 for p in links)
+
+
+def test_a_lookup_waits_for_an_announced_write_and_not_otherwise(tmp_path):
+    """The next turn may reach another worker before the first's segment is written: an announced
+    segment is waited for (briefly), an unannounced miss returns at once, and a dead writer's
+    announcement is removed by the next worker to start."""
+    writer, reader = DiskSegmentStore(tmp_path, 1 << 30, GEO), DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    rec, kv, summ, chain = _segment(7)
+    t0 = time.monotonic()
+    assert reader.find(chain, 0) is None and time.monotonic() - t0 < 0.5  # nothing announced: no wait
+    writer.announce(rec)
+    timer = threading.Timer(0.3, writer.write, (rec, kv, summ))
+    timer.start()
+    t0 = time.monotonic()
+    found = reader.find(chain, 0)
+    timer.join()
+    assert found is not None and found.record.seg_id == rec.seg_id and time.monotonic() - t0 >= 0.3
+    assert not list((tmp_path / "chunks").glob("*.pending"))  # published: the announcement is gone
+    other, _, _, other_chain = _segment(8)
+    writer.announce(other)
+    t0 = time.monotonic()
+    assert reader.find(other_chain, 0, wait_s=0.2) is None and time.monotonic() - t0 >= 0.2  # bounded wait
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    marker = next((tmp_path / "chunks").glob("*.pending"))
+    marker.write_text(f"{writer.dir.host} {int(dead.stdout)}")
+    DiskSegmentStore(tmp_path, 1 << 30, GEO)  # a worker starting: the dead writer's announcement goes
+    assert not marker.exists()
