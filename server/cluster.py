@@ -213,6 +213,8 @@ def main(argv: list[str] | None = None) -> None:
     ns, worker_args = cluster_parser().parse_known_args(argv)
     if not router_available():
         sys.exit(f"launch_cluster: {INSTALL_HINT}")
+    if ns.workers < 1:
+        sys.exit(f"launch_cluster: --workers must be at least 1, not {ns.workers}")
     cluster = Cluster(
         worker_args,
         workers=ns.workers,

@@ -241,8 +241,11 @@ class LoopKVRadixCache(RadixCache):
         return [t for k in reversed(keys) for t in k]
 
     def _chain(self, token_ids, key: RadixKey) -> list[str]:
-        """Chain hashes of the whole chunks of ``token_ids`` in ``key``'s namespace (extra key, salt)."""
-        root = namespace(FORMAT_VERSION, self.store_geometry.to_json(), key.extra_key, key.cache_salt)
+        """Chain hashes of the whole chunks of ``token_ids`` in ``key``'s namespace (extra key, salt).
+        The stored form is part of it: the tier's dtype (in the geometry) and the layer-sharing codec,
+        so a worker never loads KV another stored more lossily than it would itself."""
+        stored_form = {**self.store_geometry.to_json(), "share_layers": self.sharing.codec if self.sharing else None}
+        root = namespace(FORMAT_VERSION, stored_form, key.extra_key, key.cache_salt)
         return chunk_chain(token_ids, self.page_size, root)
 
     def _store_node(self, node: TreeNode, pairs: list[tuple[int, int]]) -> bool:

@@ -53,3 +53,8 @@ def test_a_missing_router_says_how_to_install_it(monkeypatch, capsys):
     assert "pip install 'sgl-loopkv[router]'" in str(e.value) and INSTALL_HINT in str(e.value)
     with pytest.raises(RuntimeError, match="sglang-router is not installed"):
         Cluster([]).start()
+
+
+def test_a_bad_worker_count_on_the_command_line_is_a_clear_error():
+    with pytest.raises(SystemExit, match="--workers must be at least 1, not 0"):
+        cluster_mod.main(["--workers", "0"])
