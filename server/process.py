@@ -45,25 +45,41 @@ class ServerProcess:
     headers: dict[str, str] = field(default_factory=dict)  # of the readiness probe (e.g. an API key)
     private_disk_dir: bool = True
     disk_dir: Path | None = None  # the temporary disk-tier directory this object made, if any
+    cpus: tuple[int, ...] | None = None  # CPU cores the server and its subprocesses may run on (Linux)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 600) -> ServerProcess:
+        t0 = time.perf_counter()
+        self.spawn()
+        self.wait_ready(timeout_s)
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def spawn(self) -> ServerProcess:
+        """Start the process without waiting for it (:meth:`wait_ready` waits)."""
         env = {**os.environ, **self.env}
         args = list(self.args)
         named = any(a.startswith("--loopkv-disk-dir") for a in args)
         if self.private_disk_dir and self.module == "sgl_loopkv.launch_server" and not named:
-            self.disk_dir = Path(tempfile.mkdtemp(prefix="loopkv-disk-"))
+            self.disk_dir = self.disk_dir or Path(tempfile.mkdtemp(prefix="loopkv-disk-"))  # kept over a restart
             args += ["--loopkv-disk-dir", str(self.disk_dir)]
         cmd = [sys.executable, "-m", self.module, *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL
-        t0 = time.perf_counter()
-        # Own process group: SGLang's scheduler/detokenizer children go down with it.
-        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready(timeout_s)
-        self.startup_s = time.perf_counter() - t0
+        mode = "a" if self.proc else "w"  # a restart appends to the log
+        log = open(self.log_path, mode) if self.log_path else subprocess.DEVNULL
+        cpus = self.cpus
+        # Own process group: SGLang's scheduler/detokenizer children go down with it. The CPU affinity is
+        # inherited by them (and OpenMP sizes its team from it).
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+        )
         return self
 
     def wait_ready(self, timeout_s: float) -> None:

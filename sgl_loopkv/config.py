@@ -52,8 +52,8 @@ class TierConfig:
         default="auto",
         metadata={
             "help": "Directory of the disk tier; reusing it after a restart resumes the stored conversations. "
-            "'auto' (default): <cache-dir>/kv; 'none': no disk tier. One server per directory and model: a "
-            "second is refused."
+            "'auto' (default): <cache-dir>/kv; 'none': no disk tier. Several servers (workers of a cluster, "
+            "on one machine or on a shared filesystem) may share it: each resumes what the others stored."
         },
     )
     disk_bytes: int = field(

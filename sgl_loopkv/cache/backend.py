@@ -56,11 +56,11 @@ def create_loopkv_radix_cache(ctx):
     tiers, sharing = config.tiers, config.sharing
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
 
-    def store_factory(geometry, on_lost, disk_evictable):
+    def store_factory(geometry, on_lost):
         disk_dir, lock, quota = None, None, 0
         if tiers.disk_path is not None:
             disk_dir = tiers.disk_path / model_fingerprint(ctx.server_args.model_path, geometry)
-            lock = DirectoryLock(disk_dir)  # before anything reads or cleans the directory
+            lock = DirectoryLock(disk_dir)  # shared with other workers; before anything reads or cleans it
             quota = bounded_quota(disk_dir, tiers.disk_bytes, tiers.disk_free_share)
             if quota < tiers.disk_bytes:
                 logger.warning(
@@ -76,7 +76,6 @@ def create_loopkv_radix_cache(ctx):
             disk_dir=disk_dir,
             disk_quota_bytes=quota,
             on_lost=on_lost,
-            disk_evictable=disk_evictable,
             dir_lock=lock,
         )
 
@@ -131,4 +130,6 @@ def cached_tokens_details(original, self, req, *args, **kwargs):
         "host": tiers["host"],
         "storage": tiers["disk"],
         "storage_backend": "loopkv-disk",
+        "storage_shared": tiers["shared"],  # of "storage": stored by another worker of the cluster
+        "worker": cache.worker_id,  # which worker served it (opaque), for clients and benchmarks behind a router
     }

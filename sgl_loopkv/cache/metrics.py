@@ -30,6 +30,9 @@ class TierMetrics:
         self.write_errors = Counter(
             "loopkv_disk_write_errors", "Segment writes the disk refused (full, I/O error): not stored on disk"
         )
+        self.gone = Counter(
+            "loopkv_gone_segments", "Disk segments found evicted (by any worker of the shared tier) when read"
+        )
         self.restores = Counter("loopkv_restores", "Histories restored from the host/disk tiers")
         self.restore_recompute = Gauge(
             "loopkv_restore_recompute_fraction",
@@ -90,6 +93,7 @@ class TierMetrics:
         self.load_seconds.inc(stats.load_seconds - last.load_seconds)
         self.corrupt.inc(stats.corrupt_segments - last.corrupt_segments)
         self.write_errors.inc(stats.disk_write_errors - last.disk_write_errors)
+        self.gone.inc(stats.gone_segments - last.gone_segments)
         self._last = TierStats(
             stats.host_bytes,
             stats.disk_bytes,
@@ -99,5 +103,6 @@ class TierMetrics:
             stats.load_seconds,
             stats.corrupt_segments,
             stats.lost_segments,
+            gone_segments=stats.gone_segments,
             disk_write_errors=stats.disk_write_errors,
         )

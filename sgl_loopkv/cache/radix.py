@@ -13,7 +13,12 @@ are SGLang's. What changes:
   disk, verified then promoted to host) -> new device slots, layer by layer on the loader thread
   (:mod:`sgl_loopkv.cache.loader`), before the request's extend reads them. A corrupt or missing
   segment ends the match there; that history is recomputed.
-- On start-up the tree is rebuilt from the disk index: conversations resume after a restart.
+- The disk tier is shared by every worker of a cluster and content-addressed
+  (:mod:`sgl_loopkv.cache.address`): a stored segment's name derives from the history it holds.
+  When the tree has no more of a prompt, ``match_prefix`` asks the disk for the next chunk by its
+  chain hash and hangs what it finds (another worker's turns, or this worker's before a restart)
+  into the tree as stored nodes, which then load like any other. So nothing is rebuilt at start-up:
+  a restarted worker finds every stored history on its first request for it.
 
 Reused from SGLang: the tree, RadixKey namespacing, eviction strategies, the KV pool and its
 allocator. Built here: tiers, on-disk layout, layer-wise loader, value policy. SGLang's HiCache
@@ -25,9 +30,11 @@ Chunk size = ``--page-size`` (16), so node boundaries are chunk boundaries.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import socket
 import time
-import uuid
 from collections import OrderedDict, defaultdict
 from dataclasses import replace
 
@@ -42,12 +49,12 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
-from sgl_loopkv.cache.disk import CorruptSegment, SegmentRecord
+from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
+from sgl_loopkv.cache.disk import FORMAT_VERSION, CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
-from sgl_loopkv.cache.rebuild import rebuild_from_store
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.platform import release_free_heap
@@ -57,6 +64,9 @@ from sgl_loopkv.restore.restorer import Restorer
 logger = logging.getLogger(__name__)
 
 TRIM_EVERY_S = 5.0  # the C heap's free pages go back to the OS at most this often (at a turn's end)
+# A waiting request is matched again at every scheduling round: its shared-disk lookup (a hash chain
+# over the prompt, an open per segment) is redone at most this often for the same position.
+RELOOK_S = 1.0
 
 
 def _ref(node: TreeNode) -> tuple[str, int, int] | None:
@@ -99,16 +109,19 @@ class LoopKVRadixCache(RadixCache):
         kv_pool.register_layer_transfer_counter(self.loader)
         logger.info("loopkv: layer-wise loads overlap the forward (the KV pool's layer transfer counter)")
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
-        self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per tier
+        self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per source
+        # rid -> (prompt chunks, their chain hashes, position of the last lookup that found nothing, when)
+        self._lookups: OrderedDict[str, tuple[int, list[str], int, float]] = OrderedDict()
         self._trimmed_at = 0.0
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
         # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
         self.store_geometry = replace(self.geometry, dtype=store_dtype or self.geometry.dtype)
-        self.store = store_factory(self.store_geometry, self._on_segment_lost, self._segment_is_leaf)
+        self.store = store_factory(self.store_geometry, self._on_segment_lost)
+        # An opaque name of this worker process (not its host name or pid) for responses behind a router.
+        self.worker_id = hashlib.blake2b(f"{socket.gethostname()}:{os.getpid()}".encode(), digest_size=4).hexdigest()
         self.metrics = TierMetrics(params.enable_metrics)
         self.importance = importance or ChunkImportance()
         self.importance.configure(self.geometry.num_layers // 2, self.page_size)
-        rebuild_from_store(self)  # conversations resume after a restart
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
@@ -118,10 +131,6 @@ class LoopKVRadixCache(RadixCache):
         node.lkv = ref
         if ref is not None:
             self._seg_nodes[ref[0]].add(node)
-
-    def _segment_is_leaf(self, seg_id: str) -> bool:
-        """A disk segment may go only if no stored history hangs below it."""
-        return all(not n.children for n in self._seg_nodes.get(seg_id, ()))
 
     def _on_segment_lost(self, seg_id: str) -> None:
         for node in list(self._seg_nodes.pop(seg_id, ())):
@@ -205,6 +214,7 @@ class LoopKVRadixCache(RadixCache):
             self.store.touch(
                 seg, self.store.segments[seg].record.n_chunks, vec if vec is not None and vec.sum() > 0 else None
             )
+        self.store.touch_disk(per_segment)  # the shared tier's LRU: whole path at once, any worker sees it
 
     def _attached(self, node: TreeNode) -> bool:
         """Whether ``node`` is still reachable from the root (a dropped subtree keeps its parent links)."""
@@ -222,6 +232,22 @@ class LoopKVRadixCache(RadixCache):
             node = node.parent
         return pos
 
+    def _history(self, node: TreeNode) -> list[int]:
+        """Token ids from the root to the end of ``node``."""
+        keys = []
+        while node is not self.root_node:
+            keys.append(node.key.raw_token_ids())
+            node = node.parent
+        return [t for k in reversed(keys) for t in k]
+
+    def _chain(self, token_ids, key: RadixKey) -> list[str]:
+        """Chain hashes of the whole chunks of ``token_ids`` in ``key``'s namespace (extra key, salt).
+        The stored form is part of it: the tier's dtype (in the geometry) and the layer-sharing codec,
+        so a worker never loads KV another stored more lossily than it would itself."""
+        stored_form = {**self.store_geometry.to_json(), "share_layers": self.sharing.codec if self.sharing else None}
+        root = namespace(FORMAT_VERSION, stored_form, key.extra_key, key.cache_salt)
+        return chunk_chain(token_ids, self.page_size, root)
+
     def _store_node(self, node: TreeNode, pairs: list[tuple[int, int]]) -> bool:
         parent_ref = _ref(node.parent) if node.parent is not self.root_node else None
         if node.parent is not self.root_node and parent_ref is None:
@@ -230,15 +256,19 @@ class LoopKVRadixCache(RadixCache):
         k = torch.stack([self.kv_pool.k_buffer[layer][slots] for layer in range(self.geometry.num_layers)]).cpu()
         v = torch.stack([self.kv_pool.v_buffer[layer][slots] for layer in range(self.geometry.num_layers)]).cpu()
         n_chunks = len(slots) // self.page_size
-        record = SegmentRecord(
-            seg_id=uuid.uuid4().hex,
-            parent=parent_ref[0] if parent_ref else None,
-            start=self._position(node),
+        start = self._position(node)
+        chain = self._chain(self._history(node), node.key)
+        first = start // self.page_size
+        record = SegmentRecord(  # named by content: the same history stored by another worker is this file
+            seg_id=segment_id(first, chain[-1]),
+            parent=chain[first - 1] if first else None,
+            start=start,
             n_chunks=n_chunks,
             file_bytes=0,
             extra_key=node.key.extra_key,
             cache_salt=node.key.cache_salt,
             token_ids=list(node.key.raw_token_ids()),
+            chunk_hashes=chain[first:],
         )
         codec = self.sharing.codec if pairs else None
         if not self.store.put(record, torch.stack([k, v], dim=1), key_summaries(k, self.page_size), pairs, codec):
@@ -334,7 +364,11 @@ class LoopKVRadixCache(RadixCache):
         key = key.page_aligned(self.page_size)
         if len(key) == 0:
             return self._empty_match_result
+        self.store.sync()  # evictions the disk writer made: their nodes go before the walk
         device_len, last_device, stored = self._walk(key)
+        if getattr(params, "req", None) is not None and self.store.disk is not None:
+            end = stored[-1] if stored else last_device
+            stored += self._discover(key, end, device_len + sum(len(nd.key) for nd in stored), params.req.rid)
         if stored and getattr(params, "req", None) is not None:
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
@@ -371,6 +405,41 @@ class LoopKVRadixCache(RadixCache):
             if plen < len(child.key):
                 break
         return device_len, last_device, stored
+
+    def _discover(self, key: RadixKey, node: TreeNode, pos: int, rid: str) -> list[TreeNode]:
+        """Stored runs of ``key`` after position ``pos`` (where the tree's match ended, at ``node``)
+        that the shared disk holds: found chunk by chunk (one ``open`` per stored segment), hung
+        below ``node`` as stored nodes. Returns them, root first."""
+        page = self.page_size
+        if pos >= len(key) or key[pos:].child_key(page) in node.children:
+            return []  # the tree knows this continuation (its copy is gone): not looked up again
+        now, n = time.monotonic(), len(key) // page
+        last = self._lookups.get(rid)
+        if last is not None and last[0] == n and last[2] == pos and now - last[3] < RELOOK_S:
+            return []  # the same request, still waiting: nothing found here a moment ago
+        chain = last[1] if last is not None and last[0] == n else self._chain(key.raw_token_ids(), key)
+        found_nodes = []
+        while pos < len(key):
+            found = self.store.disk.find(chain, pos // page)
+            if found is None:
+                self._lookups[rid] = (n, chain, pos, now)
+                self._lookups.move_to_end(rid)
+                while len(self._lookups) > 4096:
+                    self._lookups.popitem(last=False)
+                break
+            n = (found.hi - found.lo) * page
+            self.store.register(found.record)
+            new = TreeNode()
+            new.parent, new.key, new.value = node, key[pos : pos + n], None
+            node.children[new.key.child_key(page)] = new
+            self.set_ref(new, (found.record.seg_id, found.lo, found.hi))
+            found_nodes.append(new)
+            node, pos = new, pos + n
+        if found_nodes:
+            logger.info(
+                "loopkv: found %d stored tokens on the shared disk tier", sum(len(nd.key) for nd in found_nodes)
+            )
+        return found_nodes
 
     def _load_back(
         self, stored: list[TreeNode], last_device: TreeNode, req, device_len: int, key_len: int
@@ -432,8 +501,10 @@ class LoopKVRadixCache(RadixCache):
             self._update_leaf_status(node)
             self._update_leaf_status(node.parent)
             loads.append(LoadPart(kv, node.value, skip))
-            tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0})
+            tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0, "shared": 0})
             tally[tier] += len(node.key)
+            if tier == "disk" and self.store.written_elsewhere(_ref(node)[0]):
+                tally["shared"] += len(node.key)
             self.store.stats.hit_tokens[tier] += len(node.key)
         while len(self._req_loads) > 4096:
             self._req_loads.popitem(last=False)
@@ -494,7 +565,8 @@ class LoopKVRadixCache(RadixCache):
         return None if slots is None else slots.to(torch.int64)
 
     def tier_breakdown(self, rid: str, cached_tokens: int) -> dict[str, int]:
-        """Cached tokens of request ``rid`` by the tier they came from (device = already there)."""
-        loads = self._req_loads.get(rid, {"host": 0, "disk": 0})
+        """Cached tokens of request ``rid`` by the tier they came from (device = already there);
+        ``shared``: the part of ``disk`` that another worker process had stored."""
+        loads = self._req_loads.get(rid, {"host": 0, "disk": 0, "shared": 0})
         host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
-        return {"device": cached_tokens - host - disk, "host": host, "disk": disk}
+        return {"device": cached_tokens - host - disk, "host": host, "disk": disk, "shared": min(loads["shared"], disk)}

@@ -1,12 +1,16 @@
 """The host and disk tiers behind one object: segments in, segments out, quotas held.
 
 A segment enters through :meth:`TieredKVStore.put` (host arena, then written through to disk
-in the background) and leaves the last tier only when a quota forces it, least valuable first
-(:mod:`sgl_loopkv.cache.value`); then ``on_lost(seg_id)`` tells the radix tree. A write the disk
-refuses is counted (``disk_write_errors``) and logged, and the segment stays where it was (host
-arena) or is not stored; a full disk also lowers the tier's quota to what fits. All calls come
-from the scheduler thread; the disk writer is the only other thread and touches only the disk
-store (under ``_disk_lock``), the ``pending`` flags and the counters.
+in the background) and leaves the last tier only when a quota forces it; then ``on_lost(seg_id)``
+tells the radix tree. The host arena is private and evicts the least valuable segment first
+(:mod:`sgl_loopkv.cache.value`). The disk tier is shared with the other workers of a cluster
+(:mod:`sgl_loopkv.cache.disk`): it evicts the least recently used segment of *any* worker, and a
+worker learns of others' segments by finding them (:meth:`TieredKVStore.register`) and of their
+evictions when a read finds a file gone (recomputed, like a corrupt one). A write the disk refuses
+is counted (``disk_write_errors``) and logged, and the segment stays where it was (host arena) or is
+not stored; a full disk also lowers the tier's quota to what fits. All calls come from the scheduler
+thread; the disk writer is the only other thread and touches only the disk store, the ``pending``
+flags, the counters and the ``_evicted`` queue that :meth:`TieredKVStore.sync` drains.
 """
 
 from __future__ import annotations
@@ -18,14 +22,15 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from shutil import disk_usage
 
 import torch
 
-from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, NoRoom, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.disk_dir import DirectoryLock
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
@@ -61,6 +66,7 @@ class TierStats:
     load_seconds: float = 0.0
     corrupt_segments: int = 0
     lost_segments: int = 0
+    gone_segments: int = 0  # disk segments found evicted by another worker when read (recomputed)
     disk_write_errors: int = 0  # segment writes the disk refused (full, I/O error): not stored on disk
     host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
     disk_tokens: int = 0
@@ -81,25 +87,20 @@ class TieredKVStore:
         disk_dir: Path | None = None,
         disk_quota_bytes: int = 0,
         on_lost: Callable[[str], None] = lambda seg_id: None,
-        disk_evictable: Callable[[str], bool] = lambda seg_id: True,
         dir_lock: DirectoryLock | None = None,
     ):
         self.geometry, self.policy = geometry, policy
-        self.dir_lock = dir_lock  # held while the store lives: one server per disk directory
+        self.dir_lock = dir_lock  # a shared hold while the store lives (keeps format-2 servers out)
         self.host_quota = host_quota_bytes
-        self.on_lost, self.disk_evictable = on_lost, disk_evictable
+        self.on_lost = on_lost
         self.segments: dict[str, StoredSegment] = {}
         self.stats = TierStats()
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
         self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry) if disk_dir else None
-        self._disk_lock = threading.Lock()
-        self._disk_reserved = 0  # bytes of queued, unwritten segments
         self._queue: queue.Queue[str | None] = queue.Queue()
+        self._evicted: deque[str] = deque()  # disk segments the writer thread evicted, for sync()
         self._writer = None
         if self.disk is not None:
-            for rec in self.disk.records.values():
-                self.segments[rec.seg_id] = StoredSegment(rec, on_disk=True)
-                self.policy.on_access(rec.seg_id, rec.n_chunks)
             self.stats.disk_bytes = self.disk.used_bytes
             self._writer = threading.Thread(target=self._write_loop, name="loopkv-disk-writer", daemon=True)
             self._writer.start()
@@ -142,8 +143,13 @@ class TieredKVStore:
             kv = self.encode(kv, pairs, codec)
         summaries = summaries.to(self.geometry.summary_dtype)
         nbytes = kv_nbytes(kv) + summaries.numel() * summaries.element_size()
-        disk_bytes = self.disk.file_bytes(record.n_chunks, len(record.token_ids)) if self.disk else 0
-        to_disk = self.disk is not None and self._make_disk_room(disk_bytes)
+        self.sync()
+        if record.seg_id in self.segments:  # the same history, stored under the same name already
+            return True
+        # The disk's own eviction makes room when the write happens (it needs the shared directory's view).
+        to_disk = self.disk is not None and self.disk.file_bytes(record.n_chunks, len(record.token_ids)) <= (
+            self.disk.quota_bytes
+        )
         in_host = self._make_host_room(nbytes)
         if not (in_host or to_disk):
             return False
@@ -151,13 +157,14 @@ class TieredKVStore:
         self.segments[record.seg_id] = seg
         self.policy.on_access(record.seg_id, record.n_chunks)
         if to_disk:
-            self._disk_reserved += disk_bytes
+            self.disk.announce(record)  # another worker's lookup of it waits for the write, not recomputes
         if in_host:
             self.stats.host_bytes += nbytes
             if to_disk:
                 self._queue.put(record.seg_id)
         else:  # too big for the arena: write from this copy now, keep it on disk only
-            self._write(record.seg_id, disk_bytes)
+            self._write(record.seg_id)
+            self.sync()
             seg.host_kv = seg.host_summaries = None
             if not seg.on_disk:  # the write failed: no tier holds it (the tree never saw it: no on_lost)
                 del self.segments[record.seg_id]
@@ -165,22 +172,24 @@ class TieredKVStore:
                 return False
         return True
 
-    def _write(self, seg_id: str, reserved: int) -> None:
+    def _write(self, seg_id: str) -> None:
         seg = self.segments.get(seg_id)
         try:
             if seg is not None and seg.host_kv is not None:
-                with self._disk_lock:
-                    self.disk.write(seg.record, seg.host_kv, seg.host_summaries)
+                self._evicted.extend(self.disk.write(seg.record, seg.host_kv, seg.host_summaries))
                 seg.on_disk = True
+            elif seg is not None:  # its only copy went before the write: nothing will be published
+                self.disk.unannounce(seg.record)
+        except NoRoom as e:  # every other segment is being written: stays in the arena (if it is there)
+            logger.info("loopkv: segment %s not stored on disk: %s", seg_id, e)
         except Exception as e:  # whatever went wrong, the writer thread lives on (flush() waits for it)
             self.stats.disk_write_errors += 1
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
                 # Something else filled the filesystem: hold the tier to what it has plus what is still
                 # free, so later stores replace the least valuable segments (or stay in host memory)
                 # instead of failing too.
-                with self._disk_lock:
-                    before = self.disk.quota_bytes
-                    self.disk.quota_bytes = min(before, self.disk.used_bytes + disk_usage(self.disk.root).free)
+                before = self.disk.quota_bytes
+                self.disk.quota_bytes = min(before, self.disk.used_bytes + disk_usage(self.disk.root).free)
                 logger.warning(
                     "loopkv: disk full writing segment %s (%s): not stored on disk (kept in host memory where it "
                     "fits); disk tier quota lowered from %.3f to %.3f GB until restart",
@@ -197,7 +206,6 @@ class TieredKVStore:
         finally:
             if seg is not None:
                 seg.pending_disk = False
-            self._disk_reserved -= reserved
             self.stats.disk_bytes = self.disk.used_bytes
 
     def _write_loop(self) -> None:
@@ -208,9 +216,7 @@ class TieredKVStore:
                 self._queue.task_done()
                 return
             try:
-                seg = self.segments.get(seg_id)
-                reserved = self.disk.file_bytes(seg.record.n_chunks, len(seg.record.token_ids)) if seg else 0
-                self._write(seg_id, reserved)
+                self._write(seg_id)
             finally:
                 self._queue.task_done()
 
@@ -248,33 +254,34 @@ class TieredKVStore:
                 self._lose(victim.record.seg_id)
         return True
 
-    def _make_disk_room(self, nbytes: int) -> bool:
-        if nbytes > self.disk.quota_bytes:
-            return False
-        while self.disk.used_bytes + self._disk_reserved + nbytes > self.disk.quota_bytes:
-            victims = [
-                s
-                for s in self.segments.values()
-                if s.on_disk and not s.pending_disk and self.disk_evictable(s.record.seg_id)
-            ]
-            if not victims:
-                return False
-            victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
-            with self._disk_lock:
-                self.disk.delete(victim.record.seg_id)
-            victim.on_disk = False
-            self.stats.disk_bytes = self.disk.used_bytes
-            if not victim.in_host:
-                self._lose(victim.record.seg_id)
-        return True
+    def sync(self) -> None:
+        """Apply the disk evictions the writer thread made (scheduler thread): a segment no tier
+        holds any more is lost."""
+        while self._evicted:
+            seg = self.segments.get(self._evicted.popleft())
+            if seg is None or not seg.on_disk:
+                continue
+            seg.on_disk = False
+            if not seg.in_host and not seg.pending_disk:
+                self._lose(seg.record.seg_id)
+
+    def register(self, record: SegmentRecord) -> None:
+        """A segment found on disk, stored by another worker (or by this one before a restart)."""
+        if record.seg_id not in self.segments:
+            self.segments[record.seg_id] = StoredSegment(record, on_disk=True)
+            self.policy.on_access(record.seg_id, record.n_chunks)
+
+    def written_elsewhere(self, seg_id: str) -> bool:
+        """Whether another worker process stored this segment (this one found it on the shared disk)."""
+        seg = self.segments.get(seg_id)
+        return seg is not None and self.disk is not None and seg.record.writer not in ("", self.disk.writer)
 
     def _lose(self, seg_id: str) -> None:
         seg = self.segments.pop(seg_id, None)
         if seg is None:
             return
         if seg.on_disk:
-            with self._disk_lock:
-                self.disk.delete(seg_id)
+            self.disk.delete(seg_id)
             self.stats.disk_bytes = self.disk.used_bytes
         if seg.in_host:
             self.stats.host_bytes -= self._host_bytes(seg)
@@ -326,13 +333,17 @@ class TieredKVStore:
         if not seg.on_disk:
             raise CorruptSegment(f"segment {seg_id} has no copy")
         t0 = time.perf_counter()
-        try:
-            with self._disk_lock:
-                before = self.disk.bytes_read
-                partial = skip_chunks is not None and any(skip_chunks)
-                first = [chunk_lo + k for k in skip_chunks] if partial else None
-                kv = self.disk.read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
-                self.stats.disk_bytes_read += self.disk.bytes_read - before
+        try:  # no lock: a file evicted meanwhile by any worker is either read whole or found gone
+            before = self.disk.bytes_read
+            partial = skip_chunks is not None and any(skip_chunks)
+            first = [chunk_lo + k for k in skip_chunks] if partial else None
+            kv = self.disk.read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
+            self.stats.disk_bytes_read += self.disk.bytes_read - before
+        except SegmentGone:
+            self.stats.gone_segments += 1
+            seg.on_disk = False
+            self._lose(seg_id)
+            raise
         except CorruptSegment:
             self.stats.corrupt_segments += 1
             self._lose(seg_id)  # deletes the bad file; the tree recomputes that history
@@ -350,8 +361,7 @@ class TieredKVStore:
         nbytes = kv_nbytes(kv) + g.num_layers * seg.record.n_chunks * g.summary_bytes_per_chunk_layer
         if self._make_host_room(nbytes, keep={seg_id, *keep}):  # promote (the summaries only once it fits)
             if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
-                with self._disk_lock:
-                    summaries = self.disk.read_summaries(seg_id)
+                summaries = self.disk.read_summaries(seg_id)
             else:  # the verified keys give the summaries back without another read
                 summaries = key_summaries(stored_keys(kv), g.chunk_tokens).to(g.summary_dtype)
             seg.host_kv, seg.host_summaries = kv, summaries
@@ -361,3 +371,8 @@ class TieredKVStore:
     def touch(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
         if seg_id in self.segments:
             self.policy.on_access(seg_id, n_chunks, importance)
+
+    def touch_disk(self, seg_ids: Iterable[str]) -> None:
+        """A turn used these segments: the shared tier's LRU order (file mtimes) sees it too."""
+        if self.disk is not None:
+            self.disk.touch([s for s in seg_ids if s in self.segments and self.segments[s].on_disk])

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -130,40 +131,42 @@ def conversations_in(sub: Path, seg_ids, tokenizer, candidates) -> set[int]:
     return {i for i in candidates if tokenizer(conversation(i))["input_ids"][:24] in firsts.values()}
 
 
+def published(sub: Path) -> set[str]:
+    """The segment ids the directory holds (a segment is stored once its name exists)."""
+    return {f.name.removeprefix("seg_").removesuffix(".kv") for f in sub.glob("seg_*.kv")}
+
+
 def wait_stored(sub: Path, tokenizer, i: int, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        index = sub / "index.json"
-        if index.exists() and conversations_in(sub, json.loads(index.read_text())["segments"], tokenizer, [i]):
+        if conversations_in(sub, published(sub), tokenizer, [i]):
             return
         time.sleep(0.2)
     raise AssertionError(f"conversation {i} never reached the disk tier")
 
 
-def _unindexed(sub: Path) -> set[str]:
-    files = {f.name.removeprefix("seg_").removesuffix(".kv") for f in sub.glob("seg_*.kv")}
-    return files ^ set(json.loads((sub / "index.json").read_text())["segments"])
-
-
 def check_consistent(sub: Path, scratch: Path) -> set[str]:
-    """The segments of a disk-tier directory no server is writing, checked the way a restart sees them:
-    no temp file, every segment file indexed, every indexed segment present with every extent verified
-    (on a copy: opening a directory cleans it, and this must only look). A server still running may
-    be finishing a write: it gets a few seconds."""
+    """The segments of a disk-tier directory no server is writing, checked the way another worker sees
+    them: no temp file, every chunk link names a live segment, every segment verifies extent by
+    extent (on a copy: opening a directory cleans it, and this must only look). A server still
+    running may be finishing a write: it gets a few seconds."""
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (list(sub.glob("*.tmp")) or _unindexed(sub)):
+    while time.monotonic() < deadline and (list(sub.glob("*.tmp")) or list(sub.glob("chunks/*.pending"))):
         time.sleep(0.2)
-    index = json.loads((sub / "index.json").read_text())
-    indexed = set(index["segments"])
     assert not list(sub.glob("*.tmp")), list(sub.glob("*.tmp"))
-    assert {f.name.removeprefix("seg_").removesuffix(".kv") for f in sub.glob("seg_*.kv")} == indexed
+    assert not list(sub.glob("chunks/*.pending"))  # every announced write was published or given up
+    assert all(link.stat().st_nlink >= 2 for link in (sub / "chunks").iterdir())
     shutil.rmtree(scratch, ignore_errors=True)
-    shutil.copytree(sub, scratch)
-    store = DiskSegmentStore(scratch, 1 << 40, KVGeometry.from_json(index["geometry"]))
-    assert set(store.records) == indexed
-    for sid, rec in store.records.items():
-        store.read(sid, 0, rec.n_chunks)  # raises CorruptSegment
-    return indexed
+    shutil.copytree(sub, scratch)  # copies the links as files: only the segments are read below
+    seg_ids = published(scratch)
+    if not seg_ids:
+        return seg_ids
+    raw = next(scratch.glob("seg_*.kv")).read_bytes()
+    geometry = json.loads(raw[16 : 16 + int.from_bytes(raw[8:12], "little")])["geometry"]
+    store = DiskSegmentStore(scratch, 1 << 40, KVGeometry.from_json(geometry))
+    for sid in seg_ids:
+        store.read(sid, 0, store.read_header(sid)["n_chunks"])  # raises CorruptSegment
+    return seg_ids
 
 
 def metric(url: str, name: str) -> float:
@@ -209,24 +212,23 @@ def test_kill_9_during_disk_writes_then_restart_then_sigterm(
         assert out["meta_info"]["cached_tokens"] == 0  # first sight: dense
         reference[i] = out["output_ids"]
     # The last turn's store is queued or being written right now.
-    snapshot = set(json.loads((sub / "index.json").read_text())["segments"])
+    snapshot = published(sub)
     os.killpg(faults_server.proc.pid, signal.SIGKILL)
     faults_server.proc.wait(30)
     completed = conversations_in(sub, snapshot, tokenizer, range(N_CONV))
     assert completed >= set(range(N_CONV - 1)), completed
-    # What a kill can leave besides: a half-written file, a half-written index, a segment renamed
-    # into place but never indexed. Made here for certain (the kill above lands where it lands).
-    (sub / f"seg_{uuid.uuid4().hex}.kv.tmp").write_bytes(b"half a segment")
-    (sub / "index.json.tmp").write_bytes(b'{"version": 2, "segm')
-    unindexed = sub / f"seg_{uuid.uuid4().hex}.kv"
-    shutil.copyfile(next(sub.glob("seg_*.kv")), unindexed)
+    # What a kill can leave besides: a half-written file (its writer dead), a chunk link whose segment
+    # an interrupted eviction removed. Made here for certain (the kill above lands where it lands).
+    (sub / f"{socket.gethostname()}.{faults_server.proc.pid}.{uuid.uuid4().hex[:8]}.4096.tmp").write_bytes(b"half")
+    dangling = sub / "chunks" / uuid.uuid4().hex
+    dangling.write_bytes(b"a link whose segment is gone")
 
     srv = start(model_dir, disk_root, server_logs / "faults-2.log")
     try:
         wait_idle(srv.url)
-        assert not unindexed.exists() and not list(sub.glob("*.tmp"))
+        assert not dangling.exists() and not list(sub.glob("*.tmp"))
         indexed = check_consistent(sub, tmp_path / "after-restart")
-        assert snapshot <= indexed  # nothing the index held before the kill was dropped
+        assert snapshot <= indexed  # nothing stored before the kill was dropped
         for i in range(N_CONV):
             out = ask(srv.url, conversation(i))
             if i in completed:
@@ -317,9 +319,9 @@ def test_a_disk_that_fills_up_keeps_the_server_serving_and_says_so(
         for i, out in enumerate(first):  # kept serving, from whatever the cache still holds
             assert ask(srv.url, conversation(i))["output_ids"] == out["output_ids"], i
         assert metric(srv.url, "loopkv_disk_write_errors_total") >= 1
-        stored = conversations_in(sub, json.loads((sub / "index.json").read_text())["segments"], tokenizer, range(5))
-        # Stores less: what was stored stays (verified below), later turns are stored only where an
-        # older segment can make room (one whose history has nothing below it in the tree).
+        stored = conversations_in(sub, published(sub), tokenizer, range(5))
+        # Stores less: what was stored stays (verified below) unless a later turn's segment replaced it
+        # (least recently used first).
         assert 0 in stored and len(stored) < 5, stored
     finally:
         srv.stop()

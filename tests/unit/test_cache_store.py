@@ -4,6 +4,9 @@ quotas and value-ordered eviction."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -59,9 +62,9 @@ def test_disk_roundtrip_is_bit_identical(tmp_path, dtype):
     assert torch.equal(store.read(rec.seg_id, 0, 4), kv)
     assert torch.equal(store.read(rec.seg_id, 1, 3), kv[:, :, 16:48])
     assert torch.equal(store.read_summaries(rec.seg_id), summ.to(geo.summary_dtype))  # fp16 next to bf16 KV
-    # a new process finds it through the index
+    # another worker (a new store on the directory) reads it by name
     again = DiskSegmentStore(tmp_path, 1 << 30, geo)
-    assert list(again.records) == [rec.seg_id] and again.read_header(rec.seg_id)["token_ids"] == rec.token_ids
+    assert again.read_header(rec.seg_id)["token_ids"] == rec.token_ids
     assert torch.equal(again.read(rec.seg_id, 0, 4), kv)
 
 
@@ -90,54 +93,62 @@ def test_every_disk_fault_is_detected(tmp_path, how):
 
 
 def test_interrupted_writes_leave_no_trace(tmp_path):
+    """A writer killed mid-write leaves a temp file: the next worker to start removes it if its
+    writer is gone (same host, dead pid), never one a live worker is still writing."""
     store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
     rec, kv, summ = segment(2, 3)
     store.write(rec, kv, summ)
-    (tmp_path / "seg_dead.kv.tmp").write_bytes(b"half a write")  # crash during a file write
-    (tmp_path / "seg_orphan.kv").write_bytes(b"renamed but not indexed")  # crash before the index update
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = store.dir.host
+    (tmp_path / f"{host}.{int(dead.stdout)}.abcd1234.4096.tmp").write_bytes(b"half a write")  # its writer died
+    live = tmp_path / f"{host}.{os.getpid()}.abcd1234.4096.tmp"
+    live.write_bytes(b"being written")
     again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", f"seg_{rec.seg_id}.kv"]
-    assert list(again.records) == [rec.seg_id]
+    assert sorted(p.name for p in tmp_path.glob("*.tmp")) == [live.name]
+    assert torch.equal(again.read(rec.seg_id, 0, 2), kv)
 
 
-def test_foreign_geometry_index_is_not_trusted(tmp_path):
+def test_a_segment_of_another_geometry_or_format_is_not_trusted(tmp_path):
     store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
     rec, kv, summ = segment(1, 4)
     store.write(rec, kv, summ)
     other = DiskSegmentStore(tmp_path, 1 << 30, KVGeometry(3, 2, 16, torch.float32, 16))
-    assert other.records == {} and not any(tmp_path.glob("seg_*.kv"))
+    with pytest.raises(CorruptSegment, match="another format or KV geometry"):
+        other.read(rec.seg_id, 0, 1)
 
 
-def test_index_of_another_format_version_is_not_trusted(tmp_path):
+def test_a_format_2_directory_is_dropped_with_a_warning(tmp_path, caplog):
+    """The single-server layout (index.json + seg_<uuid>.kv) is not shareable: its files go, said once."""
     store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
     rec, kv, summ = segment(1, 5)
     store.write(rec, kv, summ)
-    index = json.loads((tmp_path / "index.json").read_text())
-    (tmp_path / "index.json").write_text(json.dumps(index | {"version": 1}))  # an older layout
-    again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
-    assert again.records == {} and not any(tmp_path.glob("seg_*.kv"))
+    (tmp_path / "seg_0123abcd.kv").write_bytes(b"a format-2 segment")
+    (tmp_path / "index.json").write_text(json.dumps({"version": 2, "segments": {"0123abcd": {}}}))
+    with caplog.at_level("WARNING"):
+        again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    assert "format-2 disk tier" in caplog.text and "1 segments are dropped" in caplog.text
+    assert not (tmp_path / "index.json").exists() and not (tmp_path / "seg_0123abcd.kv").exists()
+    assert torch.equal(again.read(rec.seg_id, 0, 1), kv)  # this format's files are untouched
 
 
-def test_an_index_naming_paths_outside_the_directory_is_not_followed(tmp_path):
-    """Segment ids become file names: a tampered index must not make the store read or delete
-    anything outside its directory (ids are minted by the cache, never taken from requests)."""
+def test_names_never_leave_the_directory(tmp_path):
+    """Segment ids and chunk hashes become file names: a tampered header or a hostile id must not
+    make the store read or delete anything outside its directory (ids are minted by the cache)."""
     root = tmp_path / "disk"
     store = DiskSegmentStore(root, 1 << 30, GEO)
     rec, kv, summ = segment(1, 6)
+    rec.chunk_hashes = ["0" * 32]
     store.write(rec, kv, summ)
     victim = tmp_path / "seg_x.kv"  # what "../x" would name
     victim.write_bytes(b"not the cache's")
-    index = json.loads((root / "index.json").read_text())
     for sid in ("../x", "a/b", ".."):
-        index["segments"][sid] = index["segments"][rec.seg_id] | {"seg_id": sid}
-    (root / "index.json").write_text(json.dumps(index))
-    again = DiskSegmentStore(root, 1 << 30, GEO)
-    assert list(again.records) == [rec.seg_id]
-    # private to the server's user whatever the umask: no group or world access
-    assert all(p.stat().st_mode & 0o077 == 0 for p in [root, *root.iterdir()])
-    with pytest.raises(ValueError, match="not a segment id"):
-        again.delete("../x")
+        with pytest.raises(ValueError, match="not a segment id"):
+            store.delete(sid)
+    with pytest.raises(ValueError, match="not a chunk hash"):
+        store.find(["../../x"], 0)
     assert victim.read_bytes() == b"not the cache's"
+    # private to the server's user whatever the umask: no group or world access
+    assert all(p.stat().st_mode & 0o077 == 0 for p in [root, *root.iterdir(), *(root / "chunks").iterdir()])
 
 
 def _tier_bytes(store: TieredKVStore) -> tuple[int, int]:
@@ -165,6 +176,7 @@ def test_quotas_hold_and_losses_are_reported(tmp_path, policy):
         host, disk = _tier_bytes(store)
         assert host <= store.host_quota and host == store.stats.host_bytes
         assert disk <= store.disk.quota_bytes
+    store.sync()
     assert len(lost) == 30 - len(store.segments) > 0
     assert all(store.tier_of(s) is None for s in lost)
 
@@ -196,20 +208,25 @@ def test_fetch_from_disk_promotes_and_corruption_forgets(tmp_path):
     assert lost == [second] and store.stats.corrupt_segments == 1 and not store.disk.path(second).exists()
 
 
-def test_disk_eviction_spares_segments_with_stored_children(tmp_path):
-    keep = {"s300"}
-    store = TieredKVStore(
-        GEO,
-        VALUE_POLICIES.create("lru"),
-        host_quota_bytes=0,
-        disk_dir=tmp_path,
-        disk_quota_bytes=2 * DiskSegmentStore(tmp_path.with_name(tmp_path.name + "-est"), 0, GEO).file_bytes(4, 64),
-        disk_evictable=lambda sid: sid not in keep,
-    )
-    for i in range(4):
-        rec, kv, summ = segment(4, 300 + i)
-        store.put(rec, kv, summ)
-    assert "s300" in store.segments  # oldest, but something hangs below it
+def test_disk_eviction_is_lru_over_every_worker_and_cuts_histories_from_their_end(tmp_path):
+    """The shared tier evicts by file mtime (bumped on every use, by any worker), and within one
+    second the deepest segment first: a history loses its end before its root."""
+    size = DiskSegmentStore(tmp_path.with_name(tmp_path.name + "-est"), 0, GEO).file_bytes(4, 64)
+    a, b = DiskSegmentStore(tmp_path, 3 * size, GEO), DiskSegmentStore(tmp_path, 3 * size, GEO)  # two workers
+    root, child = segment(4, 300), segment(4, 301, start=64)
+    root[0].seg_id, child[0].seg_id = "000000-root", "000004-child"
+    a.write(*root)
+    b.write(*child)
+    other = segment(4, 302)
+    other[0].seg_id = "000000-other"
+    a.write(*other)
+    stamp = 1_700_000_000
+    for seg, t in (("000000-root", stamp), ("000004-child", stamp), ("000000-other", stamp + 5)):
+        os.utime(a.path(seg), (t, t))
+    new = segment(4, 303)
+    new[0].seg_id = "000000-new"
+    assert b.write(*new) == ["000004-child"]  # oldest second; the deeper of the two
+    assert a.write(*segment(4, 304)) == ["000000-root"]
 
 
 def test_attention_value_prefers_important_and_recent_segments():
@@ -273,5 +290,4 @@ def test_queued_disk_writes_are_flushed_when_the_process_exits(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
-    assert sorted(again.records) == [f"seg{i}" for i in range(8)]
+    assert sorted(p.name for p in tmp_path.glob("seg_*.kv")) == [f"seg_seg{i}.kv" for i in range(8)]

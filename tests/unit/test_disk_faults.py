@@ -5,7 +5,6 @@ model's stored KV from another (weights replaced in place included)."""
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 from types import SimpleNamespace
@@ -80,11 +79,12 @@ class _LimitedFile:
 
 
 def _capacity_for(tmp_path, n: int) -> int:
-    """Bytes that hold ``n`` segments and their index, not ``n + 1``."""
+    """Bytes that hold ``n`` segments, not ``n + 1``."""
     probe = DiskSegmentStore(tmp_path / "probe", 1 << 30, GEO)
     for i in range(n):
-        probe.write(*segment(900 + i))
-    return _used(probe.root) + probe.records["s900"].file_bytes // 2
+        rec, kv, summ = segment(900 + i)
+        probe.write(rec, kv, summ)
+    return _used(probe.root) + rec.file_bytes // 2
 
 
 @pytest.mark.parametrize("host", ["arena", "none"])
@@ -118,13 +118,13 @@ def test_a_full_disk_keeps_the_store_working_and_says_so(tmp_path, monkeypatch, 
                 assert store.stats.disk_write_errors == 1 and fs.refused == 1
                 assert store.disk.quota_bytes == fs.capacity - _used(root) + store.disk.used_bytes
                 assert stored == (host == "arena")  # kept in the arena; with none, nowhere
+    store.sync()
     assert store.stats.disk_write_errors == 1  # later stores fit the lowered quota: no more failures
     assert "disk full writing segment s3" in caplog.text and "quota lowered" in caplog.text
     assert not list(root.glob("*.tmp"))
     on_disk = sorted(sid for sid, s in store.segments.items() if s.on_disk)
     assert sorted(f.stem.removeprefix("seg_") for f in root.glob("seg_*.kv")) == on_disk
     assert "s7" in on_disk and len(on_disk) < 8  # the newest is stored, older ones made room
-    assert sorted(json.loads((root / "index.json").read_text())["segments"]) == on_disk
     for sid in on_disk:
         assert torch.equal(store.disk.read(sid, 0, CHUNKS), segs[sid])
     if host == "arena":  # nothing lost: every segment is in the arena or on disk
@@ -134,34 +134,34 @@ def test_a_full_disk_keeps_the_store_working_and_says_so(tmp_path, monkeypatch, 
     store.close()
 
 
-def test_a_failed_index_write_keeps_no_segment_file(tmp_path, monkeypatch):
+def test_a_failed_publish_leaves_nothing_behind(tmp_path, monkeypatch):
+    """The name or a chunk link refused (a full directory, an I/O error): no temp file stays, and a
+    later write of the same segment works."""
     store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
-    store.write(*segment(1))
-    real = disk_mod._atomic_write
+    rec, kv, summ = segment(1)
+    rec.chunk_hashes = [f"{j:032x}" for j in range(CHUNKS)]
 
-    def index_fails(path, chunks, fsync_dir=True):
-        if path.name == disk_mod.INDEX:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(path, chunks, fsync_dir)
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "_atomic_write", index_fails)
+    monkeypatch.setattr(os, "link", refused)
     with pytest.raises(OSError):
-        store.write(*segment(2))
-    assert list(store.records) == ["s1"] and not store.path("s2").exists()
-    store.delete("s1")  # a full disk must not keep the space deleting frees
-    assert not store.path("s1").exists() and "s1" in json.loads((tmp_path / disk_mod.INDEX).read_text())["segments"]
+        store.write(rec, kv, summ)
     monkeypatch.undo()
-    again = DiskSegmentStore(tmp_path, 1 << 30, GEO)  # the stale entry names a missing file: dropped
-    assert again.records == {}
+    assert not list(tmp_path.glob("*.tmp")) and not store.path("s1").exists()
+    assert not list((tmp_path / "chunks").iterdir())
+    store.write(rec, kv, summ)
+    assert torch.equal(store.read("s1", 0, CHUNKS), kv)
+    assert len(list((tmp_path / "chunks").iterdir())) == CHUNKS
 
 
 @pytest.mark.parametrize("index", [b"", b"{not json", b'{"version": 2}', b"[1, 2]", b"\x00\xff" * 64])
-def test_a_garbage_index_trusts_nothing(tmp_path, index):
+def test_a_garbage_legacy_index_is_dropped_and_nothing_else(tmp_path, index):
     store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
     store.write(*segment(1))
-    (tmp_path / disk_mod.INDEX).write_bytes(index)
+    (tmp_path / "index.json").write_bytes(index)
     again = DiskSegmentStore(tmp_path, 1 << 30, GEO)
-    assert again.records == {} and not list(tmp_path.glob("seg_*.kv"))
+    assert not (tmp_path / "index.json").exists() and again.read_header("s1")["seg_id"] == "s1"
 
 
 def test_the_directory_key_changes_with_weights_config_and_geometry(tmp_path):

@@ -65,7 +65,7 @@ def make_cache(tmp_path, host_bytes: int):
         disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator, page_size=CHUNK
     )
 
-    def store_factory(geometry, on_lost, disk_evictable):
+    def store_factory(geometry, on_lost):
         return TieredKVStore(
             geometry,
             VALUE_POLICIES.create("lru"),
@@ -73,7 +73,6 @@ def make_cache(tmp_path, host_bytes: int):
             disk_dir=tmp_path,
             disk_quota_bytes=1 << 30,
             on_lost=on_lost,
-            disk_evictable=disk_evictable,
         )
 
     return LoopKVRadixCache(params, kv_pool=pool, store_factory=store_factory), allocator

@@ -1,0 +1,233 @@
+"""The bytes of one segment file: encoding a segment, reading its header, extents, side data and
+summaries from an open descriptor, every part verified by its crc32. Layout:
+:mod:`sgl_loopkv.cache.layout`; files, names and sharing: :mod:`sgl_loopkv.cache.disk`."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
+from sgl_loopkv.cache.packed import PackedKV, codec_of
+from sgl_loopkv.cache.quant import QuantKV
+
+# 3: content-addressed names, per-chunk links, no index (shared by several workers).
+# 2: extents padded to 512-byte sectors, float16 summaries next to narrower tiers, int8 tiers.
+FORMAT_VERSION = 3
+
+
+class CorruptSegment(Exception):
+    """A stored segment is missing, truncated or fails its checksum."""
+
+
+class SegmentGone(CorruptSegment):
+    """A stored segment's file is no longer there (evicted by some worker): not damage."""
+
+
+@dataclass(slots=True)
+class SegmentRecord:
+    """One stored segment. ``start`` is the position of its first token in the conversation;
+    ``parent`` the chain hash of the chunk just before it (None at position 0); ``chunk_hashes`` the
+    chain hash of each of its chunks (none: the segment gets no chunk links, so it is found only by
+    its id); ``writer`` the process that stored it (``host:pid``)."""
+
+    seg_id: str
+    parent: str | None
+    start: int
+    n_chunks: int
+    file_bytes: int
+    extra_key: str | None = None  # SGLang's RadixKey namespace (LoRA id, ...)
+    cache_salt: str | None = None
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    chunk_hashes: list[str] = field(default_factory=list, repr=False)
+    writer: str = ""
+
+
+def _to_bytes(t: torch.Tensor) -> np.ndarray:
+    """Raw bytes of a CPU tensor (any dtype, bf16 included) as a uint8 array."""
+    return t.contiguous().view(torch.uint8).numpy().reshape(-1)
+
+
+@dataclass(slots=True)
+class SegmentCodec:
+    """Encodes and decodes segment files of one KV geometry; counts the bytes it reads."""
+
+    geometry: KVGeometry
+    bytes_read: int = field(default=0)
+
+    def encode(
+        self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor, writer: str
+    ) -> list[bytes]:
+        """The file's bytes, in order (preamble, header, gap, extents, summaries, side data)."""
+        g = self.geometry
+        m, c = record.n_chunks, g.chunk_tokens
+        packed = kv if isinstance(kv, PackedKV) else None
+        rows = packed.rows if packed else kv
+        R = rows.shape[0]
+        assert rows.shape[1:] == (2, m * c, g.num_kv_heads, g.head_dim), rows.shape
+        assert isinstance(rows, QuantKV) == g.quantized, "stored rows do not match the tier's dtype"
+        assert not record.chunk_hashes or len(record.chunk_hashes) == m, "one chain hash per chunk"
+
+        def extents(t: torch.Tensor) -> np.ndarray:
+            # [R, 2, m, c, H, ...] -> [R, m, 2, c, H, ...]: extent (r, j) = K | V of chunk j, contiguous
+            t = t.reshape(R, 2, m, c, *t.shape[3:]).transpose(1, 2).contiguous()
+            return _to_bytes(t).reshape(R * m, -1)
+
+        raw = np.concatenate([extents(rows.q), extents(rows.scale)], 1) if g.quantized else extents(rows)
+        pad = g.extent_bytes - raw.shape[1]
+        if pad:
+            raw = np.concatenate([raw, np.zeros((R * m, pad), np.uint8)], axis=1)
+        crcs = [zlib.crc32(row) for row in raw]
+        summary_raw = _to_bytes(summaries.to(g.summary_dtype))
+        side_raw, side_meta = np.zeros(0, np.uint8), []
+        if packed:
+            blobs = []
+            for side in packed.side:
+                entry = {}
+                for name, t in side.items():
+                    b = _to_bytes(t.cpu())
+                    entry[name] = [str(t.dtype).removeprefix("torch."), list(t.shape), sum(len(x) for x in blobs)]
+                    blobs.append(b)
+                side_meta.append(entry)
+            side_raw = np.concatenate(blobs) if blobs else side_raw
+        header = {
+            "format": FORMAT_VERSION,
+            "seg_id": record.seg_id,
+            "parent": record.parent,
+            "start": record.start,
+            "n_chunks": m,
+            "extra_key": record.extra_key,
+            "cache_salt": record.cache_salt,
+            "geometry": g.to_json(),
+            "token_ids": record.token_ids,
+            "chunk_hashes": record.chunk_hashes,
+            "writer": writer,
+            "extent_crc32": crcs,
+            "summary_crc32": zlib.crc32(summary_raw),
+        }
+        if packed:
+            header |= packed.header() | {"rows": R, "side": side_meta, "side_crc32": zlib.crc32(side_raw)}
+            header["side_bytes"] = len(side_raw)
+        record.writer = writer
+        hbytes = json.dumps(header).encode()
+        kv_offset = align_up(PREAMBLE_BYTES + len(hbytes))
+        preamble = MAGIC + struct.pack("<II", len(hbytes), zlib.crc32(hbytes))
+        gap = bytes(kv_offset - PREAMBLE_BYTES - len(hbytes))
+        return [preamble, hbytes, gap, raw.tobytes(), summary_raw.tobytes(), side_raw.tobytes()]
+
+    def header(self, fd: int, seg_id: str) -> dict:
+        """The verified header of an open segment file (``kv_offset`` added)."""
+        try:
+            pre = os.pread(fd, PREAMBLE_BYTES, 0)
+            if len(pre) != PREAMBLE_BYTES or pre[:8] != MAGIC:
+                raise CorruptSegment(f"segment {seg_id}: bad preamble")
+            hlen, hcrc = struct.unpack("<II", pre[8:])
+            hbytes = os.pread(fd, hlen, PREAMBLE_BYTES)
+        except OSError as e:
+            raise CorruptSegment(f"segment {seg_id}: {e}") from e
+        if len(hbytes) != hlen or zlib.crc32(hbytes) != hcrc:
+            raise CorruptSegment(f"segment {seg_id}: header checksum mismatch")
+        header = json.loads(hbytes)
+        if header.get("format") != FORMAT_VERSION or header.get("geometry") != self.geometry.to_json():
+            raise CorruptSegment(f"segment {seg_id}: another format or KV geometry")
+        header["kv_offset"] = align_up(PREAMBLE_BYTES + hlen)
+        return header
+
+    def layout(self, header: dict) -> SegmentFileLayout:
+        return SegmentFileLayout(
+            self.geometry, header["n_chunks"], header["kv_offset"], header.get("rows"), header.get("side_bytes", 0)
+        )
+
+    def read(
+        self, fd: int, seg_id: str, chunk_lo: int, chunk_hi: int, first_chunk: list[int] | None = None
+    ) -> torch.Tensor | PackedKV:
+        """KV of chunks [chunk_lo, chunk_hi) for all layers -> [L, 2, T, H, D], every extent
+        verified. One coalesced read per layer; layer l starts at chunk ``first_chunk[l]`` when given (the
+        chunks before it are left zero: the restorer recomputes them). A packed segment comes back as a
+        PackedKV (one read per stored row, its side data verified too). Raises CorruptSegment."""
+        g = self.geometry
+        header = self.header(fd, seg_id)
+        layout = self.layout(header)
+        layer_rows = header.get("layer_rows") or list(range(g.num_layers))
+        if first_chunk:  # a row shared by several layers is read from the earliest chunk any of them needs
+            row_first = [chunk_hi] * layout.rows
+            for layer, row in enumerate(layer_rows):
+                row_first[row] = min(row_first[row], first_chunk[layer])
+            first_chunk = row_first
+        crcs = header["extent_crc32"]
+        n, used = chunk_hi - chunk_lo, g.chunk_tokens * g.token_bytes_per_layer
+        out = (np.zeros if first_chunk else np.empty)((layout.rows, n, used), np.uint8)
+        for row in range(layout.rows):
+            lo = max(chunk_lo, first_chunk[row]) if first_chunk else chunk_lo
+            for off, length in layout.runs(row, list(range(lo, chunk_hi))):
+                buf = os.pread(fd, length, off)
+                self.bytes_read += len(buf)
+                if len(buf) != length:
+                    raise CorruptSegment(f"segment {seg_id}: truncated at row {row}")
+                arr = np.frombuffer(buf, np.uint8).reshape(-1, g.extent_bytes)
+                first = (off - layout.extent_offset(row, 0)) // g.extent_bytes
+                for i, extent in enumerate(arr):
+                    if zlib.crc32(extent) != crcs[row * layout.n_chunks + first + i]:
+                        raise CorruptSegment(f"segment {seg_id}: checksum mismatch at row {row} chunk {first + i}")
+                out[row, first - chunk_lo : first - chunk_lo + len(arr)] = arr[:, :used]
+        side = self._read_side(fd, seg_id, header, layout) if "side" in header else None
+        rows = self._rows_of_extents(torch.from_numpy(out))
+        if side is None:
+            return rows
+        c, codec = g.chunk_tokens, codec_of(header["codec"])
+        return PackedKV(  # the rows cover [chunk_lo, chunk_hi), the side data the whole segment: slice it
+            rows,
+            tuple(layer_rows),
+            tuple(tuple(p) for p in header["pairs"]),
+            header["codec"],
+            [codec.slice_side(sd, chunk_lo * c, chunk_hi * c) for sd in side],
+        )
+
+    def _rows_of_extents(self, raw: torch.Tensor) -> torch.Tensor | QuantKV:
+        """[R, n, used bytes] of verified extents -> rows [R, 2, n * c, H, D] (a QuantKV for int8)."""
+        g = self.geometry
+        R, n, c, H, D = raw.shape[0], raw.shape[1], g.chunk_tokens, g.num_kv_heads, g.head_dim
+
+        def rows(b: torch.Tensor, dtype: torch.dtype, *tail: int) -> torch.Tensor:
+            x = b.contiguous().view(dtype).view(R, n, 2, c, H, *tail)
+            return x.transpose(1, 2).reshape(R, 2, n * c, H, *tail)
+
+        if not g.quantized:
+            return rows(raw, g.dtype, D)
+        qb = 2 * c * H * D
+        return QuantKV(rows(raw[..., :qb], torch.int8, D), rows(raw[..., qb:], torch.float32))
+
+    def _read_side(self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout) -> list[dict]:
+        buf = os.pread(fd, layout.side_bytes, layout.side_offset)
+        self.bytes_read += len(buf)
+        if len(buf) != layout.side_bytes or zlib.crc32(buf) != header["side_crc32"]:
+            raise CorruptSegment(f"segment {seg_id}: side data checksum mismatch")
+        raw, out = np.frombuffer(buf, np.uint8), []
+        for entry in header["side"]:
+            tensors = {}
+            for name, (dtype, shape, off) in entry.items():
+                dt = getattr(torch, dtype)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+                tensors[name] = torch.from_numpy(raw[off : off + nbytes].copy()).view(dt).view(shape)
+            out.append(tensors)
+        return out
+
+    def read_summaries(self, fd: int, seg_id: str) -> torch.Tensor:
+        """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment (small; read without touching KV)."""
+        g = self.geometry
+        header = self.header(fd, seg_id)
+        layout = self.layout(header)
+        length = g.num_layers * layout.n_chunks * g.summary_bytes_per_chunk_layer
+        buf = os.pread(fd, length, layout.summary_offset)
+        self.bytes_read += len(buf)
+        if len(buf) != length or zlib.crc32(buf) != header["summary_crc32"]:
+            raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch")
+        return torch.frombuffer(bytearray(buf), dtype=g.summary_dtype).view(
+            g.num_layers, layout.n_chunks, g.num_kv_heads, 2, g.head_dim
+        )
