@@ -87,7 +87,8 @@ def test_greedy_matches_independent_hf_forward_for_32_tokens(smollm2_server, def
 @pytest.mark.parametrize(
     "restore",
     [
-        pytest.param([], id="default-planner"),
+        # slow (79 s): the tiny-model resume (tests/e2e/test_tiered_cache.py) guards the default suite
+        pytest.param([], id="default-planner", marks=pytest.mark.slow),
         pytest.param(
             ["--loopkv-restore-planner", "fixed", "--loopkv-restore-ratio", "0.5"],
             marks=pytest.mark.slow,

@@ -53,6 +53,7 @@ def test_full_budget_sparse_decode_is_greedy_identical_to_dense(policy, tiny_mod
         assert metric(srv.url, "loopkv_decode_selections_total") > 0
 
 
+@pytest.mark.slow  # the selector below budget is in tests/unit/test_sparse_decode.py
 def test_below_budget_decode_reads_a_fraction_and_still_answers(tiny_model_dir, server_logs):
     args = ["--loopkv-decode-policy", "lserve", "--loopkv-decode-budget", "512", "--loopkv-decode-min-context",
             "1024", "--enable-metrics"]  # fmt: skip

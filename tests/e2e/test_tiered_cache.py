@@ -200,6 +200,7 @@ def test_resume_under_torch_native_attention_loads_layer_by_layer(tiny_native_se
     assert "copied layer by layer on the loader thread" in text  # the resume went through it, not a sync copy
 
 
+@pytest.mark.slow  # 55 s: three servers; restarts on one directory are in the default suite above
 def test_disk_tier_is_on_by_default_in_the_cache_dir_and_survives_a_restart(
     tiny_model_dir, tmp_path, server_logs, tokenizer
 ):
