@@ -122,9 +122,11 @@ def cached_tokens_details(original, self, req, *args, **kwargs):
     """AROUND hook: report cached tokens by the tier they were loaded from ("storage" = disk,
     SGLang's name for its L3 tier), since to SGLang every loaded token looks like a device hit."""
     cache = get_context().cache if has_context() else None
-    if cache is None or req.cached_tokens <= 0:
+    if cache is None:
         return original(self, req, *args, **kwargs)
-    tiers = cache.tier_breakdown(req.rid, req.cached_tokens)
+    # Also with nothing cached (SGLang says None then): behind a router, which worker served a
+    # request is worth knowing for every request.
+    tiers = cache.tier_breakdown(req.rid, max(req.cached_tokens, 0))
     return {
         "device": tiers["device"],
         "host": tiers["host"],

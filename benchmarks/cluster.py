@@ -1,0 +1,407 @@
+"""Several sgl-loopkv workers behind sglang-router, with and without the shared disk tier (issue 17).
+
+The multi-turn conversations of benchmarks/conversations.py (gold replies as history, as in
+benchmarks/multiturn.py), chat-templated and played by ``--clients`` concurrent clients through the
+router (``/generate``, greedy), against each configuration in one run:
+
+- ``1w``: one worker with both cores (the router in front too, for the same path);
+- ``2w-shared-*``: two workers of one core each sharing one disk tier (``launch_cluster``);
+- ``2w-private-*``: the same two workers, each with its own tiers (``--loopkv-disk-dir none``: a
+  private host arena each, nothing shared);
+
+each under the router's ``round_robin`` (``-rr``: a conversation's next turn lands on either worker)
+and ``cache_aware`` (``-ca``: the router sends a conversation back to the worker that has its prefix)
+policies. Per turn: the worker that served it (``cached_tokens_details.worker``), TTFT, cached tokens
+by source (``storage_shared`` = from segments another worker stored). A *cross-worker* turn is a
+returning turn served by another worker than the conversation's previous turn.
+
+    python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 4-5 turns, 2 clients (~20 min)
+    python -m benchmarks.cluster --convs-per-task 2    # twice the conversations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import requests
+
+from benchmarks import conversations as conv
+from benchmarks.common import RESULTS, environment, md_table, write_results
+from benchmarks.multiturn import _git_state
+from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.models import ensure_default_model
+from sgl_loopkv.server.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    workers: int
+    shared: bool
+    policy: str
+    what: str
+
+
+CONFIGS = [
+    Config("1w", 1, True, "round_robin", "one worker, 2 threads"),
+    Config("2w-shared-rr", 2, True, "round_robin", "two workers x 1 thread, one shared disk tier, round_robin"),
+    Config("2w-private-rr", 2, False, "round_robin", "two workers x 1 thread, private tiers, round_robin"),
+    Config("2w-shared-ca", 2, True, "cache_aware", "two workers x 1 thread, one shared disk tier, cache_aware"),
+    Config("2w-private-ca", 2, False, "cache_aware", "two workers x 1 thread, private tiers, cache_aware"),
+]
+
+
+def generate_turn(url: str, prompt: str, max_tokens: int) -> dict:
+    """Stream one greedy ``/generate`` of the chat-templated prompt text; TTFT = first chunk.
+
+    ``/generate``, not the OpenAI chat API: sglang-router 0.3 re-serializes chat requests and drops
+    SGLang's ``return_cached_tokens_details``; ``/generate`` reports ``cached_tokens_details`` (which
+    worker served a turn, and from where) whenever the workers run with ``--enable-cache-report``.
+    The text (not token ids) keeps ``cache_aware`` routing meaningful: the router matches on it."""
+    body = {
+        "text": prompt,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_tokens, "temperature": 0},
+    }
+    t0 = time.perf_counter()
+    ttft, last = None, None
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: {"):
+                continue
+            last = json.loads(line[len(b"data: ") :])
+            ttft = ttft or time.perf_counter() - t0
+    meta = last["meta_info"]
+    return {
+        "ttft_s": ttft,
+        "total_s": time.perf_counter() - t0,
+        "completion_tokens": meta.get("completion_tokens"),
+        "cached_tokens": meta.get("cached_tokens"),
+        "cached_details": meta.get("cached_tokens_details"),
+        "answer": last["text"],
+    }
+
+
+def play(url: str, convs: list[conv.Conversation], clients: int, tok) -> list[dict]:
+    """Every conversation's turns in order, ``clients`` conversations at a time."""
+    todo: queue.Queue[conv.Conversation] = queue.Queue()
+    for c in convs:
+        todo.put(c)
+    turns, lock, errors = [], threading.Lock(), []
+    t0 = time.perf_counter()
+
+    def client():
+        while True:
+            try:
+                c = todo.get_nowait()
+            except queue.Empty:
+                return
+            for t, turn in enumerate(c.turns):
+                start = time.perf_counter() - t0
+                try:
+                    prompt = tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True)
+                    res = generate_turn(url, prompt, turn.max_tokens)
+                except Exception as e:  # recorded: a failed turn counts against the configuration
+                    errors.append(repr(e))
+                    break
+                details = res.pop("cached_details") or {}
+                res |= {
+                    "conv": c.id,
+                    "turn": t,
+                    "start_s": start,
+                    "end_s": time.perf_counter() - t0,
+                    "worker": details.get("worker"),
+                    "device": details.get("device", 0),
+                    "host": details.get("host", 0),
+                    "storage": details.get("storage", 0),
+                    "storage_shared": details.get("storage_shared", 0),
+                    "score": conv.score(turn, res["answer"]),
+                }
+                with lock:
+                    turns.append(res)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} turns failed: {errors[:3]}")
+    return sorted(turns, key=lambda x: (x["conv"], x["turn"]))
+
+
+def mark_cross_worker(turns: list[dict]) -> None:
+    """``cross``: a returning turn served by another worker than the conversation's previous turn;
+    ``first_visit``: a cross-worker turn on a worker that served none of the conversation's turns
+    before (with private tiers it has none of the history; otherwise it has an older part)."""
+    prev: dict[str, str | None] = {}
+    seen: dict[str, set[str]] = {}
+    for x in turns:
+        # a turn whose worker is unknown (a worker that reported none) decides nothing either way
+        known = x["worker"] is not None and prev.get(x["conv"]) is not None
+        x["cross"] = x["turn"] > 0 and known and x["worker"] != prev[x["conv"]]
+        x["first_visit"] = x["cross"] and x["worker"] not in seen.get(x["conv"], set())
+        prev[x["conv"]] = x["worker"]
+        seen.setdefault(x["conv"], set()).add(x["worker"])
+
+
+def run_config(cfg: Config, convs, clients: int, worker_flags: list[str], log_dir: Path, tok) -> dict:
+    disk = Path(tempfile.mkdtemp(prefix="loopkv-cluster-"))
+    flags = [*worker_flags, "--loopkv-disk-dir", str(disk) if cfg.shared else "none"]
+    (log_dir / cfg.name).mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(flags, workers=cfg.workers, policy=cfg.policy, log_dir=log_dir / cfg.name)
+    t_start = time.perf_counter()
+    try:
+        cluster.start()
+        startup_s = time.perf_counter() - t_start
+        for p in cluster.procs:  # one warm-up turn per worker, straight to it: first-use costs off the clock
+            generate_turn(p.url, "Say hello.", 4)
+        t0 = time.perf_counter()
+        turns = play(cluster.url, convs, clients, tok)
+        wall = time.perf_counter() - t0
+    finally:
+        cluster.stop()
+        shutil.rmtree(disk, ignore_errors=True)
+    mark_cross_worker(turns)
+    return {"config": asdict(cfg), "startup_s": startup_s, "wall_s": wall, "turns": turns}
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """The median (q = 0.5) or the nearest-rank ``q`` quantile; None for no samples."""
+    xs = sorted(xs)
+    if not xs:
+        return None
+    return float(statistics.median(xs)) if q == 0.5 else xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
+def config_summary(res: dict) -> dict:
+    turns = res["turns"]
+    back = [x for x in turns if x["turn"] > 0]
+    cross = [x for x in back if x["cross"]]
+    hits = [x for x in cross if x["storage_shared"] > 0]
+    return {
+        "turns": len(turns),
+        "turns_per_min": 60 * len(turns) / res["wall_s"],
+        "workers_used": len({x["worker"] for x in turns} - {None}),
+        "turns_without_worker": sum(x["worker"] is None for x in turns),
+        "ttft_p50_s": pct([x["ttft_s"] for x in turns], 0.5),
+        "ttft_p90_s": pct([x["ttft_s"] for x in turns], 0.9),
+        "returning_turns": len(back),
+        "returning_ttft_p50_s": pct([x["ttft_s"] for x in back], 0.5),
+        "cross_worker_turns": len(cross),
+        "cross_worker_share": len(cross) / len(back) if back else None,
+        "cross_worker_ttft_p50_s": pct([x["ttft_s"] for x in cross], 0.5),
+        "cross_worker_ttft_p90_s": pct([x["ttft_s"] for x in cross], 0.9),
+        "cross_worker_hit_fraction": len(hits) / len(cross) if cross else None,
+        "first_visit_turns": sum(x["first_visit"] for x in cross),
+        "first_visit_ttft_p50_s": pct([x["ttft_s"] for x in cross if x["first_visit"]], 0.5),
+        "resumed_from_other_worker_share": len(hits) / len(back) if back else None,
+        "recompute_tokens_avoided": sum(x["cached_tokens"] or 0 for x in turns),
+        "recompute_tokens_avoided_shared": sum(x["storage_shared"] for x in turns),
+        "mean_score": sum(x["score"] for x in turns) / len(turns),
+    }
+
+
+def ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarize(results: dict) -> dict:
+    for res in results.values():
+        mark_cross_worker(res["turns"])
+    per = {name: config_summary(res) for name, res in results.items()}
+    answers = {name: {(x["conv"], x["turn"]): x["answer"] for x in res["turns"]} for name, res in results.items()}
+    summary: dict = {"per_config": per, "turns_per_min": {n: p["turns_per_min"] for n, p in per.items()}}
+    for pol in ("rr", "ca"):
+        shared, private = f"2w-shared-{pol}", f"2w-private-{pol}"
+        if shared in results and private in results:
+            cross = [(x["conv"], x["turn"]) for x in results[shared]["turns"] if x["cross"]]
+            same = [answers[shared][k] == answers[private][k] for k in cross]
+            summary[f"cross_worker_answers_identical_{pol}"] = f"{sum(same)}/{len(same)}"
+            summary[f"ttft_ratio_private_over_shared_{pol}"] = ratio(
+                per[private]["cross_worker_ttft_p50_s"], per[shared]["cross_worker_ttft_p50_s"]
+            )
+            summary[f"ttft_ratio_private_over_shared_{pol}_first_visit"] = ratio(
+                per[private]["first_visit_ttft_p50_s"], per[shared]["first_visit_ttft_p50_s"]
+            )
+    rr = per.get("2w-shared-rr", {})
+    summary["cross_worker_hit_fraction_round_robin"] = rr.get("cross_worker_hit_fraction")
+    summary["ttft_ratio_private_over_shared_round_robin"] = summary.get("ttft_ratio_private_over_shared_rr")
+    ident = summary.get("cross_worker_answers_identical_rr", "0/0").split("/")
+    summary["cross_worker_resume_identical"] = ident[0] == ident[1] != "0"
+    if "1w" in results and "2w-shared-rr" in results:
+        keys = answers["1w"].keys() & answers["2w-shared-rr"].keys()
+        summary["answers_identical_to_one_worker_rr"] = (
+            f"{sum(answers['1w'][k] == answers['2w-shared-rr'][k] for k in keys)}/{len(keys)}"
+        )
+        summary["second_worker_turns_per_min_ratio_rr"] = ratio(
+            per["2w-shared-rr"]["turns_per_min"], per["1w"]["turns_per_min"]
+        )
+    return summary
+
+
+def fmt(v, digits: int = 2):
+    if v is None:
+        return "-"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def report_md(p: dict) -> str:
+    s, cfg = p["summary"], p["config"]
+    env = p["env"]
+    text = (
+        f"# cluster ({env['when']}; `python -m benchmarks.cluster{cfg['argv']}`; {cfg['model']}, "
+        f"{cfg['n_convs']} conversations / {cfg['n_turns']} turns, {cfg['clients']} clients at once; "
+        f"{env['cpu_count']} cores; load avg {env['loadavg_start']:.1f} -> {env['loadavg_end']:.1f}; "
+        f"{env['wall_s'] / 60:.1f} min wall)\n\n"
+    )
+    rows = []
+    for name, q in s["per_config"].items():
+        rows.append(
+            [
+                name,
+                fmt(q["turns_per_min"], 1),
+                f"{fmt(q['ttft_p50_s'])} / {fmt(q['ttft_p90_s'])}",
+                f"{q['cross_worker_turns']}/{q['returning_turns']}",
+                f"{fmt(q['cross_worker_ttft_p50_s'])} / {fmt(q['cross_worker_ttft_p90_s'])}",
+                f"{q['first_visit_turns']}: {fmt(q['first_visit_ttft_p50_s'])}",
+                fmt(q["cross_worker_hit_fraction"]),
+                q["recompute_tokens_avoided"],
+                q["recompute_tokens_avoided_shared"],
+            ]
+        )
+    text += md_table(
+        [
+            "config",
+            "turns/min",
+            "TTFT p50 / p90 s",
+            "cross-worker / returning turns",
+            "cross-worker TTFT p50 / p90 s",
+            "of which first visits: TTFT p50 s",
+            "cross-worker resumed from the shared tier",
+            "cached tokens (recompute avoided)",
+            "of which stored by the other worker",
+        ],
+        rows,
+    )
+    text += (
+        f"\nround_robin: {fmt(s['cross_worker_hit_fraction_round_robin'])} of the cross-worker turns resumed from "
+        f"the shared tier (target >= 0.9); their TTFT p50 private / shared = "
+        f"{fmt(s['ttft_ratio_private_over_shared_round_robin'])}x (target >= 3x), "
+        f"{fmt(s.get('ttft_ratio_private_over_shared_rr_first_visit'))}x for those on a worker that had served none of "
+        f"the conversation before; answers of those turns identical "
+        f"to the private run's (recomputed): {s.get('cross_worker_answers_identical_rr', '-')}; all answers vs one "
+        f"worker: {s.get('answers_identical_to_one_worker_rr', '-')}. cache_aware: "
+        + (
+            f"TTFT ratio {fmt(s['ttft_ratio_private_over_shared_ca'])}x"
+            if s.get("ttft_ratio_private_over_shared_ca") is not None
+            else "no returning turn changed worker"
+        )
+        + ". A second worker on the same 2 cores: "
+        f"{fmt(s.get('second_worker_turns_per_min_ratio_rr'))}x the turns/min of one.\n"
+    )
+    return text + "\n![cluster](cluster.png)\n"
+
+
+def plot(p: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per = p["summary"]["per_config"]
+    names = list(per)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    axes[0].bar(names, [per[n]["turns_per_min"] for n in names], color="C0")
+    axes[0].set(ylabel="turns / min", title="throughput")
+    x = range(len(names))
+    for k, (key, label) in enumerate((("ttft_p50_s", "all turns"), ("cross_worker_ttft_p50_s", "cross-worker turns"))):
+        axes[1].bar([i + 0.4 * k for i in x], [per[n][key] or 0 for n in names], width=0.4, label=label)
+    axes[1].set_xticks([i + 0.2 for i in x], names)
+    axes[1].set(ylabel="TTFT p50 (s)", title="time to first token")
+    axes[1].legend(fontsize=8)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.suptitle("sgl-loopkv workers behind sglang-router: shared vs private tiers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--convs-per-task", type=int, default=1)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1536, 2560], help="conversation lengths (tokens)")
+    ap.add_argument("--turns", type=int, nargs=2, default=[4, 5], help="turns per conversation (min max)")
+    ap.add_argument("--clients", type=int, default=2, help="conversations played at once")
+    ap.add_argument("--configs", nargs="+", choices=[c.name for c in CONFIGS], default=[c.name for c in CONFIGS])
+    ap.add_argument("--model-path", help="a local model folder (default: the embedded SmolLM2)")
+    ap.add_argument("--max-total-tokens", type=int, default=16384, help="each worker's KV pool")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="cluster")
+    ap.add_argument("--report-only", action="store_true", help="re-render the table and plot from <out>.json")
+    args = ap.parse_args()
+    if args.report_only:
+        payload = json.loads((RESULTS / f"{args.out}.json").read_text())
+        payload["summary"] = summarize(payload["results"])
+        write_results(args.out, payload, report_md(payload))
+        plot(payload, RESULTS / f"{args.out}.png")
+        return
+
+    from transformers import AutoTokenizer
+
+    model_dir = Path(args.model_path) if args.model_path else ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    convs = conv.suite(conv.TASKS, args.convs_per_task, args.lengths, tuple(args.turns), args.seed, count)
+    worker_flags = ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.model_path:
+        worker_flags += ["--model-path", str(model_dir)]
+    env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
+    t_start = time.monotonic()
+    log_dir = Path(tempfile.mkdtemp(prefix="loopkv-cluster-logs-"))
+    results = {}
+    for cfg in (c for c in CONFIGS if c.name in args.configs):
+        print(f"[cluster] {cfg.name}: {cfg.what}", flush=True)
+        results[cfg.name] = run_config(cfg, convs, args.clients, worker_flags, log_dir, tok)
+        print(f"[cluster] {cfg.name}: {config_summary(results[cfg.name])}", flush=True)
+    env |= {"loadavg_end": os.getloadavg()[0], "wall_s": time.monotonic() - t_start, "git_end": _git_state()}
+    argv = " ".join(sys.argv[1:])
+    payload = {
+        "summary": summarize(results),
+        "config": {
+            "argv": f" {argv}" if argv else "",
+            "model": model_dir.name,
+            "n_convs": len(convs),
+            "n_turns": sum(len(c.turns) for c in convs),
+            "clients": args.clients,
+            "lengths": args.lengths,
+            "turns": args.turns,
+            "convs_per_task": args.convs_per_task,
+            "max_total_tokens": args.max_total_tokens,
+            "seed": args.seed,
+            "logs": str(log_dir),
+        },
+        "results": results,
+        "env": env,
+    }
+    md = report_md(payload)
+    json_path, _ = write_results(args.out, payload, md)
+    plot(payload, RESULTS / f"{args.out}.png")
+    print(md)
+    print(f"-> {json_path}")
+
+
+if __name__ == "__main__":
+    main()
