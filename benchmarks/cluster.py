@@ -15,7 +15,7 @@ policies. Per turn: the worker that served it (``cached_tokens_details.worker``)
 by source (``storage_shared`` = from segments another worker stored). A *cross-worker* turn is a
 returning turn served by another worker than the conversation's previous turn.
 
-    python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 4-5 turns, 2 clients (~20 min)
+    python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 5-6 turns, 3-4K tokens, 2 clients (~10 min)
     python -m benchmarks.cluster --convs-per-task 2    # twice the conversations
 """
 
@@ -342,8 +342,8 @@ def plot(p: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--convs-per-task", type=int, default=1)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1536, 2560], help="conversation lengths (tokens)")
-    ap.add_argument("--turns", type=int, nargs=2, default=[4, 5], help="turns per conversation (min max)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[3072, 4096], help="conversation lengths (tokens)")
+    ap.add_argument("--turns", type=int, nargs=2, default=[5, 6], help="turns per conversation (min max)")
     ap.add_argument("--clients", type=int, default=2, help="conversations played at once")
     ap.add_argument("--configs", nargs="+", choices=[c.name for c in CONFIGS], default=[c.name for c in CONFIGS])
     ap.add_argument("--model-path", help="a local model folder (default: the embedded SmolLM2)")

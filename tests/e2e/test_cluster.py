@@ -1,7 +1,7 @@
 """Two sgl-loopkv workers sharing one disk tier behind sglang-router (issue 17), on the tiny model:
 a turn that lands on the other worker resumes from the shared tier with the answer a single
 server gives; a worker killed with ``kill -9`` is routed around and its conversation resumes on the
-survivor; restarted, it rejoins and resumes what the survivor stored meanwhile."""
+survivor; restarted (slow), it rejoins and resumes what the survivor stored meanwhile."""
 
 from __future__ import annotations
 
@@ -62,69 +62,82 @@ def wait_segments(disk_dir, n: int, timeout_s: float = 30) -> None:
         time.sleep(0.2)
 
 
-def test_round_robin_resumes_on_the_other_worker_survives_a_kill_9_and_a_restart(
-    tiny_server, tiny_model_dir, tmp_path, server_logs
-):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    ids = [tok(conversation(40 + t))["input_ids"][:300] for t in range(4)]  # four turns' new text
-    disk = tmp_path / "shared-kv"
+def start_cluster(model_dir, disk, log_dir) -> Cluster:
     args = [
-        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS),
+        *("--model-path", str(model_dir), *COMMON_SERVER_ARGS),
         *("--loopkv-disk-dir", str(disk), "--enable-metrics"),
     ]
-    (server_logs / "cluster").mkdir(exist_ok=True)
-    cluster = Cluster(
-        args,
-        workers=2,
-        policy="round_robin",
-        threads_per_worker=1,
-        health_interval_s=2,
-        log_dir=server_logs / "cluster",
-    )
-    with cluster.start():
-        history, reference = [], []
-        outs, served = [], []
-        for t in range(2):  # turn 1 on one worker, turn 2 on the other (round robin)
-            history += ids[t]
-            out, worker = turn(cluster, history)
-            reference.append(generate(tiny_server.url, history)["output_ids"])
-            outs.append(out)
-            served.append(worker)
-            history += out["output_ids"]
-            wait_segments(disk, t + 1)  # the turn's write-through reached the shared tier
-        assert served[0] != served[1]
-        shared = details(outs[1])
-        assert shared.get("storage", 0) >= 256 and shared["storage_shared"] == shared["storage"], shared
-        assert [o["output_ids"] for o in outs] == reference  # what one server answers
+    log_dir.mkdir(exist_ok=True)
+    return Cluster(
+        args, workers=2, policy="round_robin", threads_per_worker=1, health_interval_s=2, log_dir=log_dir
+    ).start()
 
-        # kill -9 the worker that holds the conversation on its device: the router routes around it,
-        # and the survivor resumes the whole history from the shared tier.
-        victim, survivor = served[1], served[0]
-        cluster.kill_worker(victim)
-        history += ids[2]
-        before = prompts_served(cluster)[survivor]
-        out = generate(cluster.url, history)
-        assert prompts_served(cluster)[survivor] > before
-        assert details(out)["storage_shared"] > 0, details(out)  # the victim's turn, from its segment
-        assert out["output_ids"] == generate(tiny_server.url, history)["output_ids"]
+
+def new_text(model_dir) -> list[list[int]]:
+    """Four turns' new tokens (300 each)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return [tok(conversation(40 + t))["input_ids"][:300] for t in range(4)]
+
+
+def resume_elsewhere_then_kill_9(cluster: Cluster, disk, ids, reference_url: str) -> tuple[list[int], int]:
+    """Turns 1 and 2 (round robin: on the two workers), then ``kill -9`` of the worker holding the
+    conversation on its device and turn 3 through the router. Returns the history and the victim."""
+    history, outs, served = [], [], []
+    for t in range(2):
+        history += ids[t]
+        out, worker = turn(cluster, history)
+        assert out["output_ids"] == generate(reference_url, history)["output_ids"]  # what one server answers
+        outs.append(out)
+        served.append(worker)
         history += out["output_ids"]
-        wait_segments(disk, 3)
+        wait_segments(disk, t + 1)  # the turn's write-through reached the shared tier
+    assert served[0] != served[1]
+    shared = details(outs[1])
+    assert shared.get("storage", 0) >= 256 and shared["storage_shared"] == shared["storage"], shared
 
+    # The router routes around the dead worker, and the survivor resumes the whole history from the
+    # shared tier (the victim's turn from the victim's segment).
+    victim, survivor = served[1], served[0]
+    cluster.kill_worker(victim)
+    history += ids[2]
+    before = prompts_served(cluster)[survivor]
+    out = generate(cluster.url, history)
+    assert prompts_served(cluster)[survivor] > before
+    assert details(out)["storage_shared"] > 0, details(out)
+    assert out["output_ids"] == generate(reference_url, history)["output_ids"]
+    history += out["output_ids"]
+    wait_segments(disk, 3)
+    return history, victim
+
+
+def test_round_robin_resumes_on_the_other_worker_and_survives_a_kill_9(
+    tiny_server, tiny_model_dir, tmp_path, server_logs
+):
+    ids = new_text(tiny_model_dir)
+    with start_cluster(tiny_model_dir, tmp_path / "kv", server_logs / "cluster") as cluster:
+        resume_elsewhere_then_kill_9(cluster, tmp_path / "kv", ids, tiny_server.url)
         cluster.wait_healthy(1)  # the router's health checks took the dead worker out
 
-        # Restarted, the worker rejoins (the router's health checks) and resumes the turn the survivor
-        # stored while it was down.
+
+@pytest.mark.slow  # a cluster of its own; the default suite covers the resume and the kill -9 above
+def test_a_restarted_worker_rejoins_and_resumes_what_was_stored_meanwhile(
+    tiny_server, tiny_model_dir, tmp_path, server_logs
+):
+    ids = new_text(tiny_model_dir)
+    with start_cluster(tiny_model_dir, tmp_path / "kv", server_logs / "cluster-restart") as cluster:
+        history, victim = resume_elsewhere_then_kill_9(cluster, tmp_path / "kv", ids, tiny_server.url)
+        cluster.wait_healthy(1)
         cluster.restart_worker(victim)
-        cluster.wait_healthy(2)
+        cluster.wait_healthy(2)  # back in rotation
         history += ids[3]
         deadline = time.monotonic() + 120
-        while True:
+        while True:  # round robin: within two requests it gets one
             out, worker = turn(cluster, history)
             if worker == victim:
                 break
             assert time.monotonic() < deadline, "the restarted worker never got a request back"
             time.sleep(1.0)
-        assert details(out)["storage_shared"] > 0, details(out)
+        assert details(out)["storage_shared"] > 0, details(out)  # what the survivor stored while it was down
         assert out["output_ids"] == generate(tiny_server.url, history)["output_ids"]
