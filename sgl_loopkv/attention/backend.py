@@ -116,11 +116,7 @@ class LoopKVAttnBackend(AttentionBackend):
         seq_lens = (
             forward_batch.seq_lens_cpu if forward_batch.seq_lens_cpu is not None else forward_batch.seq_lens
         ).tolist()
-        req_rows = (
-            forward_batch.req_pool_indices_cpu
-            if forward_batch.req_pool_indices_cpu is not None
-            else forward_batch.req_pool_indices
-        ).tolist()
+        req_rows = plan_rows(forward_batch)
         if forward_batch.forward_mode.is_decode():
             q_lens = [1] * bs
         else:
@@ -138,11 +134,7 @@ class LoopKVAttnBackend(AttentionBackend):
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
         ctx = self.context
         if ctx is not None and ctx.importance.wants(layer.layer_id, forward_batch.forward_mode.is_decode()):
-            rows = (
-                forward_batch.req_pool_indices_cpu
-                if forward_batch.req_pool_indices_cpu is not None
-                else forward_batch.req_pool_indices
-            ).tolist()
+            rows = plan_rows(forward_batch)
             ctx.importance.record(
                 self.forward_metadata,
                 rows,
@@ -151,11 +143,7 @@ class LoopKVAttnBackend(AttentionBackend):
                 layer.scaling,
             )
         if ctx is not None and ctx.observer.wants(layer.layer_id, self.forward_metadata):  # Krul
-            rows = (
-                forward_batch.req_pool_indices_cpu
-                if forward_batch.req_pool_indices_cpu is not None
-                else forward_batch.req_pool_indices
-            ).tolist()
+            rows = plan_rows(forward_batch)
             qv = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
             ctx.observer.record(layer.layer_id, self.forward_metadata, rows, qv, self.token_to_kv_pool, layer.scaling)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
@@ -211,6 +199,7 @@ class LoopKVAttnBackend(AttentionBackend):
 
 
 def plan_rows(forward_batch) -> list[int]:
+    """The batch's request-pool rows, from the host copy when SGLang made one (no device sync)."""
     rows = forward_batch.req_pool_indices_cpu
     return (rows if rows is not None else forward_batch.req_pool_indices).tolist()
 
