@@ -514,22 +514,37 @@ def run_pressure(name, dtype, flags, convs, mode: str, args, tok, bar) -> dict:
 
 
 # --- multi-turn score per question position, fp32 vs bf16 ------------------------------------------------
+def shared_context_ids(tok, contexts, n_ctx: int) -> dict[int, list[list[int]]]:
+    """Per context length, ``n_ctx`` requests sharing one context except their last SUFFIX tokens."""
+    return {
+        L: [synthetic_ids(tok, L, seed=1000 * L)]
+        + [synthetic_ids(tok, L, seed=1000 * L)[: L - SUFFIX] + synthetic_ids(tok, SUFFIX, seed=1000 * L + i)
+           for i in range(1, n_ctx)]
+        for L in contexts
+    }  # fmt: skip
+
+
+def quick_multiturn(tok):
+    """benchmarks.multiturn --quick's conversations: (convs, history tokens per turn, device pool,
+    host-tier bytes: a quarter of the fp32 histories, as benchmarks.multiturn sizes it)."""
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    convs = conv.suite(conv.TASKS, 1, [1024, 2048, 3072], (2, 3), 0, count)
+    hist = {
+        c.id: [count(tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True))
+               for t in range(len(c.turns))]
+        for c in convs
+    }  # fmt: skip
+    pool = (max(max(h) for h in hist.values()) + 64 + 15) // 16 * 16 + 256
+    total = sum(hist[c.id][-1] + count(c.turns[-1].gold_reply) for c in convs)
+    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    host_bytes = int(0.25 * total * common.model_facts(model_dir).kv_bytes_per_token(4))
+    return convs, hist, pool, host_bytes
+
+
 def run_multiturn_dtypes(tok, dtypes: list[str], bar) -> dict:
     from benchmarks import multiturn as mt
 
-    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    convs = conv.suite(conv.TASKS, 1, [1024, 2048, 3072], (2, 3), 0, count)  # multiturn --quick
-    hist = {}
-    for c in convs:
-        hist[c.id] = [
-            count(tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True))
-            for t in range(len(c.turns))
-        ]
-    pool = (max(max(h) for h in hist.values()) + 64 + 15) // 16 * 16 + 256
-    total = sum(hist[c.id][-1] + count(c.turns[-1].gold_reply) for c in convs)
-    # a quarter of the fp32 histories in RAM, the same bytes for both dtypes (as benchmarks.multiturn sizes it)
-    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
-    host_bytes = int(0.25 * total * common.model_facts(model_dir).kv_bytes_per_token(4))
+    convs, hist, pool, host_bytes = quick_multiturn(tok)
     out = {}
     for dt in dtypes:
         s = mt.System(f"decode_dense_{SHORT[dt]}", ("--dtype", dt), f"dense sgl-loopkv, {dt}")
@@ -960,12 +975,7 @@ def main() -> None:
     if args.distinct_contexts:
         ctx_ids = {L: [synthetic_ids(tok, L, seed=1000 * L + i) for i in range(n_ctx)] for L in contexts}
     else:  # one context per length, each request its own last SUFFIX tokens (see the module docstring)
-        ctx_ids = {
-            L: [synthetic_ids(tok, L, seed=1000 * L)]
-            + [synthetic_ids(tok, L, seed=1000 * L)[: L - SUFFIX] + synthetic_ids(tok, SUFFIX, seed=1000 * L + i)
-               for i in range(1, n_ctx)]
-            for L in contexts
-        }  # fmt: skip
+        ctx_ids = shared_context_ids(tok, contexts, n_ctx)
     page = 16
     pool = n_ctx * ((max(contexts) + args.gen + 2 * page) // page * page) + 4096
 

@@ -31,7 +31,6 @@ import time
 import torch
 from tqdm import tqdm
 
-from benchmarks import common
 from benchmarks import conversations as conv
 from benchmarks import decode as dec
 from benchmarks.common import RESULTS, environment, md_table, synthetic_ids, write_results
@@ -174,12 +173,7 @@ def metric_reader():
 
 def run_grid(contexts, batch_sizes, args, tok, bar) -> dict:
     n_ctx = max(batch_sizes)
-    ctx_ids = {
-        L: [synthetic_ids(tok, L, seed=1000 * L)]
-        + [synthetic_ids(tok, L, seed=1000 * L)[: L - dec.SUFFIX] + synthetic_ids(tok, dec.SUFFIX, seed=1000 * L + i)
-           for i in range(1, n_ctx)]
-        for L in contexts
-    }  # fmt: skip
+    ctx_ids = dec.shared_context_ids(tok, contexts, n_ctx)
     pool = n_ctx * ((max(contexts) + args.gen + 32) // 16 * 16) + 4096
     out = {}
     for name in ["dense", *POLICIES]:
@@ -194,17 +188,7 @@ def run_grid(contexts, batch_sizes, args, tok, bar) -> dict:
 def run_multiturn(tok, bar) -> dict:
     from benchmarks import multiturn as mt
 
-    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    convs = conv.suite(conv.TASKS, 1, [1024, 2048, 3072], (2, 3), 0, count)  # multiturn --quick
-    hist = {
-        c.id: [count(tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True))
-               for t in range(len(c.turns))]
-        for c in convs
-    }  # fmt: skip
-    pool = (max(max(h) for h in hist.values()) + 64 + 15) // 16 * 16 + 256
-    total = sum(hist[c.id][-1] + count(c.turns[-1].gold_reply) for c in convs)
-    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
-    host_bytes = int(0.25 * total * common.model_facts(model_dir).kv_bytes_per_token(4))
+    convs, hist, pool, host_bytes = dec.quick_multiturn(tok)
     out = {}
     # sparse from 1K tokens: the quick suite's histories are 1-3.5K, most turns then decode sparse
     for name in ["dense", *POLICIES]:
