@@ -224,6 +224,10 @@ class DiskSegmentStore:
                         os.link(final, self._chunk_path(h))
                     except FileExistsError:  # the chunk is already findable through another segment
                         pass
+                # The temp name goes under the lock too: left until after it, another worker could
+                # evict the new segment meanwhile and count its bytes freed while this name still
+                # held them (one segment over the quota until the unlink).
+                tmp.unlink()
         finally:
             tmp.unlink(missing_ok=True)  # a half-written file would hold the space a full disk lacks
         _fsync_dir(self.root)

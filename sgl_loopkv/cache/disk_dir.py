@@ -78,10 +78,11 @@ class SegmentFile:
     mtime_ns: int
 
     @property
-    def eviction_order(self) -> tuple[int, int]:
+    def eviction_order(self) -> tuple[int, int, int]:
         """Oldest use first (whole seconds: one turn touches its whole path at once), and within one
-        second the deepest segment first, so a history is cut from its end, never from its root."""
-        return self.mtime_ns // 1_000_000_000, -start_of(self.seg_id)
+        second the deepest segment first, so a history is cut from its end, never from its root;
+        then the older use."""
+        return self.mtime_ns // 1_000_000_000, -start_of(self.seg_id), self.mtime_ns
 
 
 @dataclass(frozen=True, slots=True)

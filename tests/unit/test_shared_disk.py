@@ -6,6 +6,7 @@ is recomputed, not served."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import subprocess
@@ -214,6 +215,25 @@ def test_eviction_by_three_workers_never_exceeds_the_quota_nor_breaks_a_read(tmp
         assert torch.equal(reader.read(f.seg_id, 0, 2), _segment(expected[f.seg_id])[1])
     links = list((root / "chunks").iterdir())
     assert len(links) == 2 * len(usage.published) and all(p.stat().st_nlink >= 2 for p in links)
+
+
+def test_a_published_segment_keeps_no_temp_name_once_the_lock_is_released(tmp_path):
+    """The temp name of a published segment goes under the eviction lock: a temp name left after it
+    would keep the bytes of the segment alive while another worker evicts it and counts them freed
+    (the three-worker test above once saw seven segments under a quota of six and a half)."""
+    store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    held, lock = [], store.dir.eviction_lock
+
+    @contextlib.contextmanager
+    def watched():
+        with lock():
+            yield
+            held.append(sorted(p.stat().st_nlink for p in tmp_path.glob("*.tmp")))  # still under the lock
+
+    store.dir.eviction_lock = watched
+    rec, kv, summ, _ = _segment(3)
+    store.write(rec, kv, summ)
+    assert held == [[1], []]  # reserved while written (one name), gone when published
 
 
 def test_a_lookup_waits_for_an_announced_write_and_not_otherwise(tmp_path):
