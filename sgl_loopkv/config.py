@@ -358,6 +358,65 @@ class SparseDecodeConfig:
 
 
 @dataclass(slots=True)
+class PrefixConfig:
+    """Chunk-pruned re-prefill (ContiguousKV): a returning history is loaded chunk by chunk, only
+    the chunks the new turn's queries need, selected once per period of layers."""
+
+    flag_prefix: ClassVar[str] = "prefix_"
+
+    budget: float = field(
+        default=1.0,
+        metadata={
+            "help": "Fraction of a returning history's 16-token chunks the new turn attends to (rounded up to whole "
+            "chunks; the first chunk and the --loopkv-prefix-local nearest ones always among them). 1.0: every "
+            "chunk, exactly as a full load (streamed with --loopkv-prefix-stream).",
+            "type": float,
+        },
+    )
+    period: int = field(
+        default=8,
+        metadata={
+            "help": "Layers one chunk selection is reused for (selected at the period's first layer).",
+            "type": int,
+        },
+    )
+    gate: int = field(
+        default=4,
+        metadata={
+            "help": "Layers of a period whose reads a layer's compute waits for together (sub-period gate).",
+            "type": int,
+        },
+    )
+    local: int = field(
+        default=4,
+        metadata={"help": "Chunks nearest the new turn always kept.", "type": int},
+    )
+    min_tokens: int = field(
+        default=1024,
+        metadata={"help": "Histories shorter than this are loaded whole (pruning saves nothing there).", "type": int},
+    )
+    stream: bool = field(
+        default=False,
+        metadata={
+            "help": "Admit a disk hit from its header and read its chunks period by period during the new turn's "
+            "prefill, each extent verified before use, also at budget 1.0 (default: read and verify the whole "
+            "history before admitting the request).",
+            "action": "store_true",
+        },
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget < 1.0 or self.stream
+
+    def __post_init__(self):
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"--loopkv-prefix-budget must be in (0, 1], not {self.budget}")
+        if self.period < 1 or self.gate < 1 or self.local < 1 or self.min_tokens < 0:
+            raise ValueError("--loopkv-prefix-period, -gate and -local must be >= 1, -min-tokens >= 0")
+
+
+@dataclass(slots=True)
 class LimitsConfig:
     """What one request may ask of the server, and how long a stopping server waits for requests.
 
@@ -414,6 +473,7 @@ SECTIONS: dict[str, type] = {
     "sharing": SharingConfig,
     "sparse": SparsePrefillConfig,
     "decode": SparseDecodeConfig,
+    "prefix": PrefixConfig,
     "limits": LimitsConfig,
 }
 
@@ -480,6 +540,7 @@ class LoopKVConfig:
     sharing: SharingConfig = field(default_factory=SharingConfig)
     sparse: SparsePrefillConfig = field(default_factory=SparsePrefillConfig)
     decode: SparseDecodeConfig = field(default_factory=SparseDecodeConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self):

@@ -23,13 +23,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_loopkv.attention.decode.base import DecodePolicy
 from sgl_loopkv.attention.decode.selector import SparseDecoder
 from sgl_loopkv.attention.executor import EXECUTORS
-from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan
+from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan, offsets
 from sgl_loopkv.attention.policies import POLICIES, ModelShape, SelectionPolicy
 from sgl_loopkv.attention.sparse_plan import SparsePlan
 from sgl_loopkv.context import Context, get_context
@@ -81,6 +82,7 @@ class LoopKVAttnBackend(AttentionBackend):
             model_runner.server_args.enable_metrics and decode_policy is not None
         )
         self.decode_is_sparse = False  # this batch: does the sparse decoder run it?
+        self.pruned: list | None = None  # this batch: per sequence, its chunk-pruned restore (or None)
 
     # --- planning: once per batch -------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -93,6 +95,9 @@ class LoopKVAttnBackend(AttentionBackend):
         self.forward_metadata = self.plan_batch(forward_batch)
         self.sparse_seqs = None
         self.decode_is_sparse = False
+        self.pruned = self.pruned_restores(forward_batch)
+        if self.pruned is not None:  # their kept chunks are their plan; the sparse paths do not apply to the batch
+            return
         if self.sparse_decoder is not None and mode.is_decode():
             plan = self.forward_metadata
             ids = forward_batch.rids or plan_rows(forward_batch)
@@ -123,6 +128,35 @@ class LoopKVAttnBackend(AttentionBackend):
             q_lens = list(forward_batch.extend_seq_lens_cpu)
         return build_dense_plan(self.req_to_token_pool.req_to_token, req_rows, seq_lens, q_lens)
 
+    def pruned_restores(self, forward_batch: ForwardBatch) -> list | None:
+        """Per sequence, the chunk-pruned restore of its history (:mod:`sgl_loopkv.cache.pruned`), or
+        None for the batch when no sequence has one."""
+        cache = self.context.cache if self.context is not None else None
+        if cache is None or not getattr(cache, "pruned", None) or not forward_batch.rids:
+            return None
+        jobs = [cache.pruned_job(rid) for rid in forward_batch.rids]
+        return jobs if any(j is not None for j in jobs) else None
+
+    def pruned_plan(self, layer_id: int, q, scale: float, is_decode: bool) -> AttentionPlan:
+        """This layer's plan with each pruned history cut to the chunks its period kept: selected
+        here at a period's first layer of a prefill, waited for, then listed instead of the history."""
+        base = self.forward_metadata
+        slots, lengths = [], []
+        for i, job in enumerate(self.pruned):
+            seq = base.kv_slots(i)
+            if job is None:
+                slots.append(seq)
+                lengths.append(len(seq))
+                continue
+            if not is_decode and job.needs_selection(layer_id):
+                job.select(layer_id, q[base.qo_indptr[i] : base.qo_indptr[i + 1]], scale)
+            job.wait(layer_id)
+            kept = job.kept_slots(layer_id).to(seq.device)
+            parts = [seq[: job.start], kept, seq[job.start + job.tokens :]]
+            slots.extend(parts)
+            lengths.append(sum(len(p) for p in parts))
+        return AttentionPlan(base.qo_indptr, offsets(lengths), torch.cat(slots), base.causal)
+
     # --- execution: every layer ---------------------------------------------------------------
     def _forward(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache: bool):
         if layer.is_cross_attention or (layer.sliding_window_size or -1) > -1 or layer.logit_cap:
@@ -132,7 +166,7 @@ class LoopKVAttnBackend(AttentionBackend):
             )
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
-        ctx = self.context
+        ctx = self.context if self.pruned is None else None  # a pruned history's unread slots are not KV
         if ctx is not None and ctx.importance.wants(layer.layer_id, forward_batch.forward_mode.is_decode()):
             rows = plan_rows(forward_batch)
             ctx.importance.record(
@@ -148,6 +182,17 @@ class LoopKVAttnBackend(AttentionBackend):
             ctx.observer.record(layer.layer_id, self.forward_metadata, rows, qv, self.token_to_kv_pool, layer.scaling)
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        if self.pruned is not None:
+            plan = self.pruned_plan(layer.layer_id, q, layer.scaling, forward_batch.forward_mode.is_decode())
+            self.executor.run(
+                plan,
+                q,
+                self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+                self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+                layer.scaling,
+                out,
+            )
+            return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
         if self.decode_is_sparse and forward_batch.forward_mode.is_decode():
             self.sparse_decoder.run(
                 layer.layer_id,

@@ -96,7 +96,7 @@ class AttentionPlan:
         return cache[self.kv_slots(i)]
 
 
-def _offsets(lengths: list[int]) -> list[int]:
+def offsets(lengths: list[int]) -> list[int]:
     out = [0]
     for n in lengths:
         out.append(out[-1] + n)
@@ -118,7 +118,7 @@ def build_dense_plan(
     """
     rows = [req_to_token[r, :n] for r, n in zip(req_pool_indices, seq_lens)]
     kv_indices = torch.cat(rows).to(torch.int64) if rows else req_to_token.new_empty(0, dtype=torch.int64)
-    return AttentionPlan(_offsets(q_lens), _offsets(seq_lens), kv_indices, causal)
+    return AttentionPlan(offsets(q_lens), offsets(seq_lens), kv_indices, causal)
 
 
 MAX_RUNS = 64

@@ -95,6 +95,7 @@ def create_loopkv_radix_cache(ctx):
         restorer=Restorer(planner, stack=layer_stack, calibrate_on_first_use=planner.needs_cost_model),
         importance=shared.importance,
         store_dtype=None if tiers.store_dtype == "pool" else getattr(torch, tiers.store_dtype),
+        prefix=config.prefix,
         sharing=(
             LayerSharing(sharing.layers, sharing.gamma, sharing.ratio, sharing.pairing, shared.observer)
             if sharing.enabled

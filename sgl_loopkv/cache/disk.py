@@ -371,6 +371,22 @@ class DiskSegmentStore:
         finally:
             os.close(fd)
 
+    def open_for_chunks(self, seg_id: str) -> tuple[int, dict]:
+        """An open descriptor and the verified header of a segment whose chunks will be read a few
+        at a time (:meth:`read_chunks`); the caller closes it. Held open, the file survives an
+        eviction by any worker until then. Raises CorruptSegment (SegmentGone when it is not there)."""
+        fd = self._open(seg_id)
+        try:
+            return fd, self.codec.header(fd, seg_id)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def read_chunks(self, fd: int, seg_id: str, header: dict, layer: int, chunks: list[int]):
+        """One layer's chunks of a segment opened by :meth:`open_for_chunks`: (KV [2, T, H, D], chunks
+        that failed their checksum). Thread-safe (``pread``)."""
+        return self.codec.read_chunks(fd, seg_id, header, layer, chunks)
+
     def read_summaries(self, seg_id: str) -> torch.Tensor:
         """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment."""
         fd = self._open(seg_id)

@@ -49,6 +49,24 @@ class TierMetrics:
             "loopkv_restore_seconds", "Restore time by stream: recompute, load (copy into the pool), bubble", ["part"]
         )
         self._last_restore = None
+        self.pruned = Counter(
+            "loopkv_prefix_bytes",
+            "Chunk-pruned restores: KV bytes loaded into the pool, used by attention, read from disk, prefetched "
+            "for the next period, prefetched and then not selected",
+            ["part"],
+        )
+        self.pruned_seconds = Counter(
+            "loopkv_prefix_seconds",
+            "Chunk-pruned restores: the forward waiting for reads (io_wait), the reader busy",
+            ["part"],
+        )
+        self.pruned_bad = Counter("loopkv_prefix_bad_extents", "Chunk extents that failed their checksum (left out)")
+        self.pruned_fraction = Gauge(
+            "loopkv_prefix_kept_fraction",
+            "Share of scored history chunks the selections kept (all pruned restores so far)",
+            multiprocess_mode="mostrecent",
+        )
+        self._last_pruned = None
 
     def publish_restore(self, stats) -> None:
         """Restorer counters (:class:`sgl_loopkv.restore.restorer.RestoreStats`); bubble = time the
@@ -75,6 +93,28 @@ class TierMetrics:
             stats.load_seconds,
             stats.bubble_seconds,
         )
+
+    def publish_pruned(self, stats) -> None:
+        """Chunk-pruned restore totals (:class:`sgl_loopkv.cache.pruned.PrunedStats`); read amplification =
+        disk_read / used."""
+        if not self.enabled:
+            return
+        last = self._last_pruned or type(stats)()
+        for part, name in (
+            ("loaded", "bytes_loaded"),
+            ("used", "bytes_used"),
+            ("disk_read", "disk_bytes_read"),
+            ("prefetched", "prefetched_bytes"),
+            ("wasted_prefetch", "wasted_prefetch_bytes"),
+        ):
+            self.pruned.labels(part=part).inc(max(getattr(stats, name) - getattr(last, name), 0))
+        self.pruned_seconds.labels(part="io_wait").inc(max(stats.io_wait_s - last.io_wait_s, 0.0))
+        self.pruned_seconds.labels(part="reader").inc(max(stats.reader_busy_s - last.reader_busy_s, 0.0))
+        self.pruned_bad.inc(max(stats.bad_extents - last.bad_extents, 0))
+        if stats.scored_chunks:
+            self.pruned_fraction.set(stats.kept_chunks / stats.scored_chunks)
+        self._last_pruned = type(stats)()
+        self._last_pruned.add(stats)
 
     def publish(self, stats: TierStats, device_hit_tokens: int = 0) -> None:
         if not self.enabled:

@@ -35,6 +35,7 @@ import logging
 import os
 import socket
 import time
+from array import array
 from collections import OrderedDict, defaultdict
 from dataclasses import replace
 
@@ -55,8 +56,10 @@ from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
+from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, PrunedStats, Source
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
+from sgl_loopkv.config import PrefixConfig
 from sgl_loopkv.platform import release_free_heap
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
 from sgl_loopkv.restore.restorer import Restorer
@@ -67,6 +70,9 @@ TRIM_EVERY_S = 5.0  # the C heap's free pages go back to the OS at most this oft
 # A waiting request is matched again at every scheduling round: its shared-disk lookup (a hash chain
 # over the prompt, an open per segment) is redone at most this often for the same position.
 RELOOK_S = 1.0
+# A pruned restore made for a waiting request that never ran (aborted while queued) gives its slots
+# back after this long without being matched again (a waiting request is re-matched every round).
+UNADOPTED_S = 30.0
 
 
 def _ref(node: TreeNode) -> tuple[str, int, int] | None:
@@ -84,6 +90,7 @@ class LoopKVRadixCache(RadixCache):
         restorer: Restorer | None = None,
         sharing: LayerSharing | None = None,
         store_dtype: torch.dtype | None = None,
+        prefix: PrefixConfig | None = None,
     ):
         self.store: TieredKVStore | None = None  # RadixCache.__init__ calls reset()
         self.restorer = restorer or Restorer("load_all")
@@ -122,6 +129,11 @@ class LoopKVRadixCache(RadixCache):
         self.metrics = TierMetrics(params.enable_metrics)
         self.importance = importance or ChunkImportance()
         self.importance.configure(self.geometry.num_layers // 2, self.page_size)
+        self.prefix = prefix or PrefixConfig()
+        self.pruned: OrderedDict[str, PrunedRestore] = OrderedDict()  # rid -> its chunk-pruned restore
+        self.pruned_adopted: set[str] = set()  # rids whose row holds their restore's slots
+        self.pruned_stats = PrunedStats()  # every finished pruned restore, summed
+        self.chunk_reader = ChunkReader()
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
@@ -160,6 +172,13 @@ class LoopKVRadixCache(RadixCache):
 
     # --- write-through at checkpoint ------------------------------------------------------------
     def checkpoint(self, req, *, up_to: int):
+        job = self.pruned.get(req.rid)
+        if job is not None:  # its history's slots hold only the chunks some period kept: not the tree's
+            if not self.disable and req.finished():
+                self._store_pruned_turn(req, job, up_to)
+                self.importance.pop(req.kv.req_pool_idx)
+                self.metrics.publish(self.store.count_tokens())
+            return
         super().checkpoint(req, up_to=up_to)
         # Store when the turn ends, not at every prefill chunk: the copy then costs the last
         # token's latency instead of the first token's (the running request locks its nodes on
@@ -369,7 +388,19 @@ class LoopKVRadixCache(RadixCache):
         if getattr(params, "req", None) is not None and self.store.disk is not None:
             end = stored[-1] if stored else last_device
             stored += self._discover(key, end, device_len + sum(len(nd.key) for nd in stored), params.req.rid)
-        if stored and getattr(params, "req", None) is not None:
+        req = getattr(params, "req", None)
+        self._drop_unadopted()
+        if stored and req is not None and self._prunes(stored):
+            job = self._restore_pruned(stored, last_device, req, device_len, key)
+            if job is not None:
+                return MatchResult(
+                    device_prefix_len=device_len + job.tokens,
+                    last_device_node=last_device,
+                    last_host_node=last_device,
+                    best_match_node=last_device,
+                    cache_protected_len=device_len,  # the restore's slots are the request's: its row frees them
+                )
+        if stored and req is not None:
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
             self.metrics.publish(self.store.count_tokens())
@@ -440,6 +471,150 @@ class LoopKVRadixCache(RadixCache):
                 "loopkv: found %d stored tokens on the shared disk tier", sum(len(nd.key) for nd in found_nodes)
             )
         return found_nodes
+
+    # --- chunk-pruned restores (ContiguousKV, :mod:`sgl_loopkv.cache.pruned`) ---------------------
+    def _prunes(self, stored: list[TreeNode]) -> bool:
+        """Whether this history is restored chunk by chunk: pruning (or streaming) is on, the loopkv
+        attention backend runs (it executes the kept-chunk plans) and the history is long enough."""
+        cfg = self.prefix
+        if not cfg.enabled or self.restorer.stack is None:
+            return False
+        n = sum(len(nd.key) for nd in stored)
+        if cfg.budget < 1.0:
+            return n >= cfg.min_tokens
+        return any(self.store.tier_of(_ref(nd)[0]) == "disk" for nd in stored)  # budget 1.0: streaming disk hits
+
+    def _restore_pruned(
+        self, stored: list[TreeNode], last_device: TreeNode, req, device_len: int, key
+    ) -> PrunedRestore | None:
+        """Slots for the stored history and a :class:`PrunedRestore` that fills them during the new
+        turn's prefill. A waiting request matched again gets the restore it already has."""
+        total = sum(len(nd.key) for nd in stored)
+        job = self.pruned.get(req.rid)
+        if job is not None:
+            if job.start == device_len and job.tokens == total and req.rid not in self.pruned_adopted:
+                job.last_used = time.monotonic()
+                return job
+            self._drop_pruned(req.rid, free_slots=req.rid not in self.pruned_adopted)
+        sources, restoring, first = [], {_ref(nd)[0] for nd in stored}, 0
+        summaries = []
+        try:
+            for node in stored:
+                seg, lo, hi = _ref(node)
+                try:
+                    host_kv, fd, header, summ, tier = self.store.chunk_source(seg, lo, hi, keep=restoring)
+                except CorruptSegment as e:
+                    logger.warning("loopkv: %s; recomputing that part of the history", e)
+                    break  # the node and its subtree went with the segment
+                sources.append(Source(seg, lo, hi, first, host_kv, fd, header))
+                summaries.append(summ)
+                first += hi - lo
+                tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0, "shared": 0})
+                tally[tier] += len(node.key)
+                if tier == "disk" and self.store.written_elsewhere(seg):
+                    tally["shared"] += len(node.key)
+                self.store.stats.hit_tokens[tier] += len(node.key)
+            n = first * self.page_size
+            if n == 0 or any(_ref(nd) is None or not self._attached(nd) for nd in stored[: len(sources)]):
+                raise LookupError("part of the history was lost while it was restored")
+            slots = self._alloc(n, last_device)
+            if slots is None:
+                raise LookupError("no device slots for the history")
+        except LookupError as e:
+            logger.warning("loopkv: %s; recomputing it", e)
+            for src in sources:
+                if src.fd is not None:
+                    os.close(src.fd)
+            return None
+        cfg = self.prefix
+        job = PrunedRestore(
+            req.rid,
+            sources,
+            slots,
+            device_len,
+            torch.cat(summaries, dim=1),
+            self.kv_pool.k_buffer,
+            self.kv_pool.v_buffer,
+            self.chunk_reader,
+            chunk=self.page_size,
+            budget=cfg.budget,
+            period=cfg.period,
+            gate=cfg.gate,
+            local=cfg.local,
+            disk=self.store.disk,
+        )
+        job.last_node = stored[len(sources) - 1]
+        job.key = key
+        self.pruned[req.rid] = job
+        logger.info(
+            "loopkv: resuming %d tokens chunk-pruned (budget %.2f: %d of %d chunks per period, every %d layers), "
+            "read during the prefill",
+            n,
+            cfg.budget,
+            job.keep,
+            job.n_chunks,
+            cfg.period,
+        )
+        return job
+
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        """SGLang's path indices, then the pruned restore's slots (the request's own, as LMCache's
+        loaded-but-unpublished slots are): the row gets the whole history."""
+        job = self.pruned.get(req.rid)
+        if job is None:
+            return super().prefix_device_indices(req)
+        path = self.path_device_indices(req.last_node)[: job.start]
+        self.pruned_adopted.add(req.rid)
+        indices = torch.cat([path.to(torch.int64), job.slots.to(path.device)])
+        assert len(indices) == req.prefix_len, (req.rid, len(indices), req.prefix_len)
+        return indices
+
+    def pruned_job(self, rid: str) -> PrunedRestore | None:
+        """The running request's pruned restore (the attention backend asks for every sequence)."""
+        return self.pruned.get(rid)
+
+    def on_release(self, req, *, checkpointed: bool) -> None:
+        super().on_release(req, checkpointed=checkpointed)
+        if req.rid in self.pruned:
+            self._drop_pruned(req.rid, free_slots=False)  # its row gave the slots back
+
+    def _drop_pruned(self, rid: str, free_slots: bool) -> None:
+        job = self.pruned.pop(rid)
+        self.pruned_adopted.discard(rid)
+        job.close()  # no read may still write into slots that are about to be reused
+        if free_slots:
+            self.token_to_kv_pool_allocator.free(job.slots)
+        self.pruned_stats.add(job.account())
+        self.metrics.publish_pruned(self.pruned_stats)
+
+    def _drop_unadopted(self) -> None:
+        now = time.monotonic()
+        for rid in [
+            r for r, j in self.pruned.items() if r not in self.pruned_adopted and now - j.last_used > UNADOPTED_S
+        ]:
+            self._drop_pruned(rid, free_slots=True)
+
+    def _store_pruned_turn(self, req, job: PrunedRestore, up_to: int) -> None:
+        """Store the finished turn after a pruned history (its KV, computed over the kept chunks, is
+        this conversation's from now on) as stored-only nodes below the history: the next turn
+        restores it with the rest."""
+        start, page = job.start + job.tokens, self.page_size
+        end = up_to // page * page
+        parent = job.last_node
+        if end <= start or _ref(parent) is None or not self._attached(parent):
+            return
+        tokens = array("q", req.full_untruncated_fill_ids[start:end])  # the tree compares keys of one type
+        key = RadixKey(tokens, extra_key=job.key.extra_key, cache_salt=job.key.cache_salt)
+        if key.child_key(page) in parent.children:
+            return  # another request stored this continuation meanwhile
+        node = TreeNode()
+        node.parent, node.key = parent, key
+        node.value = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end].to(torch.int64)
+        parent.children[key.child_key(page)] = node
+        stored = self._store_node(node, [])
+        node.value = None  # stored-only: its slots are the request's row, freed with it
+        if not stored:
+            del parent.children[key.child_key(page)]
 
     def _load_back(
         self, stored: list[TreeNode], last_device: TreeNode, req, device_len: int, key_len: int

@@ -189,6 +189,32 @@ class SegmentCodec:
             [codec.slice_side(sd, chunk_lo * c, chunk_hi * c) for sd in side],
         )
 
+    def read_chunks(
+        self, fd: int, seg_id: str, header: dict, layer: int, chunks: list[int]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """One layer's KV of the given ascending chunks -> ([2, len(chunks) * c, H, D], the chunks whose
+        extent failed its checksum or was cut short: their rows are zero and must not be used). One
+        read per run of adjacent chunks. Unpacked segments only (``"side" not in header``)."""
+        g = self.geometry
+        layout = self.layout(header)
+        crcs, used = header["extent_crc32"], g.chunk_tokens * g.token_bytes_per_layer
+        out = np.zeros((1, len(chunks), used), np.uint8)
+        where = {j: i for i, j in enumerate(chunks)}
+        bad: list[int] = []
+        base = layout.extent_offset(layer, 0)
+        for off, length in layout.runs(layer, chunks):
+            buf = os.pread(fd, length, off)
+            self.bytes_read += len(buf)
+            first = (off - base) // g.extent_bytes
+            for i in range(length // g.extent_bytes):
+                j, extent = first + i, buf[i * g.extent_bytes : (i + 1) * g.extent_bytes]
+                if len(extent) != g.extent_bytes or zlib.crc32(extent) != crcs[layer * layout.n_chunks + j]:
+                    bad.append(j)
+                    continue
+                out[0, where[j]] = np.frombuffer(extent, np.uint8)[:used]
+        rows = self._rows_of_extents(torch.from_numpy(out))
+        return rows[0], bad
+
     def _rows_of_extents(self, raw: torch.Tensor) -> torch.Tensor | QuantKV:
         """[R, n, used bytes] of verified extents -> rows [R, 2, n * c, H, D] (a QuantKV for int8)."""
         g = self.geometry

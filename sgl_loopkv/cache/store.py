@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import errno
 import logging
+import os
 import queue
 import threading
 import time
@@ -367,6 +368,43 @@ class TieredKVStore:
             seg.host_kv, seg.host_summaries = kv, summaries
             self.stats.host_bytes += nbytes
         return slice_tokens(kv, chunk_lo * c, chunk_hi * c), "disk"
+
+    def chunk_source(
+        self, seg_id: str, chunk_lo: int, chunk_hi: int, keep: Collection[str] = ()
+    ) -> tuple[object | None, int | None, dict | None, torch.Tensor, str]:
+        """What a chunk-pruned restore reads chunks ``[chunk_lo, chunk_hi)`` from, without reading any KV
+        yet: (host KV of the range or None, an open segment file and its verified header or None,
+        the range's key summaries [L, m, H, 2, D] float32, the tier). A disk segment whose rows are
+        packed (layer sharing) is fetched whole (:meth:`fetch`) and served as host KV. Raises
+        CorruptSegment (and forgets the segment) like :meth:`fetch`; the caller closes the file."""
+        seg = self.segments.get(seg_id)
+        if seg is None:
+            raise CorruptSegment(f"segment {seg_id} is gone")
+        if not seg.in_host and seg.on_disk:
+            try:
+                fd, header = self.disk.open_for_chunks(seg_id)
+            except SegmentGone:
+                self.stats.gone_segments += 1
+                seg.on_disk = False
+                self._lose(seg_id)
+                raise
+            except CorruptSegment:
+                self.stats.corrupt_segments += 1
+                self._lose(seg_id)
+                raise
+            if "side" not in header:
+                try:
+                    summaries = self.disk.codec.read_summaries(fd, seg_id)
+                except CorruptSegment:
+                    os.close(fd)
+                    self.stats.corrupt_segments += 1
+                    self._lose(seg_id)
+                    raise
+                return None, fd, header, summaries[:, chunk_lo:chunk_hi].float(), "disk"
+            os.close(fd)
+        kv, tier = self.fetch(seg_id, chunk_lo, chunk_hi, keep=keep)
+        summaries = seg.host_summaries if seg.host_summaries is not None else self.disk.read_summaries(seg_id)
+        return kv, None, None, summaries[:, chunk_lo:chunk_hi].float(), tier
 
     def touch(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
         if seg_id in self.segments:

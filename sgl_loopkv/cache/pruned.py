@@ -1,0 +1,306 @@
+"""Chunk-pruned re-prefill (ContiguousKV): a returning history loaded only where the new turn looks.
+
+When a history comes back from the tiers, :class:`PrunedRestore` gives it device slots but loads
+nothing up front (a disk hit is admitted from its verified header). During the new turn's prefill,
+at the first layer of each period of ``period`` layers, the loopkv attention backend hands the
+layer's query rows to :meth:`PrunedRestore.select`: the chunks are scored against their stored key
+summaries (no key is read, :mod:`sgl_loopkv.selection.chunks`), the best ones kept (the first chunk
+and the nearest ones always), and the :class:`ChunkReader` thread copies the kept chunks of every
+layer of the period into the slots - from the host tier, or from disk with each extent's crc32
+checked - while earlier layers compute. Then it prefetches the same set for the next period, so
+that period reads only the chunks its own selection adds (ContiguousKV's inter-period reuse).
+The layer's attention waits for its sub-period gate (:meth:`wait`) and reads only the kept chunks
+(:meth:`kept_slots`); a chunk whose extent failed its checksum is left out of that layer's set and
+counted, never read.
+
+The restore's slots are the request's own, not the tree's (the path's nodes stay stored-only):
+they hold only the chunks some period kept, so no other request may read them. The turn itself is
+stored at its end like any other (its KV computed over the kept chunks) and the request's slots are
+freed with its row. Budget 1.0 keeps every chunk: the same KV as a full load, read period by period.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sgl_loopkv.platform import keep_torch_on_this_thread
+from sgl_loopkv.selection.chunks import chunk_scores, keep_count, select_chunks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Source:
+    """One stored node's part of the history: chunks ``[lo, hi)`` of segment ``seg_id`` are the
+    history's chunks ``[first, first + hi - lo)``. Its KV comes from ``host_kv`` (the host tier's
+    copy of exactly those chunks, ``host_kv[layer]`` -> [2, T, H, D]) or from the open segment file
+    ``fd`` (``header`` verified), read a few chunks at a time."""
+
+    seg_id: str
+    lo: int
+    hi: int
+    first: int
+    host_kv: object | None = None
+    fd: int | None = None
+    header: dict | None = None
+
+    @property
+    def n_chunks(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass(slots=True)
+class PrunedStats:
+    """Per restore (and summed over restores for ``/metrics``). Bytes are pool-dtype KV bytes,
+    ``disk_bytes_read`` what the disk reads returned (extent padding included)."""
+
+    bytes_loaded: int = 0  # copied into the pool (host or disk)
+    bytes_used: int = 0  # of those, the chunks attention read in the period they were loaded for
+    disk_bytes_read: int = 0
+    prefetched_bytes: int = 0  # loaded ahead for the next period's layers
+    wasted_prefetch_bytes: int = 0  # prefetched, then not selected by that period
+    io_wait_s: float = 0.0  # the forward waiting for reads
+    reader_busy_s: float = 0.0  # the reader copying or reading
+    selections: int = 0
+    kept_chunks: int = 0  # summed over selections
+    scored_chunks: int = 0
+    bad_extents: int = 0  # failed their checksum: left out, counted
+
+    @property
+    def read_amplification(self) -> float:
+        return self.disk_bytes_read / self.bytes_used if self.bytes_used else 0.0
+
+    def add(self, other: PrunedStats) -> None:
+        for f in self.__slots__:
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+
+
+class PrunedRestore:
+    """A history of ``n_chunks`` chunks restored for one request into ``slots`` [n_chunks * chunk]
+    (the history's positions ``start ..``), loaded period by period as :meth:`select` decides."""
+
+    def __init__(
+        self,
+        rid: str,
+        sources: list[Source],
+        slots: torch.Tensor,
+        start: int,
+        summaries: torch.Tensor,
+        k_buffers: list[torch.Tensor],
+        v_buffers: list[torch.Tensor],
+        reader: ChunkReader,
+        *,
+        chunk: int,
+        budget: float,
+        period: int,
+        gate: int,
+        local: int,
+        disk=None,
+    ):
+        self.rid, self.sources, self.slots, self.start = rid, sources, slots, start
+        self.summaries = summaries  # [L, m, H, 2, D]
+        self.k_buffers, self.v_buffers, self.reader, self.disk = k_buffers, v_buffers, reader, disk
+        self.chunk, self.budget, self.period, self.gate, self.local = chunk, budget, period, gate, local
+        self.num_layers = len(k_buffers)
+        self.n_chunks = len(slots) // chunk
+        self.tokens = len(slots)
+        self.keep = keep_count(self.n_chunks, budget)
+        n_periods = -(-self.num_layers // period)
+        self.kept: list[torch.Tensor | None] = [None] * n_periods  # latest selection of each period
+        self.loaded = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)  # in the pool (reader thread)
+        self.asked = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)  # queued or loaded
+        self.bad = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)
+        self.prefetched = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)
+        self._pending = [0] * self.num_layers
+        self._cond = threading.Condition()
+        self.stats = PrunedStats()
+        self.closed = False
+        self.last_used = time.monotonic()
+        k0 = k_buffers[0]
+        self.layer_bytes = 2 * chunk * k0.shape[1] * k0.shape[2] * k0.element_size()  # a chunk of a layer, K and V
+
+    # --- the forward's side ----------------------------------------------------------------------
+    def period_of(self, layer: int) -> int:
+        return layer // self.period
+
+    def select(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """At a period's first layer: choose its chunks from this layer's query rows q [n, Hq, D],
+        queue their reads for every layer of the period, then prefetch them for the next period."""
+        p = self.period_of(layer)
+        if self.keep >= self.n_chunks:
+            chunks = torch.arange(self.n_chunks)
+        else:
+            scores = chunk_scores(q, self.summaries[layer], scale, self.chunk)
+            chunks = select_chunks(scores, self.keep, self.local)
+        self.kept[p] = chunks
+        self.stats.selections += 1
+        self.stats.kept_chunks += len(chunks)
+        self.stats.scored_chunks += self.n_chunks
+        first, end = p * self.period, min((p + 1) * self.period, self.num_layers)
+        self._queue(range(first, end), chunks, prefetch=False)
+        if end < self.num_layers:  # ContiguousKV: the next period probably wants much the same chunks
+            self._queue(range(end, min(end + self.period, self.num_layers)), chunks, prefetch=True)
+        return chunks
+
+    def needs_selection(self, layer: int) -> bool:
+        return layer % self.period == 0 or self.kept[self.period_of(layer)] is None
+
+    def wait(self, layer: int) -> None:
+        """Before layer ``layer`` reads the pool: its reads, and those of the rest of its gate (the
+        next ``gate`` layers, within the period), are done."""
+        p_end = min((self.period_of(layer) + 1) * self.period, self.num_layers)
+        last = min(layer - layer % self.gate + self.gate, p_end) - 1
+        last = max(last, layer)
+        if all(self._pending[x] == 0 for x in range(layer, last + 1)):
+            return
+        t0 = time.perf_counter()
+        with self._cond:
+            while any(self._pending[x] for x in range(layer, last + 1)):
+                self._cond.wait()
+        self.stats.io_wait_s += time.perf_counter() - t0
+
+    def kept_positions(self, layer: int) -> torch.Tensor:
+        """History offsets (0 .. tokens) layer ``layer`` attends to: its period's kept chunks that loaded well."""
+        chunks = self.kept[self.period_of(layer)]
+        if chunks is None:  # nothing selected for this period (cannot happen after a prefill): every loaded chunk
+            chunks = torch.nonzero(self.loaded[layer]).flatten()
+        ok = chunks[self.loaded[layer, chunks] & ~self.bad[layer, chunks]]
+        return (ok[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+
+    def kept_slots(self, layer: int) -> torch.Tensor:
+        return self.slots[self.kept_positions(layer)]
+
+    # --- reads -----------------------------------------------------------------------------------
+    def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
+        for layer in layers:
+            todo = chunks[~self.asked[layer, chunks]]
+            if len(todo) == 0:
+                continue
+            self.asked[layer, todo] = True
+            if prefetch:
+                self.prefetched[layer, todo] = True
+            else:
+                self.prefetched[layer, todo] = False
+            with self._cond:
+                self._pending[layer] += 1
+            self.reader.submit(self, layer, todo)
+
+    def load(self, layer: int, chunks: torch.Tensor) -> None:
+        """Reader thread: copy ``chunks`` of ``layer`` into their slots (disk extents verified first)."""
+        t0 = time.perf_counter()
+        try:
+            wanted = set(chunks.tolist())
+            k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+            for src in self.sources:
+                mine = [j for j in range(src.first, src.first + src.n_chunks) if j in wanted]
+                if not mine:
+                    continue
+                local = [j - src.first for j in mine]
+                if src.host_kv is not None:
+                    kv = src.host_kv[layer]
+                    pos = (torch.tensor(local)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+                    kv = kv[:, pos]
+                    bad: list[int] = []
+                else:
+                    before = self.disk.codec.bytes_read
+                    kv, bad = self.disk.read_chunks(src.fd, src.seg_id, src.header, layer, [src.lo + j for j in local])
+                    self.stats.disk_bytes_read += self.disk.codec.bytes_read - before
+                    bad = [j - src.lo + src.first for j in bad]
+                failed = set(bad)
+                good = [i for i, j in enumerate(mine) if j not in failed]
+                if bad:
+                    self.bad[layer, bad] = True
+                    self.stats.bad_extents += len(bad)
+                    logger.warning(
+                        "loopkv: %d chunk extent(s) of segment %s layer %d failed their checksum: left out of the "
+                        "new turn's attention",
+                        len(bad),
+                        src.seg_id,
+                        layer,
+                    )
+                if not good:
+                    continue
+                rows = (torch.tensor(good)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+                dst = self.slots[
+                    (torch.tensor([mine[i] for i in good])[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+                ]
+                k_buf.index_copy_(0, dst, kv[0, rows].to(k_buf.device, k_buf.dtype))
+                v_buf.index_copy_(0, dst, kv[1, rows].to(v_buf.device, v_buf.dtype))
+                self.loaded[layer, [mine[i] for i in good]] = True
+                self.stats.bytes_loaded += len(good) * self.layer_bytes
+        except Exception:  # never leave the forward waiting; what did not load is not attended
+            logger.exception("loopkv: reading chunks of layer %d failed", layer)
+        finally:
+            self.stats.reader_busy_s += time.perf_counter() - t0
+            with self._cond:
+                self._pending[layer] -= 1
+                self._cond.notify_all()
+
+    def settle(self) -> None:
+        """Wait for every queued read (before the slots are freed or the files closed)."""
+        with self._cond:
+            while any(self._pending):
+                self._cond.wait()
+
+    def account(self) -> PrunedStats:
+        """Used and wasted bytes as of the latest selections (call once the turn's prefill is over)."""
+        used, wasted = 0, 0
+        for layer in range(self.num_layers):
+            chunks = self.kept[self.period_of(layer)]
+            if chunks is None:
+                continue
+            sel = torch.zeros(self.n_chunks, dtype=torch.bool)
+            sel[chunks] = True
+            ok = self.loaded[layer] & ~self.bad[layer]
+            used += int((ok & sel).sum())
+            wasted += int((self.prefetched[layer] & self.loaded[layer] & ~sel).sum())
+        self.stats.bytes_used = used * self.layer_bytes
+        self.stats.prefetched_bytes = int((self.prefetched & self.loaded).sum()) * self.layer_bytes
+        self.stats.wasted_prefetch_bytes = wasted * self.layer_bytes
+        return self.stats
+
+    def close(self) -> None:
+        """The request is done with it: reads finished, files closed."""
+        if self.closed:
+            return
+        self.settle()
+        self.closed = True
+        for src in self.sources:
+            if src.fd is not None:
+                os.close(src.fd)
+                src.fd = None
+
+
+@dataclass
+class ChunkReader:
+    """One thread that runs every restore's reads in the order they were queued."""
+
+    _queue: queue.Queue = field(default_factory=queue.Queue)
+    _thread: threading.Thread | None = None
+
+    def submit(self, job: PrunedRestore, layer: int, chunks: torch.Tensor) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="loopkv-chunk-reader", daemon=True)
+            self._thread.start()
+        self._queue.put((job, layer, chunks))
+
+    def _run(self) -> None:
+        keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            job, layer, chunks = item
+            job.load(layer, chunks)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=10)

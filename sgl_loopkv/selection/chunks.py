@@ -1,0 +1,61 @@
+"""Chunks of a stored history: which ones a new turn needs (ContiguousKV's selection unit).
+
+A chunk is the tiers' 16-token unit of storage and I/O. Its stored summary is the per-KV-head,
+per-channel key min/max (:func:`sgl_loopkv.selection.pages.chunk_minmax`, written with every
+segment), so the new turn's queries score every chunk without reading a key: the bound
+:func:`~sgl_loopkv.selection.pages.score_bound` of each (query row, query head) over each chunk is
+turned into an estimated attention distribution over the chunks (softmax of bound * scale, plus
+log(chunk) for the chunk's keys), and a chunk's score is its mean mass over rows and heads. One set
+serves every head of a layer (a chunk is read whole: all heads, K and V).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sgl_loopkv.selection.pages import score_bound
+
+MAX_SCORING_ROWS = 128  # query rows scored per selection: evenly spaced over the new turn, its last row included
+
+
+def scoring_rows(q: torch.Tensor, limit: int = MAX_SCORING_ROWS) -> torch.Tensor:
+    """At most ``limit`` rows of ``q`` [n, ...], evenly spaced, the last one always in."""
+    n = q.shape[0]
+    if n <= limit:
+        return q
+    idx = torch.linspace(0, n - 1, limit, device=q.device).round().long()
+    return q[idx]
+
+
+def chunk_scores(q: torch.Tensor, summaries: torch.Tensor, scale: float, chunk: int) -> torch.Tensor:
+    """Estimated attention mass of each chunk. q: [n, Hq, D] (the new turn's query rows of one
+    layer); summaries: [m, Hkv, 2, D] (that layer's chunk min/max) -> [m] float32, summing to 1."""
+    q = scoring_rows(q)
+    n, hq, d = q.shape
+    hkv = summaries.shape[1]
+    qg = q.float().view(n, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, n * g, D]
+    bound = score_bound(qg, summaries.float())  # [Hkv, n * g, m]
+    mass = torch.softmax(bound * scale + math.log(chunk), dim=-1)
+    return mass.mean(dim=(0, 1))
+
+
+def keep_count(n_chunks: int, budget: float) -> int:
+    """Chunks kept under ``budget`` (a fraction of the history): rounded up to whole chunks, at
+    least 2 (the first and the nearest), at most all."""
+    return min(n_chunks, max(2, math.ceil(budget * n_chunks - 1e-9)))
+
+
+def select_chunks(scores: torch.Tensor, keep: int, local: int) -> torch.Tensor:
+    """Ascending chunk ids: chunk 0 and the last ``local`` chunks (the ones nearest the new turn)
+    always, then the best scored, ``keep`` in all (``keep`` >= 2 keeps the first and the last even
+    when ``local`` does not fit)."""
+    m = scores.shape[0]
+    if keep >= m:
+        return torch.arange(m)
+    forced = torch.zeros(m, dtype=torch.bool)
+    forced[0] = True
+    forced[m - max(1, min(local, keep - 1)) :] = True
+    s = scores.float().cpu().masked_fill(forced, torch.inf)
+    return s.topk(keep).indices.sort().values

@@ -1,0 +1,186 @@
+"""Chunk-pruned re-prefill without a server: the chunk selection's contract (property tests), the
+restore's reads from the host tier and from verified disk extents, period reuse and prefetch, and
+damaged extents that never reach a plan."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, Source
+from sgl_loopkv.selection.chunks import chunk_scores, keep_count, select_chunks
+
+C, H, D, L = 16, 2, 8, 6
+GEO = KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, chunk_tokens=C)
+
+
+# --- selection ----------------------------------------------------------------------------------
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 200), st.floats(0.01, 1.0), st.integers(1, 8), st.integers(0, 2**31 - 1))
+def test_selection_keeps_the_budget_the_first_and_the_nearest_chunks(m, budget, local, seed):
+    scores = torch.rand(m, generator=torch.Generator().manual_seed(seed))
+    keep = keep_count(m, budget)
+    chunks = select_chunks(scores, keep, local)
+    assert len(chunks) == keep <= max(2, math.ceil(budget * m - 1e-9)) and keep <= m  # budget rounded up to chunks
+    assert chunks.tolist() == sorted(set(chunks.tolist()))
+    assert 0 in chunks.tolist() and m - 1 in chunks.tolist()
+    nearest = min(local, keep - 1) if m > keep else m
+    assert set(range(m - max(nearest, 1), m)) <= set(chunks.tolist())
+
+
+def test_scores_find_the_chunk_that_holds_the_queried_key():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(40 * C, H, D, generator=g) * 0.1
+    q = torch.randn(3, 2 * H, D, generator=g)
+    k[17 * C + 5] = q[:, ::2].mean(0) * 4  # chunk 17 holds a key close to every query head of group 0
+    scores = chunk_scores(q, key_summaries(k[None], C)[0], 1.0, C)
+    assert torch.isclose(scores.sum(), torch.tensor(1.0)) and int(scores.argmax()) == 17
+
+
+# --- a restore over a fake pool ------------------------------------------------------------------
+def kv_of(seed: int, chunks: int) -> torch.Tensor:
+    return torch.randn(L, 2, chunks * C, H, D, generator=torch.Generator().manual_seed(seed))
+
+
+def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None, slots=None):
+    n = kv_total.shape[2]
+    pool_k = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
+    pool_v = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
+    slots = slots if slots is not None else torch.randperm(4000)[:n] + 10
+    summaries = key_summaries(kv_total[:, 0], C)
+    job = PrunedRestore(
+        "r", sources, slots, 0, summaries, pool_k, pool_v, ChunkReader(),
+        chunk=C, budget=budget, period=period, gate=gate, local=2, disk=disk,
+    )  # fmt: skip
+    return job, pool_k, pool_v
+
+
+def run_prefill(job, q_seed=1):
+    q = torch.randn(5, 2 * H, D, generator=torch.Generator().manual_seed(q_seed))
+    for layer in range(L):
+        if job.needs_selection(layer):
+            job.select(layer, q, 0.3)
+        job.wait(layer)
+
+
+def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_period():
+    kv = kv_of(0, 20)
+    job, pk, pv = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3)
+    run_prefill(job)
+    for layer in range(L):
+        pos = job.kept_positions(layer)
+        assert len(pos) == keep_count(20, 0.3) * C
+        slots = job.slots[pos]
+        assert torch.equal(pk[layer][slots], kv[layer, 0, pos]) and torch.equal(pv[layer][slots], kv[layer, 1, pos])
+        if layer % 3:  # one selection per period: every layer of it reads the same chunks
+            assert torch.equal(pos, job.kept_positions(layer - layer % 3))
+    unread = torch.ones(20 * C, dtype=torch.bool)
+    unread[job.kept_positions(0)] = False  # a chunk no period chose stays unread (NaN in this pool)
+    assert torch.isnan(pk[0][job.slots[unread]]).all() or unread.sum() == 0
+    st = job.account()
+    assert st.bytes_used == sum(len(job.kept_positions(x)) for x in range(L)) // C * job.layer_bytes
+    assert st.prefetched_bytes > 0 and st.wasted_prefetch_bytes <= st.prefetched_bytes
+    job.close()
+
+
+def test_budget_one_keeps_every_chunk():
+    kv = kv_of(1, 9)
+    job, pk, _ = restore([Source("s", 0, 9, 0, host_kv=kv)], kv, budget=1.0)
+    run_prefill(job)
+    for layer in range(L):
+        assert torch.equal(job.kept_positions(layer), torch.arange(9 * C))
+        assert torch.equal(pk[layer][job.slots], kv[layer, 0])
+    job.close()
+
+
+def stored_segment(tmp_path, seed=2, chunks=12):
+    store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    kv = kv_of(seed, chunks)
+    rec = SegmentRecord(f"s{seed}", None, 0, chunks, 0)
+    store.write(rec, kv, key_summaries(kv[:, 0], C))
+    return store, rec, kv
+
+
+def disk_source(store, rec, lo=0, hi=None, first=0):
+    fd, header = store.open_for_chunks(rec.seg_id)
+    return Source(rec.seg_id, lo, hi if hi is not None else rec.n_chunks, first, fd=fd, header=header)
+
+
+def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path):
+    store, rec, kv = stored_segment(tmp_path)
+    job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=2, disk=store)
+    run_prefill(job)
+    for layer in range(L):
+        pos = job.kept_positions(layer)
+        assert torch.equal(pk[layer][job.slots[pos]], kv[layer, 0, pos])
+        assert torch.equal(pv[layer][job.slots[pos]], kv[layer, 1, pos])
+    st = job.account()
+    # chunk-aligned reads: what was read is what was loaded (extents carry no padding at this geometry)
+    assert st.disk_bytes_read == st.bytes_loaded and st.bytes_used <= st.bytes_loaded
+    assert st.disk_bytes_read < L * 12 * job.layer_bytes  # pruned: not the whole history
+    job.close()
+
+
+def test_two_sources_map_to_their_history_chunks(tmp_path):
+    """A history of two stored nodes (one on disk from its second chunk, one in the host tier)."""
+    store, rec, kv_disk = stored_segment(tmp_path, seed=3, chunks=6)
+    kv_host = kv_of(4, 5)
+    kv = torch.cat([kv_disk[:, :, C:], kv_host], dim=2)  # history = disk chunks 1..5, then host 0..4
+    sources = [disk_source(store, rec, lo=1, hi=6, first=0), Source("h", 0, 5, 5, host_kv=kv_host)]
+    job, pk, _ = restore(sources, kv, budget=1.0, disk=store)
+    run_prefill(job)
+    for layer in range(L):
+        assert torch.equal(pk[layer][job.slots], kv[layer, 0])
+    job.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_extent_never_reaches_a_plan(tmp_path, damage):
+    store, rec, kv = stored_segment(tmp_path, seed=5)
+    path = store.path(rec.seg_id)
+    src = disk_source(store, rec)
+    layout = store.codec.layout(src.header)
+    bad_layer, bad_chunk = 2, 11  # the last chunk: always kept (nearest the new turn)
+    off = layout.extent_offset(bad_layer, bad_chunk)
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(off + 3)
+            b = f.read(1)
+            f.seek(off + 3)
+            f.write(bytes([b[0] ^ 0xFF]))
+    else:
+        os.truncate(path, off + 10)
+    job, pk, _ = restore([src], kv, budget=1.0, period=2, disk=store)
+    run_prefill(job)
+    assert job.stats.bad_extents >= 1
+    pos = job.kept_positions(bad_layer)
+    assert not ((pos >= bad_chunk * C) & (pos < (bad_chunk + 1) * C)).any()  # left out, not read
+    assert torch.equal(pk[bad_layer][job.slots[pos]], kv[bad_layer, 0, pos])  # the rest is intact
+    if damage == "flip":  # other layers lost nothing
+        assert len(job.kept_positions(0)) == 12 * C
+    job.close()
+
+
+def test_a_missing_segment_is_refused_at_admission(tmp_path):
+    store, rec, _ = stored_segment(tmp_path, seed=6)
+    os.unlink(store.path(rec.seg_id))
+    with pytest.raises(CorruptSegment):
+        store.open_for_chunks(rec.seg_id)
+
+
+def test_gate_waits_for_the_rest_of_the_gate():
+    """With gate 2, layer 0's compute waits until layers 0 and 1 are both read."""
+    kv = kv_of(7, 8)
+    job, _, _ = restore([Source("s", 0, 8, 0, host_kv=kv)], kv, budget=1.0, period=4, gate=2)
+    q = torch.randn(5, 2 * H, D)
+    job.select(0, q, 0.3)
+    job.wait(0)
+    assert job.loaded[0].all() and job.loaded[1].all()
+    job.close()
