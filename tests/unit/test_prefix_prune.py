@@ -184,3 +184,15 @@ def test_gate_waits_for_the_rest_of_the_gate():
     job.wait(0)
     assert job.loaded[0].all() and job.loaded[1].all()
     job.close()
+
+
+def test_prefix_flags_validate():
+    from sgl_loopkv.config import LoopKVConfig, PrefixConfig
+
+    assert not PrefixConfig().enabled  # budget 1.0 and no streaming: the load path as before
+    assert PrefixConfig(budget=0.1).enabled and PrefixConfig(stream=True).enabled
+    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"period": 0}, {"gate": 0}, {"local": 0}, {"min_tokens": -1}):
+        with pytest.raises(ValueError):
+            PrefixConfig(**bad)
+    cfg = LoopKVConfig.from_flat(prefix_budget=0.25, prefix_period=4)
+    assert cfg.prefix.budget == 0.25 and cfg.prefix.period == 4
