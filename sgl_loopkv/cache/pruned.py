@@ -121,6 +121,8 @@ class PrunedRestore:
         self._pending = [0] * self.num_layers
         self._cond = threading.Condition()
         self.stats = PrunedStats()
+        self._version = 0  # bumped by every selection and read: kept_slots' cache key
+        self._kept_cache: dict[int, tuple[int, torch.Tensor]] = {}
         self.closed = False
         self.last_used = time.monotonic()
         k0 = k_buffers[0]
@@ -140,6 +142,7 @@ class PrunedRestore:
             scores = chunk_scores(q, self.summaries[layer], scale, self.chunk)
             chunks = select_chunks(scores, self.keep, self.local)
         self.kept[p] = chunks
+        self._version += 1
         self.stats.selections += 1
         self.stats.kept_chunks += len(chunks)
         self.stats.scored_chunks += self.n_chunks
@@ -175,7 +178,15 @@ class PrunedRestore:
         return (ok[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
 
     def kept_slots(self, layer: int) -> torch.Tensor:
-        return self.slots[self.kept_positions(layer)]
+        """The pool slots of :meth:`kept_positions`; cached until a selection or a read changes them
+        (every decode step asks again for every layer)."""
+        hit = self._kept_cache.get(layer)
+        if hit is not None and hit[0] == self._version:
+            return hit[1]
+        version = self._version
+        slots = self.slots[self.kept_positions(layer)]
+        self._kept_cache[layer] = (version, slots)
+        return slots
 
     # --- reads -----------------------------------------------------------------------------------
     def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
@@ -239,6 +250,7 @@ class PrunedRestore:
             logger.exception("loopkv: reading chunks of layer %d failed", layer)
         finally:
             self.stats.reader_busy_s += time.perf_counter() - t0
+            self._version += 1
             with self._cond:
                 self._pending[layer] -= 1
                 self._cond.notify_all()
