@@ -398,9 +398,10 @@ class PrefixConfig:
     stream: bool = field(
         default=False,
         metadata={
-            "help": "Admit a disk hit from its header and read its chunks period by period during the new turn's "
-            "prefill, each extent verified before use, also at budget 1.0 (default: read and verify the whole "
-            "history before admitting the request).",
+            "help": "At budget 1.0 too, restore a returning history chunk by chunk: a disk hit is admitted from its "
+            "header and its chunks read period by period during the new turn's prefill, each extent verified before "
+            "use (default at 1.0: the history is read and verified whole, then copied layer by layer, with the "
+            "restore planner's front recompute).",
             "action": "store_true",
         },
     )

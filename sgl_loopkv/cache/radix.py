@@ -479,10 +479,7 @@ class LoopKVRadixCache(RadixCache):
         cfg = self.prefix
         if not cfg.enabled or self.restorer.stack is None:
             return False
-        n = sum(len(nd.key) for nd in stored)
-        if cfg.budget < 1.0:
-            return n >= cfg.min_tokens
-        return any(self.store.tier_of(_ref(nd)[0]) == "disk" for nd in stored)  # budget 1.0: streaming disk hits
+        return sum(len(nd.key) for nd in stored) >= cfg.min_tokens
 
     def _restore_pruned(
         self, stored: list[TreeNode], last_device: TreeNode, req, device_len: int, key
