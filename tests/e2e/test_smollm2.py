@@ -94,6 +94,9 @@ def test_greedy_matches_independent_hf_forward_for_32_tokens(smollm2_server, def
             marks=pytest.mark.slow,
             id="half-recomputed",
         ),
+        pytest.param(  # issue 15 at budget 1.0: chunks read period by period (30 layers: 4 periods)
+            ["--loopkv-prefix-stream", "--loopkv-prefix-min-tokens", "512"], marks=pytest.mark.slow, id="streamed"
+        ),
     ],
 )
 def test_history_resumed_from_host_and_disk_is_token_identical(smollm2_server, tmp_path, server_logs, restore):
@@ -147,3 +150,6 @@ def test_history_resumed_from_host_and_disk_is_token_identical(smollm2_server, t
     assert details_a["storage"] > 2000, details_a
     assert got_b["output_ids"] == gen(smollm2_server.url, convs["B"] + turn2["B"])["output_ids"]
     assert got_a["output_ids"] == gen(smollm2_server.url, convs["A"] + turn2["A"])["output_ids"]
+    if "--loopkv-prefix-stream" in restore:
+        log = (server_logs / f"smollm2-tiered{'-'.join(restore)}.log").read_text()
+        assert log.count("chunk-pruned") >= 2, "both resumes went through the chunk reader"
