@@ -121,6 +121,8 @@ class PrunedRestore:
         self._pending = [0] * self.num_layers
         self._cond = threading.Condition()
         self.stats = PrunedStats()
+        self.mass = torch.zeros(self.n_chunks)  # the selections' estimated attention mass per chunk, summed
+        self.bad_segments: set[str] = set()  # segments with an extent that failed its checksum
         self._version = 0  # bumped by every selection and read: kept_slots' cache key
         self._kept_cache: dict[int, tuple[int, torch.Tensor]] = {}
         self.closed = False
@@ -141,6 +143,7 @@ class PrunedRestore:
         else:
             scores = chunk_scores(q, self.summaries[layer], scale, self.chunk)
             chunks = select_chunks(scores, self.keep, self.local)
+            self.mass += scores
         self.kept[p] = chunks
         self._version += 1
         self.stats.selections += 1
@@ -227,6 +230,7 @@ class PrunedRestore:
                 failed = set(bad)
                 good = [i for i, j in enumerate(mine) if j not in failed]
                 if bad:
+                    self.bad_segments.add(src.seg_id)
                     self.bad[layer, bad] = True
                     self.stats.bad_extents += len(bad)
                     logger.warning(
@@ -278,6 +282,12 @@ class PrunedRestore:
         self.stats.wasted_prefetch_bytes = wasted * self.layer_bytes
         return self.stats
 
+    def chunk_importance(self) -> torch.Tensor | None:
+        """Per history chunk, the attention mass the selections estimated (mean 1), for the tiers'
+        value policy; None when nothing was scored (budget 1.0)."""
+        total = float(self.mass.sum())
+        return self.mass * (self.n_chunks / total) if total > 0 else None
+
     def close(self) -> None:
         """The request is done with it: reads finished, files closed."""
         if self.closed:
@@ -311,6 +321,12 @@ class ChunkReader:
                 return
             job, layer, chunks = item
             job.load(layer, chunks)
+
+    def chunk_importance(self) -> torch.Tensor | None:
+        """Per history chunk, the attention mass the selections estimated (mean 1), for the tiers'
+        value policy; None when nothing was scored (budget 1.0)."""
+        total = float(self.mass.sum())
+        return self.mass * (self.n_chunks / total) if total > 0 else None
 
     def close(self) -> None:
         if self._thread is not None:

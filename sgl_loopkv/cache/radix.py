@@ -133,6 +133,7 @@ class LoopKVRadixCache(RadixCache):
         self.pruned: OrderedDict[str, PrunedRestore] = OrderedDict()  # rid -> its chunk-pruned restore
         self.pruned_adopted: set[str] = set()  # rids whose row holds their restore's slots
         self.pruned_stats = PrunedStats()  # every finished pruned restore, summed
+        self._pruned_done: OrderedDict[str, PrunedStats] = OrderedDict()  # rid -> its restore's accounting
         self.chunk_reader = ChunkReader()
 
     # --- bookkeeping ---------------------------------------------------------------------------
@@ -581,7 +582,29 @@ class LoopKVRadixCache(RadixCache):
         job.close()  # no read may still write into slots that are about to be reused
         if free_slots:
             self.token_to_kv_pool_allocator.free(job.slots)
-        self.pruned_stats.add(job.account())
+        stats = job.account()
+        self.pruned_stats.add(stats)
+        self._pruned_done[rid] = stats
+        while len(self._pruned_done) > 4096:
+            self._pruned_done.popitem(last=False)
+        for seg in job.bad_segments:
+            logger.warning("loopkv: segment %s had damaged extents: removed, that history is recomputed next time", seg)
+            self.store.forget_corrupt(seg)
+        if free_slots:  # never ran: nothing was used
+            return
+        mass, touched = job.chunk_importance(), []
+        for src in job.sources:  # the value policy learns which chunks the new turn attended to
+            rec = self.store.segments.get(src.seg_id)
+            if rec is None:
+                continue
+            vec = None
+            if mass is not None:
+                vec = torch.zeros(rec.record.n_chunks)
+                vec[src.lo : src.hi] = mass[src.first : src.first + src.n_chunks]
+            self.store.touch(src.seg_id, rec.record.n_chunks, vec)
+            touched.append(src.seg_id)
+        self.store.touch_disk(touched)
+        self.metrics.publish(self.store.count_tokens())
         self.metrics.publish_pruned(self.pruned_stats)
 
     def _drop_unadopted(self) -> None:
@@ -741,4 +764,17 @@ class LoopKVRadixCache(RadixCache):
         ``shared``: the part of ``disk`` that another worker process had stored."""
         loads = self._req_loads.get(rid, {"host": 0, "disk": 0, "shared": 0})
         host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
-        return {"device": cached_tokens - host - disk, "host": host, "disk": disk, "shared": min(loads["shared"], disk)}
+        out = {"device": cached_tokens - host - disk, "host": host, "disk": disk, "shared": min(loads["shared"], disk)}
+        job, done = self.pruned.get(rid), self._pruned_done.get(rid)
+        stats = done or (job.account() if job is not None else None)
+        if stats is not None:  # a chunk-pruned restore: what it read and used (per request)
+            out["pruned"] = {
+                "kept_fraction": stats.kept_chunks / stats.scored_chunks if stats.scored_chunks else 1.0,
+                "bytes_loaded": stats.bytes_loaded,
+                "bytes_used": stats.bytes_used,
+                "disk_bytes_read": stats.disk_bytes_read,
+                "wasted_prefetch_bytes": stats.wasted_prefetch_bytes,
+                "io_wait_s": round(stats.io_wait_s, 6),
+                "bad_extents": stats.bad_extents,
+            }
+        return out

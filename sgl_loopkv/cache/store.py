@@ -290,6 +290,13 @@ class TieredKVStore:
         self.stats.lost_segments += 1
         self.on_lost(seg_id)
 
+    def forget_corrupt(self, seg_id: str) -> None:
+        """A reader found part of this segment damaged: counted, and removed from every tier (the
+        tree recomputes that history next time)."""
+        if seg_id in self.segments:
+            self.stats.corrupt_segments += 1
+            self._lose(seg_id)
+
     def drop(self, seg_id: str) -> None:
         """Remove a segment from every tier (the tree no longer needs it)."""
         seg = self.segments.get(seg_id)

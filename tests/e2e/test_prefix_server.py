@@ -60,9 +60,14 @@ def test_streamed_disk_resume_at_full_budget_equals_the_full_load(tiny_server, t
     assert read == used  # every byte read from disk was used: no probe reads, no unused prefetch at budget 1.0
 
 
-def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_model_dir, server_logs, tmp_path):
-    from tests.e2e.test_tiered_cache import N_CONV, ask, tiers
+def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server, tiny_model_dir, server_logs, tmp_path):
+    """Budget 0.25: a quarter of the chunks read (from disk, each read chunk-aligned; from the host
+    tier), the pruned turn stored for the next one; a damaged segment is detected when read, never
+    attended, removed, and the conversation recomputed exactly next time."""
+    from sgl_loopkv.cache.layout import PREAMBLE_BYTES, align_up
+    from tests.e2e.test_tiered_cache import N_CONV, ask, files_of, tiers
 
+    reference = ask(tiny_server.url, 1, "How many lamps are in room 2?")["output_ids"]
     log = server_logs / "prefix-pruned.log"
     with server(tiny_model_dir, tmp_path, log, "--loopkv-prefix-budget", "0.25").start() as srv:
         for i in range(N_CONV):
@@ -70,15 +75,31 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_model_d
         time.sleep(1.0)
         first = ask(srv.url, 0, "How many cups are in room 5?")  # from disk
         assert tiers(first)["disk"] > 800, tiers(first)
+        pruned = first["meta_info"]["cached_tokens_details"]["pruned"]
+        assert 0.25 <= pruned["kept_fraction"] < 0.35, pruned
+        assert 0 < pruned["disk_bytes_read"] == pruned["bytes_used"] == pruned["bytes_loaded"], pruned  # one period
         host = ask(srv.url, N_CONV - 2, "How many books are in room 4?")  # from the host tier
         assert tiers(host)["host"] > 800, tiers(host)
+        assert host["meta_info"]["cached_tokens_details"]["pruned"]["disk_bytes_read"] == 0
         m = prefix_metrics(srv.url)
         assert 0.25 <= m["loopkv_prefix_kept_fraction"] < 0.35
-        used, read = m['loopkv_prefix_bytes_total{part="used"}'], m['loopkv_prefix_bytes_total{part="disk_read"}']
-        assert 0 < read <= 1.05 * used  # read amplification ~1: chunk-aligned reads of kept chunks
         # the pruned turn was stored: asked again, the same prompt finds the history and that turn
         again = ask(srv.url, 0, "How many cups are in room 5?")
         assert sum(tiers(again).values()) > sum(tiers(first).values()), (tiers(first), tiers(again))
-        ok = requests.get(f"{srv.url}/health", timeout=30)
-        assert ok.status_code == 200
-    assert log.read_text().count("chunk-pruned") >= 2
+
+        # conversation 1's first segment loses its extents (header intact: admitted, then read)
+        from transformers import AutoTokenizer
+
+        files = files_of(tmp_path, AutoTokenizer.from_pretrained(tiny_model_dir), 1)
+        assert files, "conversation 1 is not on disk"
+        for f in files:
+            raw = f.read_bytes()
+            hlen = int.from_bytes(raw[8:12], "little")
+            f.write_bytes(raw[: align_up(PREAMBLE_BYTES + hlen) + 100])
+        hurt = ask(srv.url, 1, "How many lamps are in room 2?")
+        assert hurt["meta_info"]["cached_tokens_details"]["pruned"]["bad_extents"] > 0
+        assert prefix_metrics(srv.url)["loopkv_prefix_bad_extents_total"] > 0
+        healed = ask(srv.url, 1, "How many lamps are in room 2?")  # the damaged segment is gone: recomputed
+        assert tiers(healed)["disk"] == 0 and healed["output_ids"] == reference, tiers(healed)
+        assert requests.get(f"{srv.url}/health", timeout=30).status_code == 200
+    assert log.read_text().count("chunk-pruned") >= 3
