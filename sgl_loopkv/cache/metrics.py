@@ -66,6 +66,11 @@ class TierMetrics:
             "Share of scored history chunks the selections kept (all pruned restores so far)",
             multiprocess_mode="mostrecent",
         )
+        self.pruned_overlap = Gauge(
+            "loopkv_prefix_inter_period_overlap",
+            "Mean share of a period's selected chunks the previous period had kept (prefetched)",
+            multiprocess_mode="mostrecent",
+        )
         self._last_pruned = None
 
     def publish_restore(self, stats) -> None:
@@ -113,6 +118,7 @@ class TierMetrics:
         self.pruned_bad.inc(max(stats.bad_extents - last.bad_extents, 0))
         if stats.scored_chunks:
             self.pruned_fraction.set(stats.kept_chunks / stats.scored_chunks)
+        self.pruned_overlap.set(stats.inter_period_overlap)
         self._last_pruned = type(stats)()
         self._last_pruned.add(stats)
 

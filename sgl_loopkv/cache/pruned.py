@@ -72,6 +72,12 @@ class PrunedStats:
     kept_chunks: int = 0  # summed over selections
     scored_chunks: int = 0
     bad_extents: int = 0  # failed their checksum: left out, counted
+    overlap_sum: float = 0.0  # per selection after a period's first: share of its chunks the previous period kept
+    overlaps: int = 0
+
+    @property
+    def inter_period_overlap(self) -> float:
+        return self.overlap_sum / self.overlaps if self.overlaps else 0.0
 
     @property
     def read_amplification(self) -> float:
@@ -144,6 +150,10 @@ class PrunedRestore:
             scores = chunk_scores(q, self.summaries[layer], scale, self.chunk)
             chunks = select_chunks(scores, self.keep, self.local)
             self.mass += scores
+        prev = self.kept[p - 1] if p else None
+        if prev is not None and len(chunks):  # what the prefetch of the previous period's set covered
+            self.stats.overlap_sum += float(torch.isin(chunks, prev).float().mean())
+            self.stats.overlaps += 1
         self.kept[p] = chunks
         self._version += 1
         self.stats.selections += 1

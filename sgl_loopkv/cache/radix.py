@@ -775,6 +775,7 @@ class LoopKVRadixCache(RadixCache):
                 "disk_bytes_read": stats.disk_bytes_read,
                 "wasted_prefetch_bytes": stats.wasted_prefetch_bytes,
                 "io_wait_s": round(stats.io_wait_s, 6),
+                "inter_period_overlap": round(stats.inter_period_overlap, 4),
                 "bad_extents": stats.bad_extents,
             }
         return out

@@ -87,6 +87,7 @@ def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_pe
     st = job.account()
     assert st.bytes_used == sum(len(job.kept_positions(x)) for x in range(L)) // C * job.layer_bytes
     assert st.prefetched_bytes > 0 and st.wasted_prefetch_bytes <= st.prefetched_bytes
+    assert st.overlaps == 1 and 0.0 <= st.inter_period_overlap <= 1.0  # two periods of 3 layers: one overlap
     job.close()
 
 
