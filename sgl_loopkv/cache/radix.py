@@ -495,8 +495,9 @@ class LoopKVRadixCache(RadixCache):
                 return job
             self._drop_pruned(req.rid, free_slots=req.rid not in self.pruned_adopted)
         # Restores of requests still queued hold their slots outside the tree (nothing can evict
-        # them): the first always, then up to half of the pool; past that a history loads the tree's way instead, whose slots the
-        # scheduler can take back, so queued restores can never starve the requests that run.
+        # them): the first always, then up to half of the pool; past that a history loads the
+        # tree's way, whose slots the scheduler can take back, so queued restores cannot starve
+        # the requests that run.
         held = sum(j.tokens for r, j in self.pruned.items() if r not in self.pruned_adopted)
         if held and held + total > self.kv_pool.size // 2:
             logger.info("loopkv: %d tokens of queued pruned restores: this history loads whole", held)
