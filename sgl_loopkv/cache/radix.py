@@ -393,7 +393,12 @@ class LoopKVRadixCache(RadixCache):
         self._drop_unadopted()
         if stored and req is not None and self._prunes(stored):
             job = self._restore_pruned(stored, last_device, req, device_len, key)
-            if job is not None:
+            if job is None:  # loads the tree's way: what is still stored (a bad segment ends the history there)
+                keep = next(
+                    (i for i, nd in enumerate(stored) if _ref(nd) is None or not self._attached(nd)), len(stored)
+                )
+                stored = stored[:keep]
+            else:
                 return MatchResult(
                     device_prefix_len=device_len + job.tokens,
                     last_device_node=last_device,

@@ -37,14 +37,14 @@ def server(tiny_model_dir, disk_dir, log, *flags) -> ServerProcess:
 def test_streamed_disk_resume_at_full_budget_equals_the_full_load(tiny_server, tiny_model_dir, server_logs, tmp_path):
     from tests.e2e.test_tiered_cache import N_CONV, ask, tiers
 
-    reference = {i: ask(tiny_server.url, i)["output_ids"] for i in (0, N_CONV - 2)}
+    reference = {i: ask(tiny_server.url, i)["output_ids"] for i in (0, N_CONV - 3)}
     log = server_logs / "prefix-stream.log"
     with server(tiny_model_dir, tmp_path, log, "--loopkv-prefix-stream").start() as srv:
         for i in range(N_CONV):
             ask(srv.url, i)
-        host = ask(srv.url, N_CONV - 2)
+        host = ask(srv.url, N_CONV - 3)
         assert tiers(host)["host"] > 800, tiers(host)
-        assert host["output_ids"] == reference[N_CONV - 2]
+        assert host["output_ids"] == reference[N_CONV - 3]
         time.sleep(1.0)  # the disk writer
         m0 = prefix_metrics(srv.url)
         hit = ask(srv.url, 0)
@@ -64,13 +64,19 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server,
     """Budget 0.25: a quarter of the chunks read (from disk, each read chunk-aligned; from the host
     tier), the pruned turn stored for the next one; a damaged segment is detected when read, never
     attended, removed, and the conversation recomputed exactly next time."""
-    from sgl_loopkv.cache.layout import PREAMBLE_BYTES, align_up
+    import json
+
+    from transformers import AutoTokenizer
+
+    from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
     from tests.e2e.test_tiered_cache import N_CONV, ask, files_of, tiers
 
-    reference = ask(tiny_server.url, 1, "How many lamps are in room 2?")["output_ids"]
+    q1, q2 = "How many lamps are in room 2?", "How many cups are in room 8?"
+    reference = {1: ask(tiny_server.url, 1, q1)["output_ids"], 2: ask(tiny_server.url, 2, q2)["output_ids"]}
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     log = server_logs / "prefix-pruned.log"
     with server(tiny_model_dir, tmp_path, log, "--loopkv-prefix-budget", "0.25").start() as srv:
-        for i in range(N_CONV):
+        for i in range(N_CONV + 1):  # the host tier holds the last ~4: 0, 1 and 2 are on disk only
             ask(srv.url, i)
         time.sleep(1.0)
         first = ask(srv.url, 0, "How many cups are in room 5?")  # from disk
@@ -78,7 +84,7 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server,
         pruned = first["meta_info"]["cached_tokens_details"]["pruned"]
         assert 0.25 <= pruned["kept_fraction"] < 0.35, pruned
         assert 0 < pruned["disk_bytes_read"] == pruned["bytes_used"] == pruned["bytes_loaded"], pruned  # one period
-        host = ask(srv.url, N_CONV - 2, "How many books are in room 4?")  # from the host tier
+        host = ask(srv.url, N_CONV - 1, "How many books are in room 4?")  # from the host tier
         assert tiers(host)["host"] > 800, tiers(host)
         assert host["meta_info"]["cached_tokens_details"]["pruned"]["disk_bytes_read"] == 0
         m = prefix_metrics(srv.url)
@@ -87,19 +93,28 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server,
         again = ask(srv.url, 0, "How many cups are in room 5?")
         assert sum(tiers(again).values()) > sum(tiers(first).values()), (tiers(first), tiers(again))
 
-        # conversation 1's first segment loses its extents (header intact: admitted, then read)
-        from transformers import AutoTokenizer
-
-        files = files_of(tmp_path, AutoTokenizer.from_pretrained(tiny_model_dir), 1)
-        assert files, "conversation 1 is not on disk"
-        for f in files:
-            raw = f.read_bytes()
-            hlen = int.from_bytes(raw[8:12], "little")
-            f.write_bytes(raw[: align_up(PREAMBLE_BYTES + hlen) + 100])
-        hurt = ask(srv.url, 1, "How many lamps are in room 2?")
-        assert hurt["meta_info"]["cached_tokens_details"]["pruned"]["bad_extents"] > 0
-        assert prefix_metrics(srv.url)["loopkv_prefix_bad_extents_total"] > 0
-        healed = ask(srv.url, 1, "How many lamps are in room 2?")  # the damaged segment is gone: recomputed
-        assert tiers(healed)["disk"] == 0 and healed["output_ids"] == reference, tiers(healed)
+        # conversation 1: one byte flipped in every layer-0 extent: admitted (header and summaries
+        # intact), then caught when a kept extent is read; never attended; the segment goes
+        (f1,) = files_of(tmp_path, tok, 1)
+        raw = bytearray(f1.read_bytes())
+        hlen = int.from_bytes(raw[8:12], "little")
+        header = json.loads(raw[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
+        layout = SegmentFileLayout(
+            KVGeometry.from_json(header["geometry"]), header["n_chunks"], align_up(PREAMBLE_BYTES + hlen)
+        )
+        for j in range(header["n_chunks"]):
+            raw[layout.extent_offset(0, j) + 5] ^= 0x5A
+        f1.write_bytes(bytes(raw))
+        hurt = ask(srv.url, 1, q1)
+        assert hurt["meta_info"]["cached_tokens_details"]["pruned"]["bad_extents"] >= 1
+        assert prefix_metrics(srv.url)["loopkv_prefix_bad_extents_total"] >= 1
+        healed = ask(srv.url, 1, q1)  # the damaged segment is gone: recomputed, exactly
+        assert tiers(healed)["disk"] == 0 and healed["output_ids"] == reference[1], tiers(healed)
+        # conversation 2: truncated after its header: refused at admission (its summaries fail), recomputed
+        (f2,) = files_of(tmp_path, tok, 2)
+        raw = f2.read_bytes()
+        f2.write_bytes(raw[: align_up(PREAMBLE_BYTES + int.from_bytes(raw[8:12], "little")) + 100])
+        cut = ask(srv.url, 2, q2)
+        assert tiers(cut)["disk"] == 0 and cut["output_ids"] == reference[2], tiers(cut)
         assert requests.get(f"{srv.url}/health", timeout=30).status_code == 200
     assert log.read_text().count("chunk-pruned") >= 3
