@@ -72,6 +72,7 @@ class PrunedStats:
     kept_chunks: int = 0  # summed over selections
     scored_chunks: int = 0
     bad_extents: int = 0  # failed their checksum: left out, counted
+    cache_tokens: int = 0  # device-pool slots of the page cache (per restore; summed over restores)
     overlap_sum: float = 0.0  # per selection after a period's first: share of its chunks the previous period kept
     overlaps: int = 0
 
@@ -96,7 +97,7 @@ class PrunedRestore:
         self,
         rid: str,
         sources: list[Source],
-        slots: torch.Tensor,
+        n_chunks: int,
         start: int,
         summaries: torch.Tensor,
         k_buffers: list[torch.Tensor],
@@ -110,16 +111,22 @@ class PrunedRestore:
         local: int,
         disk=None,
     ):
-        self.rid, self.sources, self.slots, self.start = rid, sources, slots, start
+        self.rid, self.sources, self.start = rid, sources, start
         self.summaries = summaries  # [L, m, H, 2, D]
         self.k_buffers, self.v_buffers, self.reader, self.disk = k_buffers, v_buffers, reader, disk
         self.chunk, self.budget, self.period, self.gate, self.local = chunk, budget, period, gate, local
         self.num_layers = len(k_buffers)
-        self.n_chunks = len(slots) // chunk
-        self.tokens = len(slots)
+        self.n_chunks = n_chunks
+        self.tokens = n_chunks * chunk
         self.keep = keep_count(self.n_chunks, budget)
+        self.slots: torch.Tensor | None = None  # the device page cache: keep chunks of slots (see attach)
         n_periods = -(-self.num_layers // period)
         self.kept: list[torch.Tensor | None] = [None] * n_periods  # latest selection of each period
+        # per period, chunk -> its chunk place in the page cache (-1: none); a place holds, at each
+        # layer, the chunk its period maps there, so every period uses the same keep-chunk cache
+        self.where = torch.full((n_periods, self.n_chunks), -1, dtype=torch.int64)
+        self.n_prefetched = 0  # (layer, chunk) reads queued ahead for the next period
+        self.n_wasted = 0  # of those, dropped by that period's own selection
         self.loaded = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)  # in the pool (reader thread)
         self.asked = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)  # queued or loaded
         self.bad = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)
@@ -135,6 +142,17 @@ class PrunedRestore:
         self.last_used = time.monotonic()
         k0 = k_buffers[0]
         self.layer_bytes = 2 * chunk * k0.shape[1] * k0.shape[2] * k0.element_size()  # a chunk of a layer, K and V
+
+    @property
+    def cache_tokens(self) -> int:
+        """Device-pool slots the restore holds: its page cache, whatever the history's length."""
+        return self.keep * self.chunk
+
+    def attach(self, slots: torch.Tensor) -> None:
+        """The page cache's pool slots (``cache_tokens`` of them)."""
+        assert len(slots) == self.cache_tokens, (len(slots), self.cache_tokens)
+        self.slots = slots
+        self.stats.cache_tokens = len(slots)
 
     # --- the forward's side ----------------------------------------------------------------------
     def period_of(self, layer: int) -> int:
@@ -155,15 +173,41 @@ class PrunedRestore:
             self.stats.overlap_sum += float(torch.isin(chunks, prev).float().mean())
             self.stats.overlaps += 1
         self.kept[p] = chunks
+        self._assign(p, chunks)
         self._version += 1
         self.stats.selections += 1
         self.stats.kept_chunks += len(chunks)
         self.stats.scored_chunks += self.n_chunks
         first, end = p * self.period, min((p + 1) * self.period, self.num_layers)
         self._queue(range(first, end), chunks, prefetch=False)
-        if end < self.num_layers:  # ContiguousKV: the next period probably wants much the same chunks
+        if end < self.num_layers and self.kept[p + 1] is None:  # ContiguousKV: the next period probably
+            self.where[p + 1] = self.where[p]  # wants much the same chunks: the same places, read ahead
             self._queue(range(end, min(end + self.period, self.num_layers)), chunks, prefetch=True)
         return chunks
+
+    def _layers(self, p: int) -> range:
+        return range(p * self.period, min((p + 1) * self.period, self.num_layers))
+
+    def _assign(self, p: int, chunks: torch.Tensor) -> None:
+        """Places in the page cache for period ``p``'s chunks: a chunk placed there already (read
+        ahead) keeps its place, the others take the places of the chunks dropped. A dropped chunk's
+        reads for this period are forgotten (a read still queued for it lands before the read of the
+        chunk that takes its place: one reader, in order)."""
+        where = self.where[p]
+        chosen = torch.zeros(self.n_chunks, dtype=torch.bool)
+        chosen[chunks] = True
+        dropped = (where >= 0) & ~chosen
+        if dropped.any():
+            for layer in self._layers(p):
+                self.n_wasted += int((self.prefetched[layer] & dropped).sum())
+                for mask in (self.asked, self.loaded, self.prefetched, self.bad):
+                    mask[layer, dropped] = False
+            where[dropped] = -1
+        used = torch.zeros(self.keep, dtype=torch.bool)
+        used[where[where >= 0]] = True
+        free = torch.nonzero(~used).flatten()
+        new = chunks[where[chunks] < 0]
+        where[new] = free[: len(new)]
 
     def needs_selection(self, layer: int) -> bool:
         return layer % self.period == 0 or self.kept[self.period_of(layer)] is None
@@ -182,24 +226,31 @@ class PrunedRestore:
                 self._cond.wait()
         self.stats.io_wait_s += time.perf_counter() - t0
 
-    def kept_positions(self, layer: int) -> torch.Tensor:
-        """History offsets (0 .. tokens) layer ``layer`` attends to: its period's kept chunks that loaded well."""
+    def kept_chunks(self, layer: int) -> torch.Tensor:
+        """History chunks layer ``layer`` attends to: its period's kept chunks that loaded well."""
         chunks = self.kept[self.period_of(layer)]
-        if chunks is None:  # nothing selected for this period (cannot happen after a prefill): every loaded chunk
-            chunks = torch.nonzero(self.loaded[layer]).flatten()
-        ok = chunks[self.loaded[layer, chunks] & ~self.bad[layer, chunks]]
-        return (ok[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+        if chunks is None:  # nothing selected for this period yet (cannot happen after a prefill)
+            return torch.zeros(0, dtype=torch.int64)
+        return chunks[self.loaded[layer, chunks] & ~self.bad[layer, chunks]]
+
+    def kept_positions(self, layer: int) -> torch.Tensor:
+        """History offsets (0 .. tokens) of :meth:`kept_chunks`."""
+        return (self.kept_chunks(layer)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
 
     def kept_slots(self, layer: int) -> torch.Tensor:
-        """The pool slots of :meth:`kept_positions`; cached until a selection or a read changes them
-        (every decode step asks again for every layer)."""
+        """The page-cache slots holding :meth:`kept_positions` at this layer, in position order;
+        cached until a selection or a read changes them (every decode step asks for every layer)."""
         hit = self._kept_cache.get(layer)
         if hit is not None and hit[0] == self._version:
             return hit[1]
         version = self._version
-        slots = self.slots[self.kept_positions(layer)]
+        slots = self._slots_of(self.period_of(layer), self.kept_chunks(layer))
         self._kept_cache[layer] = (version, slots)
         return slots
+
+    def _slots_of(self, p: int, chunks: torch.Tensor) -> torch.Tensor:
+        places = self.where[p, chunks]
+        return self.slots[(places[:, None] * self.chunk + torch.arange(self.chunk)).flatten()]
 
     # --- reads -----------------------------------------------------------------------------------
     def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
@@ -208,19 +259,19 @@ class PrunedRestore:
             if len(todo) == 0:
                 continue
             self.asked[layer, todo] = True
-            if prefetch:
-                self.prefetched[layer, todo] = True
-            else:
-                self.prefetched[layer, todo] = False
+            self.prefetched[layer, todo] = prefetch
+            self.n_prefetched += len(todo) if prefetch else 0
             with self._cond:
                 self._pending[layer] += 1
-            self.reader.submit(self, layer, todo)
+            self.reader.submit(self, layer, todo, self._slots_of(self.period_of(layer), todo))
 
-    def load(self, layer: int, chunks: torch.Tensor) -> None:
-        """Reader thread: copy ``chunks`` of ``layer`` into their slots (disk extents verified first)."""
+    def load(self, layer: int, chunks: torch.Tensor, dst: torch.Tensor) -> None:
+        """Reader thread: copy ``chunks`` of ``layer`` into the slots ``dst`` (``chunk`` per chunk, in
+        order), disk extents verified first."""
         t0 = time.perf_counter()
         try:
-            wanted = set(chunks.tolist())
+            order = {j: i for i, j in enumerate(chunks.tolist())}
+            wanted = set(order)
             k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
             for src in self.sources:
                 mine = [j for j in range(src.first, src.first + src.n_chunks) if j in wanted]
@@ -253,11 +304,10 @@ class PrunedRestore:
                 if not good:
                     continue
                 rows = (torch.tensor(good)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
-                dst = self.slots[
-                    (torch.tensor([mine[i] for i in good])[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
-                ]
-                k_buf.index_copy_(0, dst, kv[0, rows].to(k_buf.device, k_buf.dtype))
-                v_buf.index_copy_(0, dst, kv[1, rows].to(v_buf.device, v_buf.dtype))
+                at = torch.tensor([order[mine[i]] for i in good])
+                to = dst[(at[:, None] * self.chunk + torch.arange(self.chunk)).flatten()]
+                k_buf.index_copy_(0, to, kv[0, rows].to(k_buf.device, k_buf.dtype))
+                v_buf.index_copy_(0, to, kv[1, rows].to(v_buf.device, v_buf.dtype))
                 self.loaded[layer, [mine[i] for i in good]] = True
                 self.stats.bytes_loaded += len(good) * self.layer_bytes
         except Exception:  # never leave the forward waiting; what did not load is not attended
@@ -277,7 +327,7 @@ class PrunedRestore:
 
     def account(self) -> PrunedStats:
         """Used and wasted bytes as of the latest selections (call once the turn's prefill is over)."""
-        used, wasted = 0, 0
+        used = 0
         for layer in range(self.num_layers):
             chunks = self.kept[self.period_of(layer)]
             if chunks is None:
@@ -286,10 +336,9 @@ class PrunedRestore:
             sel[chunks] = True
             ok = self.loaded[layer] & ~self.bad[layer]
             used += int((ok & sel).sum())
-            wasted += int((self.prefetched[layer] & self.loaded[layer] & ~sel).sum())
         self.stats.bytes_used = used * self.layer_bytes
-        self.stats.prefetched_bytes = int((self.prefetched & self.loaded).sum()) * self.layer_bytes
-        self.stats.wasted_prefetch_bytes = wasted * self.layer_bytes
+        self.stats.prefetched_bytes = self.n_prefetched * self.layer_bytes
+        self.stats.wasted_prefetch_bytes = self.n_wasted * self.layer_bytes
         return self.stats
 
     def chunk_importance(self) -> torch.Tensor | None:
@@ -317,11 +366,11 @@ class ChunkReader:
     _queue: queue.Queue = field(default_factory=queue.Queue)
     _thread: threading.Thread | None = None
 
-    def submit(self, job: PrunedRestore, layer: int, chunks: torch.Tensor) -> None:
+    def submit(self, job: PrunedRestore, layer: int, chunks: torch.Tensor, dst: torch.Tensor) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="loopkv-chunk-reader", daemon=True)
             self._thread.start()
-        self._queue.put((job, layer, chunks))
+        self._queue.put((job, layer, chunks, dst))
 
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
@@ -329,8 +378,8 @@ class ChunkReader:
             item = self._queue.get()
             if item is None:
                 return
-            job, layer, chunks = item
-            job.load(layer, chunks)
+            job, layer, chunks, dst = item
+            job.load(layer, chunks, dst)
 
     def chunk_importance(self) -> torch.Tensor | None:
         """Per history chunk, the attention mass the selections estimated (mean 1), for the tiers'

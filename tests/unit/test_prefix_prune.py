@@ -49,17 +49,24 @@ def kv_of(seed: int, chunks: int) -> torch.Tensor:
     return torch.randn(L, 2, chunks * C, H, D, generator=torch.Generator().manual_seed(seed))
 
 
-def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None, slots=None):
-    n = kv_total.shape[2]
+def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None):
+    m = kv_total.shape[2] // C
     pool_k = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
     pool_v = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
-    slots = slots if slots is not None else torch.randperm(4000)[:n] + 10
     summaries = key_summaries(kv_total[:, 0], C)
     job = PrunedRestore(
-        "r", sources, slots, 0, summaries, pool_k, pool_v, ChunkReader(),
+        "r", sources, m, 0, summaries, pool_k, pool_v, ChunkReader(),
         chunk=C, budget=budget, period=period, gate=gate, local=2, disk=disk,
     )  # fmt: skip
+    job.attach(torch.randperm(4000)[: job.cache_tokens] + 10)  # a scattered page cache
     return job, pool_k, pool_v
+
+
+def check_layer(job, pk, pv, kv, layer):
+    """What layer ``layer`` attends to is exactly the stored KV of its kept chunks."""
+    pos, slots = job.kept_positions(layer), job.kept_slots(layer)
+    assert torch.equal(pk[layer][slots], kv[layer, 0, pos]) and torch.equal(pv[layer][slots], kv[layer, 1, pos])
+    return pos
 
 
 def run_prefill(job, q_seed=1):
@@ -74,16 +81,15 @@ def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_pe
     kv = kv_of(0, 20)
     job, pk, pv = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3)
     run_prefill(job)
+    assert job.cache_tokens == keep_count(20, 0.3) * C  # the device holds the kept chunks, not the history
     for layer in range(L):
-        pos = job.kept_positions(layer)
+        pos = check_layer(job, pk, pv, kv, layer)
         assert len(pos) == keep_count(20, 0.3) * C
-        slots = job.slots[pos]
-        assert torch.equal(pk[layer][slots], kv[layer, 0, pos]) and torch.equal(pv[layer][slots], kv[layer, 1, pos])
         if layer % 3:  # one selection per period: every layer of it reads the same chunks
             assert torch.equal(pos, job.kept_positions(layer - layer % 3))
-    unread = torch.ones(20 * C, dtype=torch.bool)
-    unread[job.kept_positions(0)] = False  # a chunk no period chose stays unread (NaN in this pool)
-    assert torch.isnan(pk[0][job.slots[unread]]).all() or unread.sum() == 0
+    outside = torch.ones(4096, dtype=torch.bool)
+    outside[job.slots] = False  # nothing is written outside the page cache
+    assert all(torch.isnan(pk[layer][outside]).all() for layer in range(L))
     st = job.account()
     assert st.bytes_used == sum(len(job.kept_positions(x)) for x in range(L)) // C * job.layer_bytes
     assert st.prefetched_bytes > 0 and st.wasted_prefetch_bytes <= st.prefetched_bytes
@@ -93,11 +99,10 @@ def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_pe
 
 def test_budget_one_keeps_every_chunk():
     kv = kv_of(1, 9)
-    job, pk, _ = restore([Source("s", 0, 9, 0, host_kv=kv)], kv, budget=1.0)
+    job, pk, pv = restore([Source("s", 0, 9, 0, host_kv=kv)], kv, budget=1.0)
     run_prefill(job)
     for layer in range(L):
-        assert torch.equal(job.kept_positions(layer), torch.arange(9 * C))
-        assert torch.equal(pk[layer][job.slots], kv[layer, 0])
+        assert torch.equal(check_layer(job, pk, pv, kv, layer), torch.arange(9 * C))
     job.close()
 
 
@@ -119,9 +124,7 @@ def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path):
     job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=2, disk=store)
     run_prefill(job)
     for layer in range(L):
-        pos = job.kept_positions(layer)
-        assert torch.equal(pk[layer][job.slots[pos]], kv[layer, 0, pos])
-        assert torch.equal(pv[layer][job.slots[pos]], kv[layer, 1, pos])
+        check_layer(job, pk, pv, kv, layer)
     st = job.account()
     # chunk-aligned reads: what was read is what was loaded (extents carry no padding at this geometry)
     assert st.disk_bytes_read == st.bytes_loaded and st.bytes_used <= st.bytes_loaded
@@ -135,10 +138,10 @@ def test_two_sources_map_to_their_history_chunks(tmp_path):
     kv_host = kv_of(4, 5)
     kv = torch.cat([kv_disk[:, :, C:], kv_host], dim=2)  # history = disk chunks 1..5, then host 0..4
     sources = [disk_source(store, rec, lo=1, hi=6, first=0), Source("h", 0, 5, 5, host_kv=kv_host)]
-    job, pk, _ = restore(sources, kv, budget=1.0, disk=store)
+    job, pk, pv = restore(sources, kv, budget=1.0, disk=store)
     run_prefill(job)
     for layer in range(L):
-        assert torch.equal(pk[layer][job.slots], kv[layer, 0])
+        assert len(check_layer(job, pk, pv, kv, layer)) == 10 * C
     job.close()
 
 
@@ -158,12 +161,12 @@ def test_a_damaged_extent_never_reaches_a_plan(tmp_path, damage):
             f.write(bytes([b[0] ^ 0xFF]))
     else:
         os.truncate(path, off + 10)
-    job, pk, _ = restore([src], kv, budget=1.0, period=2, disk=store)
+    job, pk, pv = restore([src], kv, budget=1.0, period=2, disk=store)
     run_prefill(job)
     assert job.stats.bad_extents >= 1
     pos = job.kept_positions(bad_layer)
     assert not ((pos >= bad_chunk * C) & (pos < (bad_chunk + 1) * C)).any()  # left out, not read
-    assert torch.equal(pk[bad_layer][job.slots[pos]], kv[bad_layer, 0, pos])  # the rest is intact
+    check_layer(job, pk, pv, kv, bad_layer)  # the rest is intact
     if damage == "flip":  # other layers lost nothing
         assert len(job.kept_positions(0)) == 12 * C
     job.close()
@@ -197,3 +200,22 @@ def test_prefix_flags_validate():
             PrefixConfig(**bad)
     cfg = LoopKVConfig.from_flat(prefix_budget=0.25, prefix_period=4)
     assert cfg.prefix.budget == 0.25 and cfg.prefix.period == 4
+
+
+def test_the_page_cache_never_grows_with_the_history_and_reselection_reuses_places():
+    """Whatever the history's length, the device holds budget x chunks; a period whose selection
+    differs from the one read ahead for it puts its new chunks in the places of those it dropped,
+    and what every layer attends to is still exactly its chunks' stored KV."""
+    for m in (8, 40, 120):
+        kv = kv_of(10 + m, m)
+        job, pk, pv = restore([Source("s", 0, m, 0, host_kv=kv)], kv, budget=0.25, period=2)
+        assert job.cache_tokens == keep_count(m, 0.25) * C
+        for q_seed in (1, 2, 3):  # a second and third extend re-select every period (chunked prefill)
+            run_prefill(job, q_seed)
+            for layer in range(L):
+                check_layer(job, pk, pv, kv, layer)
+                places = job.where[job.period_of(layer)]
+                assert int((places >= 0).sum()) == job.keep and len(set(places[places >= 0].tolist())) == job.keep
+        st = job.account()
+        assert st.wasted_prefetch_bytes <= st.prefetched_bytes
+        job.close()
