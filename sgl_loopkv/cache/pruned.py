@@ -1,22 +1,25 @@
 """Chunk-pruned re-prefill (ContiguousKV): a returning history loaded only where the new turn looks.
 
-When a history comes back from the tiers, :class:`PrunedRestore` gives it device slots but loads
-nothing up front (a disk hit is admitted from its verified header). During the new turn's prefill,
-at the first layer of each period of ``period`` layers, the loopkv attention backend hands the
-layer's query rows to :meth:`PrunedRestore.select`: the chunks are scored against their stored key
-summaries (no key is read, :mod:`sgl_loopkv.selection.chunks`), the best ones kept (the first chunk
-and the nearest ones always), and the :class:`ChunkReader` thread copies the kept chunks of every
-layer of the period into the slots - from the host tier, or from disk with each extent's crc32
-checked - while earlier layers compute. Then it prefetches the same set for the next period, so
-that period reads only the chunks its own selection adds (ContiguousKV's inter-period reuse).
-The layer's attention waits for its sub-period gate (:meth:`wait`) and reads only the kept chunks
-(:meth:`kept_slots`); a chunk whose extent failed its checksum is left out of that layer's set and
-counted, never read.
+When a history comes back from the tiers, :class:`PrunedRestore` gives it a device *page cache*
+of ``budget x chunks`` chunks of pool slots and reads nothing up front (a disk hit is admitted
+from its verified header and summaries). During the new turn's prefill, at the first layer of each
+period of ``period`` layers, the loopkv attention backend hands the layer's query rows to
+:meth:`PrunedRestore.select`: the chunks are scored against their stored key summaries (no key is
+read, :mod:`sgl_loopkv.selection.chunks`), the best ones kept (the first chunk and the nearest ones
+always), each given a place in the cache for this period, and the :class:`ChunkReader` thread
+copies them into their places for every layer of the period - from the host tier, or from disk
+with each extent's crc32 checked - while earlier layers compute. Then it reads the same set ahead
+for the next period, in the same places, so that period reads only the chunks its own selection
+adds (ContiguousKV's inter-period reuse); a place holds, at each layer, the chunk of that layer's
+period. The layer's attention waits for its sub-period gate (:meth:`wait`) and reads the kept
+chunks' places (:meth:`kept_slots`); a chunk whose extent failed its checksum is left out of that
+layer's set and counted, never read.
 
-The restore's slots are the request's own, not the tree's (the path's nodes stay stored-only):
-they hold only the chunks some period kept, so no other request may read them. The turn itself is
-stored at its end like any other (its KV computed over the kept chunks) and the request's slots are
-freed with its row. Budget 1.0 keeps every chunk: the same KV as a full load, read period by period.
+The cache is the restore's, not the tree's: the history's tree nodes stay stored-only, the
+request's row points its history positions at the pool's padding slot (never read: the plans list
+the cache), and the cache is freed when the request ends. The turn itself is stored at its end like
+any other (its KV computed over the kept chunks). Budget 1.0 keeps every chunk: the same KV as a
+full load, read period by period.
 """
 
 from __future__ import annotations
