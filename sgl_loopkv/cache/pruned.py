@@ -75,6 +75,8 @@ class PrunedStats:
     kept_chunks: int = 0  # summed over selections
     scored_chunks: int = 0
     bad_extents: int = 0  # failed their checksum: left out, counted
+    decode_selections: int = 0  # decode-time re-selections (query drifted past tau)
+    recalled_bytes: int = 0  # chunks recalled into the page cache during decode
     cache_tokens: int = 0  # device-pool slots of the page cache (per restore; summed over restores)
     overlap_sum: float = 0.0  # per selection after a period's first: share of its chunks the previous period kept
     overlaps: int = 0
@@ -139,6 +141,8 @@ class PrunedRestore:
         self.stats = PrunedStats()
         self.mass = torch.zeros(self.n_chunks)  # the selections' estimated attention mass per chunk, summed
         self.bad_segments: set[str] = set()  # segments with an extent that failed its checksum
+        self._decode_q: dict[int, torch.Tensor] = {}  # period -> the decode query it last chose with
+        self._recalls: dict[int, torch.Tensor] = {}  # period -> chunks chosen, recalled at the next period
         self._version = 0  # bumped by every selection and read: kept_slots' cache key
         self._kept_cache: dict[int, tuple[int, torch.Tensor]] = {}
         self.closed = False
@@ -211,6 +215,44 @@ class PrunedRestore:
         free = torch.nonzero(~used).flatten()
         new = chunks[where[chunks] < 0]
         where[new] = free[: len(new)]
+
+    # --- decode: FreeKV-style re-selection with recall from the tiers -----------------------------
+    def decode_select(self, layer: int, q: torch.Tensor, scale: float, tau: float, serial: bool = False) -> None:
+        """At a period's first layer of a decode step. Reads decided at earlier periods are queued
+        first (their layers of this step are done, so their places can be rewritten). Then, when the
+        query drifted from the one this period last chose with (cosine < ``tau``), the period's chunks
+        are chosen anew with it - used from the next step on (FreeKV's speculation: this step attends
+        to the previous choice while the new chunks are recalled from the host or disk tier into the
+        places of the dropped ones). ``serial``: recall now and wait (the reference the overlapped
+        path must equal)."""
+        p = self.period_of(layer)
+        self._flush_recalls(skip=p)
+        qv = q.float().flatten()
+        last = self._decode_q.get(p)
+        if last is not None and float(torch.nn.functional.cosine_similarity(qv, last, dim=0)) >= tau:
+            return
+        self._decode_q[p] = qv
+        if self.keep >= self.n_chunks or self.kept[p] is None:
+            return
+        chunks = select_chunks(chunk_scores(q, self.summaries[layer], scale, self.chunk), self.keep, self.local)
+        self.stats.decode_selections += 1
+        if torch.equal(chunks, self.kept[p]):
+            return
+        self._recalls[p] = chunks
+        if serial:
+            self._flush_recalls(skip=None)
+            for x in self._layers(p):
+                self.wait(x)
+
+    def _flush_recalls(self, skip: int | None) -> None:
+        for p in [x for x in self._recalls if x != skip]:
+            chunks = self._recalls.pop(p)
+            self.kept[p] = chunks
+            self._assign(p, chunks)
+            self._version += 1
+            before = int(self.asked[self._layers(p)].sum())
+            self._queue(self._layers(p), chunks, prefetch=False)
+            self.stats.recalled_bytes += (int(self.asked[self._layers(p)].sum()) - before) * self.layer_bytes
 
     def needs_selection(self, layer: int) -> bool:
         return layer % self.period == 0 or self.kept[self.period_of(layer)] is None

@@ -799,6 +799,8 @@ class LoopKVRadixCache(RadixCache):
                 "wasted_prefetch_bytes": stats.wasted_prefetch_bytes,
                 "io_wait_s": round(stats.io_wait_s, 6),
                 "inter_period_overlap": round(stats.inter_period_overlap, 4),
+                "decode_selections": stats.decode_selections,
+                "recalled_bytes": stats.recalled_bytes,
                 "bad_extents": stats.bad_extents,
                 "device_tokens": job.cache_tokens if job is not None else stats.cache_tokens,
             }

@@ -219,3 +219,38 @@ def test_the_page_cache_never_grows_with_the_history_and_reselection_reuses_plac
         st = job.account()
         assert st.wasted_prefetch_bytes <= st.prefetched_bytes
         job.close()
+
+
+def decode_steps(job, steps, serial, seed=20):
+    """Decode steps whose query drifts: every period re-selects (tau 2: always) and recalls."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        q = torch.randn(1, 2 * H, D, generator=g)
+        for layer in range(L):
+            if layer % job.period == 0:
+                job.decode_select(layer, q, 0.3, tau=2.0, serial=serial)
+            job.wait(layer)
+
+
+def test_decode_recall_overlapped_equals_serial_and_stays_in_the_cache(tmp_path):
+    """FreeKV on a pruned history: chunks chosen with a drifting decode query are recalled from disk
+    into the page cache; recalling behind the next periods' compute (overlapped) leaves exactly what
+    recalling at once and waiting (serial) leaves, every layer attends to its chunks' stored KV, and
+    the device cache never grows."""
+    store, rec, kv = stored_segment(tmp_path, seed=11, chunks=24)
+    jobs = []
+    for serial in (False, True):
+        job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=2, disk=store)
+        run_prefill(job)
+        decode_steps(job, 4, serial)
+        job._flush_recalls(skip=None)  # the last step's decisions (the next step would make them)
+        for layer in range(L):
+            job.wait(layer)
+            check_layer(job, pk, pv, kv, layer)
+        assert job.stats.recalled_bytes > 0 and job.stats.decode_selections > 0
+        assert len(job.slots) == keep_count(24, 0.25) * C
+        jobs.append(job)
+    for layer in range(L):
+        assert torch.equal(jobs[0].kept_positions(layer), jobs[1].kept_positions(layer))
+    for job in jobs:
+        job.close()
