@@ -35,6 +35,9 @@ def server(tiny_model_dir, disk_dir, log, *flags) -> ServerProcess:
     return ServerProcess(args, log_path=log)
 
 
+# slow (30 s): the default suite checks budget 1.0 in-process (the backend over a full page cache equals
+# dense attention over the stored history: tests/unit/test_prefix_prune.py) and runs the pruned server below
+@pytest.mark.slow
 def test_streamed_disk_resume_at_full_budget_equals_the_full_load(tiny_server, tiny_model_dir, server_logs, tmp_path):
     from tests.e2e.test_tiered_cache import N_CONV, ask, tiers
 

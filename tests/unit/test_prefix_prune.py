@@ -254,3 +254,61 @@ def test_decode_recall_overlapped_equals_serial_and_stays_in_the_cache(tmp_path)
         assert torch.equal(jobs[0].kept_positions(layer), jobs[1].kept_positions(layer))
     for job in jobs:
         job.close()
+
+
+# --- the backend's kept-chunk plans (fake SGLang batches) ------------------------------------------
+@pytest.mark.parametrize("budget", [1.0, 0.4])
+def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget):
+    """A batch of two sequences, the first with a pruned history of 20 chunks (its row points the
+    history at the padding slot, filled with garbage here), the second dense. The pruned one's
+    output equals dense attention over its kept chunks' stored KV and its own tokens (budget 1.0: the
+    full history, i.e. the full load); the other's is untouched."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sgl_loopkv.attention import dense_attention
+    from sgl_loopkv.attention.backend import LoopKVAttnBackend
+    from tests.fakes import FakeKVPool, fake_batch, fake_layer, fake_runner
+
+    hq, layer = 2 * H, fake_layer(0, 2 * H, D, 0.3)
+    pool = FakeKVPool.random(0, L, 4096, H, D)
+    hist = kv_of(30, 20)  # the stored history (all layers)
+    req_to_token = torch.zeros(2, 1024, dtype=torch.int32)  # row 0: history -> padding slot 0
+    req_to_token[0, 320:400] = torch.arange(2000, 2080)
+    req_to_token[1, :200] = torch.arange(2500, 2700)
+    pool.k[0][0] = float("nan")  # whoever reads the padding slot poisons its output
+    job = PrunedRestore(
+        "a", [Source("s", 0, 20, 0, host_kv=hist)], 20, 0, key_summaries(hist[:, 0], C), pool.k, pool.v,
+        ChunkReader(), chunk=C, budget=budget, period=3, gate=2, local=2,
+    )  # fmt: skip
+    job.attach(torch.arange(3000, 3000 + job.cache_tokens))
+    ctx = SimpleNamespace(cache=SimpleNamespace(pruned={"a": job}, pruned_job={"a": job}.get))
+    be = LoopKVAttnBackend(fake_runner(req_to_token, pool), context=ctx)
+
+    def expect(q, seq_len, n_new, out):
+        pos = job.kept_positions(0)
+        own = req_to_token[0, 320:seq_len].long()
+        k = torch.cat([hist[0, 0, pos], pool.k[0][own]])
+        v = torch.cat([hist[0, 1, pos], pool.v[0][own]])
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out, dense_attention(q, k, v, 0.3), rtol=0, atol=1e-6)
+        return pos
+
+    fb = fake_batch(ForwardMode.EXTEND, [0, 1], [384, 200], [64, 200], torch.zeros(264, dtype=torch.int64))
+    fb.rids = ["a", "b"]
+    be.init_forward_metadata(fb)
+    q = torch.randn(264, hq, D, generator=torch.Generator().manual_seed(3))
+    out = be.forward_extend(q.view(264, -1), None, None, layer, fb, save_kv_cache=False).view(264, hq, D)
+    pos = expect(q[:64], 384, 64, out[:64])
+    assert len(pos) == (20 * C if budget == 1.0 else keep_count(20, budget) * C)
+    other = req_to_token[1, :200].long()
+    assert torch.equal(out[64:], dense_attention(q[64:], pool.k[0][other], pool.v[0][other], 0.3))
+
+    fb = fake_batch(ForwardMode.DECODE, [0, 1], [385, 201], [1, 1], torch.zeros(2, dtype=torch.int64))
+    fb.rids = ["a", "b"]
+    be.init_forward_metadata(fb)
+    q = torch.randn(2, hq, D, generator=torch.Generator().manual_seed(4))
+    out = be.forward_decode(q.view(2, -1), None, None, layer, fb, save_kv_cache=False).view(2, hq, D)
+    expect(q[:1], 385, 1, out[:1])
+    job.close()
