@@ -28,6 +28,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_loopkv.attention.decode.base import DecodePolicy
+from sgl_loopkv.attention.decode.freekv import FreeKVPolicy
 from sgl_loopkv.attention.decode.selector import SparseDecoder
 from sgl_loopkv.attention.executor import EXECUTORS
 from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan, offsets
@@ -83,6 +84,9 @@ class LoopKVAttnBackend(AttentionBackend):
         )
         self.decode_is_sparse = False  # this batch: does the sparse decoder run it?
         self.pruned: list | None = None  # this batch: per sequence, its chunk-pruned restore (or None)
+        # freekv decode: a pruned history's periods re-select when the query drifts past tau and
+        # recall the new chunks from the tiers (None: decode keeps the prefill's selection)
+        self.pruned_recall_tau = decode_policy.p.tau if isinstance(decode_policy, FreeKVPolicy) else None
 
     # --- planning: once per batch -------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -148,8 +152,11 @@ class LoopKVAttnBackend(AttentionBackend):
                 slots.append(seq)
                 lengths.append(len(seq))
                 continue
+            rows = q[base.qo_indptr[i] : base.qo_indptr[i + 1]]
             if not is_decode and job.needs_selection(layer_id):
-                job.select(layer_id, q[base.qo_indptr[i] : base.qo_indptr[i + 1]], scale)
+                job.select(layer_id, rows, scale)
+            elif is_decode and self.pruned_recall_tau is not None and layer_id % job.period == 0:
+                job.decode_select(layer_id, rows, scale, self.pruned_recall_tau)
             job.wait(layer_id)
             kept = job.kept_slots(layer_id).to(seq.device)
             parts = [seq[: job.start], kept, seq[job.start + job.tokens :]]

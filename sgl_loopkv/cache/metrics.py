@@ -52,7 +52,7 @@ class TierMetrics:
         self.pruned = Counter(
             "loopkv_prefix_bytes",
             "Chunk-pruned restores: KV bytes loaded into the pool, used by attention, read from disk, prefetched "
-            "for the next period, prefetched and then not selected",
+            "for the next period, prefetched and then not selected, recalled during decode (freekv)",
             ["part"],
         )
         self.pruned_seconds = Counter(
@@ -111,6 +111,7 @@ class TierMetrics:
             ("disk_read", "disk_bytes_read"),
             ("prefetched", "prefetched_bytes"),
             ("wasted_prefetch", "wasted_prefetch_bytes"),
+            ("recalled", "recalled_bytes"),
         ):
             self.pruned.labels(part=part).inc(max(getattr(stats, name) - getattr(last, name), 0))
         self.pruned_seconds.labels(part="io_wait").inc(max(stats.io_wait_s - last.io_wait_s, 0.0))

@@ -1,22 +1,25 @@
 """Chunk-pruned re-prefill (ContiguousKV): a returning history loaded only where the new turn looks.
 
-When a history comes back from the tiers, :class:`PrunedRestore` gives it device slots but loads
-nothing up front (a disk hit is admitted from its verified header). During the new turn's prefill,
-at the first layer of each period of ``period`` layers, the loopkv attention backend hands the
-layer's query rows to :meth:`PrunedRestore.select`: the chunks are scored against their stored key
-summaries (no key is read, :mod:`sgl_loopkv.selection.chunks`), the best ones kept (the first chunk
-and the nearest ones always), and the :class:`ChunkReader` thread copies the kept chunks of every
-layer of the period into the slots - from the host tier, or from disk with each extent's crc32
-checked - while earlier layers compute. Then it prefetches the same set for the next period, so
-that period reads only the chunks its own selection adds (ContiguousKV's inter-period reuse).
-The layer's attention waits for its sub-period gate (:meth:`wait`) and reads only the kept chunks
-(:meth:`kept_slots`); a chunk whose extent failed its checksum is left out of that layer's set and
-counted, never read.
+When a history comes back from the tiers, :class:`PrunedRestore` gives it a device *page cache*
+of ``budget x chunks`` chunks of pool slots and reads nothing up front (a disk hit is admitted
+from its verified header and summaries). During the new turn's prefill, at the first layer of each
+period of ``period`` layers, the loopkv attention backend hands the layer's query rows to
+:meth:`PrunedRestore.select`: the chunks are scored against their stored key summaries (no key is
+read, :mod:`sgl_loopkv.selection.chunks`), the best ones kept (the first chunk and the nearest ones
+always), each given a place in the cache for this period, and the :class:`ChunkReader` thread
+copies them into their places for every layer of the period - from the host tier, or from disk
+with each extent's crc32 checked - while earlier layers compute. Then it reads the same set ahead
+for the next period, in the same places, so that period reads only the chunks its own selection
+adds (ContiguousKV's inter-period reuse); a place holds, at each layer, the chunk of that layer's
+period. The layer's attention waits for its sub-period gate (:meth:`wait`) and reads the kept
+chunks' places (:meth:`kept_slots`); a chunk whose extent failed its checksum is left out of that
+layer's set and counted, never read.
 
-The restore's slots are the request's own, not the tree's (the path's nodes stay stored-only):
-they hold only the chunks some period kept, so no other request may read them. The turn itself is
-stored at its end like any other (its KV computed over the kept chunks) and the request's slots are
-freed with its row. Budget 1.0 keeps every chunk: the same KV as a full load, read period by period.
+The cache is the restore's, not the tree's: the history's tree nodes stay stored-only, the
+request's row points its history positions at the pool's padding slot (never read: the plans list
+the cache), and the cache is freed when the request ends. The turn itself is stored at its end like
+any other (its KV computed over the kept chunks). Budget 1.0 keeps every chunk: the same KV as a
+full load, read period by period.
 """
 
 from __future__ import annotations
@@ -72,6 +75,9 @@ class PrunedStats:
     kept_chunks: int = 0  # summed over selections
     scored_chunks: int = 0
     bad_extents: int = 0  # failed their checksum: left out, counted
+    decode_selections: int = 0  # decode-time re-selections (query drifted past tau)
+    recalled_bytes: int = 0  # chunks recalled into the page cache during decode
+    cache_tokens: int = 0  # device-pool slots of the page cache (per restore; summed over restores)
     overlap_sum: float = 0.0  # per selection after a period's first: share of its chunks the previous period kept
     overlaps: int = 0
 
@@ -96,7 +102,7 @@ class PrunedRestore:
         self,
         rid: str,
         sources: list[Source],
-        slots: torch.Tensor,
+        n_chunks: int,
         start: int,
         summaries: torch.Tensor,
         k_buffers: list[torch.Tensor],
@@ -110,16 +116,22 @@ class PrunedRestore:
         local: int,
         disk=None,
     ):
-        self.rid, self.sources, self.slots, self.start = rid, sources, slots, start
+        self.rid, self.sources, self.start = rid, sources, start
         self.summaries = summaries  # [L, m, H, 2, D]
         self.k_buffers, self.v_buffers, self.reader, self.disk = k_buffers, v_buffers, reader, disk
         self.chunk, self.budget, self.period, self.gate, self.local = chunk, budget, period, gate, local
         self.num_layers = len(k_buffers)
-        self.n_chunks = len(slots) // chunk
-        self.tokens = len(slots)
+        self.n_chunks = n_chunks
+        self.tokens = n_chunks * chunk
         self.keep = keep_count(self.n_chunks, budget)
+        self.slots: torch.Tensor | None = None  # the device page cache: keep chunks of slots (see attach)
         n_periods = -(-self.num_layers // period)
         self.kept: list[torch.Tensor | None] = [None] * n_periods  # latest selection of each period
+        # per period, chunk -> its chunk place in the page cache (-1: none); a place holds, at each
+        # layer, the chunk its period maps there, so every period uses the same keep-chunk cache
+        self.where = torch.full((n_periods, self.n_chunks), -1, dtype=torch.int64)
+        self.n_prefetched = 0  # (layer, chunk) reads queued ahead for the next period
+        self.n_wasted = 0  # of those, dropped by that period's own selection
         self.loaded = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)  # in the pool (reader thread)
         self.asked = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)  # queued or loaded
         self.bad = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)
@@ -129,12 +141,25 @@ class PrunedRestore:
         self.stats = PrunedStats()
         self.mass = torch.zeros(self.n_chunks)  # the selections' estimated attention mass per chunk, summed
         self.bad_segments: set[str] = set()  # segments with an extent that failed its checksum
+        self._decode_q: dict[int, torch.Tensor] = {}  # period -> the decode query it last chose with
+        self._recalls: dict[int, torch.Tensor] = {}  # period -> chunks chosen, recalled at the next period
         self._version = 0  # bumped by every selection and read: kept_slots' cache key
         self._kept_cache: dict[int, tuple[int, torch.Tensor]] = {}
         self.closed = False
         self.last_used = time.monotonic()
         k0 = k_buffers[0]
         self.layer_bytes = 2 * chunk * k0.shape[1] * k0.shape[2] * k0.element_size()  # a chunk of a layer, K and V
+
+    @property
+    def cache_tokens(self) -> int:
+        """Device-pool slots the restore holds: its page cache, whatever the history's length."""
+        return self.keep * self.chunk
+
+    def attach(self, slots: torch.Tensor) -> None:
+        """The page cache's pool slots (``cache_tokens`` of them)."""
+        assert len(slots) == self.cache_tokens, (len(slots), self.cache_tokens)
+        self.slots = slots
+        self.stats.cache_tokens = len(slots)
 
     # --- the forward's side ----------------------------------------------------------------------
     def period_of(self, layer: int) -> int:
@@ -155,15 +180,79 @@ class PrunedRestore:
             self.stats.overlap_sum += float(torch.isin(chunks, prev).float().mean())
             self.stats.overlaps += 1
         self.kept[p] = chunks
+        self._assign(p, chunks)
         self._version += 1
         self.stats.selections += 1
         self.stats.kept_chunks += len(chunks)
         self.stats.scored_chunks += self.n_chunks
         first, end = p * self.period, min((p + 1) * self.period, self.num_layers)
         self._queue(range(first, end), chunks, prefetch=False)
-        if end < self.num_layers:  # ContiguousKV: the next period probably wants much the same chunks
+        if end < self.num_layers and self.kept[p + 1] is None:  # ContiguousKV: the next period probably
+            self.where[p + 1] = self.where[p]  # wants much the same chunks: the same places, read ahead
             self._queue(range(end, min(end + self.period, self.num_layers)), chunks, prefetch=True)
         return chunks
+
+    def _layers(self, p: int) -> range:
+        return range(p * self.period, min((p + 1) * self.period, self.num_layers))
+
+    def _assign(self, p: int, chunks: torch.Tensor) -> None:
+        """Places in the page cache for period ``p``'s chunks: a chunk placed there already (read
+        ahead) keeps its place, the others take the places of the chunks dropped. A dropped chunk's
+        reads for this period are forgotten (a read still queued for it lands before the read of the
+        chunk that takes its place: one reader, in order)."""
+        where = self.where[p]
+        chosen = torch.zeros(self.n_chunks, dtype=torch.bool)
+        chosen[chunks] = True
+        dropped = (where >= 0) & ~chosen
+        if dropped.any():
+            for layer in self._layers(p):
+                self.n_wasted += int((self.prefetched[layer] & dropped).sum())
+                for mask in (self.asked, self.loaded, self.prefetched, self.bad):
+                    mask[layer, dropped] = False
+            where[dropped] = -1
+        used = torch.zeros(self.keep, dtype=torch.bool)
+        used[where[where >= 0]] = True
+        free = torch.nonzero(~used).flatten()
+        new = chunks[where[chunks] < 0]
+        where[new] = free[: len(new)]
+
+    # --- decode: FreeKV-style re-selection with recall from the tiers -----------------------------
+    def decode_select(self, layer: int, q: torch.Tensor, scale: float, tau: float, serial: bool = False) -> None:
+        """At a period's first layer of a decode step. Reads decided at earlier periods are queued
+        first (their layers of this step are done, so their places can be rewritten). Then, when the
+        query drifted from the one this period last chose with (cosine < ``tau``), the period's chunks
+        are chosen anew with it - used from the next step on (FreeKV's speculation: this step attends
+        to the previous choice while the new chunks are recalled from the host or disk tier into the
+        places of the dropped ones). ``serial``: recall now and wait (the reference the overlapped
+        path must equal)."""
+        p = self.period_of(layer)
+        self._flush_recalls(skip=p)
+        qv = q.float().flatten()
+        last = self._decode_q.get(p)
+        if last is not None and float(torch.nn.functional.cosine_similarity(qv, last, dim=0)) >= tau:
+            return
+        self._decode_q[p] = qv
+        if self.keep >= self.n_chunks or self.kept[p] is None:
+            return
+        chunks = select_chunks(chunk_scores(q, self.summaries[layer], scale, self.chunk), self.keep, self.local)
+        self.stats.decode_selections += 1
+        if torch.equal(chunks, self.kept[p]):
+            return
+        self._recalls[p] = chunks
+        if serial:
+            self._flush_recalls(skip=None)
+            for x in self._layers(p):
+                self.wait(x)
+
+    def _flush_recalls(self, skip: int | None) -> None:
+        for p in [x for x in self._recalls if x != skip]:
+            chunks = self._recalls.pop(p)
+            self.kept[p] = chunks
+            self._assign(p, chunks)
+            self._version += 1
+            before = int(self.asked[self._layers(p)].sum())
+            self._queue(self._layers(p), chunks, prefetch=False)
+            self.stats.recalled_bytes += (int(self.asked[self._layers(p)].sum()) - before) * self.layer_bytes
 
     def needs_selection(self, layer: int) -> bool:
         return layer % self.period == 0 or self.kept[self.period_of(layer)] is None
@@ -182,24 +271,31 @@ class PrunedRestore:
                 self._cond.wait()
         self.stats.io_wait_s += time.perf_counter() - t0
 
-    def kept_positions(self, layer: int) -> torch.Tensor:
-        """History offsets (0 .. tokens) layer ``layer`` attends to: its period's kept chunks that loaded well."""
+    def kept_chunks(self, layer: int) -> torch.Tensor:
+        """History chunks layer ``layer`` attends to: its period's kept chunks that loaded well."""
         chunks = self.kept[self.period_of(layer)]
-        if chunks is None:  # nothing selected for this period (cannot happen after a prefill): every loaded chunk
-            chunks = torch.nonzero(self.loaded[layer]).flatten()
-        ok = chunks[self.loaded[layer, chunks] & ~self.bad[layer, chunks]]
-        return (ok[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+        if chunks is None:  # nothing selected for this period yet (cannot happen after a prefill)
+            return torch.zeros(0, dtype=torch.int64)
+        return chunks[self.loaded[layer, chunks] & ~self.bad[layer, chunks]]
+
+    def kept_positions(self, layer: int) -> torch.Tensor:
+        """History offsets (0 .. tokens) of :meth:`kept_chunks`."""
+        return (self.kept_chunks(layer)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
 
     def kept_slots(self, layer: int) -> torch.Tensor:
-        """The pool slots of :meth:`kept_positions`; cached until a selection or a read changes them
-        (every decode step asks again for every layer)."""
+        """The page-cache slots holding :meth:`kept_positions` at this layer, in position order;
+        cached until a selection or a read changes them (every decode step asks for every layer)."""
         hit = self._kept_cache.get(layer)
         if hit is not None and hit[0] == self._version:
             return hit[1]
         version = self._version
-        slots = self.slots[self.kept_positions(layer)]
+        slots = self._slots_of(self.period_of(layer), self.kept_chunks(layer))
         self._kept_cache[layer] = (version, slots)
         return slots
+
+    def _slots_of(self, p: int, chunks: torch.Tensor) -> torch.Tensor:
+        places = self.where[p, chunks]
+        return self.slots[(places[:, None] * self.chunk + torch.arange(self.chunk)).flatten()]
 
     # --- reads -----------------------------------------------------------------------------------
     def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
@@ -208,19 +304,19 @@ class PrunedRestore:
             if len(todo) == 0:
                 continue
             self.asked[layer, todo] = True
-            if prefetch:
-                self.prefetched[layer, todo] = True
-            else:
-                self.prefetched[layer, todo] = False
+            self.prefetched[layer, todo] = prefetch
+            self.n_prefetched += len(todo) if prefetch else 0
             with self._cond:
                 self._pending[layer] += 1
-            self.reader.submit(self, layer, todo)
+            self.reader.submit(self, layer, todo, self._slots_of(self.period_of(layer), todo))
 
-    def load(self, layer: int, chunks: torch.Tensor) -> None:
-        """Reader thread: copy ``chunks`` of ``layer`` into their slots (disk extents verified first)."""
+    def load(self, layer: int, chunks: torch.Tensor, dst: torch.Tensor) -> None:
+        """Reader thread: copy ``chunks`` of ``layer`` into the slots ``dst`` (``chunk`` per chunk, in
+        order), disk extents verified first."""
         t0 = time.perf_counter()
         try:
-            wanted = set(chunks.tolist())
+            order = {j: i for i, j in enumerate(chunks.tolist())}
+            wanted = set(order)
             k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
             for src in self.sources:
                 mine = [j for j in range(src.first, src.first + src.n_chunks) if j in wanted]
@@ -253,11 +349,10 @@ class PrunedRestore:
                 if not good:
                     continue
                 rows = (torch.tensor(good)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
-                dst = self.slots[
-                    (torch.tensor([mine[i] for i in good])[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
-                ]
-                k_buf.index_copy_(0, dst, kv[0, rows].to(k_buf.device, k_buf.dtype))
-                v_buf.index_copy_(0, dst, kv[1, rows].to(v_buf.device, v_buf.dtype))
+                at = torch.tensor([order[mine[i]] for i in good])
+                to = dst[(at[:, None] * self.chunk + torch.arange(self.chunk)).flatten()]
+                k_buf.index_copy_(0, to, kv[0, rows].to(k_buf.device, k_buf.dtype))
+                v_buf.index_copy_(0, to, kv[1, rows].to(v_buf.device, v_buf.dtype))
                 self.loaded[layer, [mine[i] for i in good]] = True
                 self.stats.bytes_loaded += len(good) * self.layer_bytes
         except Exception:  # never leave the forward waiting; what did not load is not attended
@@ -277,7 +372,7 @@ class PrunedRestore:
 
     def account(self) -> PrunedStats:
         """Used and wasted bytes as of the latest selections (call once the turn's prefill is over)."""
-        used, wasted = 0, 0
+        used = 0
         for layer in range(self.num_layers):
             chunks = self.kept[self.period_of(layer)]
             if chunks is None:
@@ -286,10 +381,9 @@ class PrunedRestore:
             sel[chunks] = True
             ok = self.loaded[layer] & ~self.bad[layer]
             used += int((ok & sel).sum())
-            wasted += int((self.prefetched[layer] & self.loaded[layer] & ~sel).sum())
         self.stats.bytes_used = used * self.layer_bytes
-        self.stats.prefetched_bytes = int((self.prefetched & self.loaded).sum()) * self.layer_bytes
-        self.stats.wasted_prefetch_bytes = wasted * self.layer_bytes
+        self.stats.prefetched_bytes = self.n_prefetched * self.layer_bytes
+        self.stats.wasted_prefetch_bytes = self.n_wasted * self.layer_bytes
         return self.stats
 
     def chunk_importance(self) -> torch.Tensor | None:
@@ -317,11 +411,11 @@ class ChunkReader:
     _queue: queue.Queue = field(default_factory=queue.Queue)
     _thread: threading.Thread | None = None
 
-    def submit(self, job: PrunedRestore, layer: int, chunks: torch.Tensor) -> None:
+    def submit(self, job: PrunedRestore, layer: int, chunks: torch.Tensor, dst: torch.Tensor) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="loopkv-chunk-reader", daemon=True)
             self._thread.start()
-        self._queue.put((job, layer, chunks))
+        self._queue.put((job, layer, chunks, dst))
 
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
@@ -329,8 +423,8 @@ class ChunkReader:
             item = self._queue.get()
             if item is None:
                 return
-            job, layer, chunks = item
-            job.load(layer, chunks)
+            job, layer, chunks, dst = item
+            job.load(layer, chunks, dst)
 
     def chunk_importance(self) -> torch.Tensor | None:
         """Per history chunk, the attention mass the selections estimated (mean 1), for the tiers'

@@ -63,6 +63,7 @@ from sgl_loopkv.config import PrefixConfig
 from sgl_loopkv.platform import release_free_heap
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
 from sgl_loopkv.restore.restorer import Restorer
+from sgl_loopkv.selection.chunks import keep_count
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ RELOOK_S = 1.0
 # A pruned restore made for a waiting request that never ran (aborted while queued) gives its slots
 # back after this long without being matched again (a waiting request is re-matched every round).
 UNADOPTED_S = 30.0
+PADDING_SLOT = 0  # SGLang's allocators never hand out the pool's first page: dummy writes land there
 
 
 def _ref(node: TreeNode) -> tuple[str, int, int] | None:
@@ -404,7 +406,9 @@ class LoopKVRadixCache(RadixCache):
                     last_device_node=last_device,
                     last_host_node=last_device,
                     best_match_node=last_device,
-                    cache_protected_len=device_len,  # the restore's slots are the request's: its row frees them
+                    # The history's row entries point at the padding slot (the plans list the page
+                    # cache instead): SGLang must not free them, and on_release frees the cache.
+                    cache_protected_len=device_len + job.tokens,
                 )
         if stored and req is not None:
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
@@ -498,13 +502,16 @@ class LoopKVRadixCache(RadixCache):
             if job.start == device_len and job.tokens == total and req.rid not in self.pruned_adopted:
                 job.last_used = time.monotonic()
                 return job
-            self._drop_pruned(req.rid, free_slots=req.rid not in self.pruned_adopted)
+            self._drop_pruned(req.rid, ran=req.rid in self.pruned_adopted)
         # Restores of requests still queued hold their slots outside the tree (nothing can evict
         # them): the first always, then up to half of the pool; past that a history loads the
         # tree's way, whose slots the scheduler can take back, so queued restores cannot starve
         # the requests that run.
-        held = sum(j.tokens for r, j in self.pruned.items() if r not in self.pruned_adopted)
-        if held and held + total > self.kv_pool.size // 2:
+        held = sum(j.cache_tokens for r, j in self.pruned.items() if r not in self.pruned_adopted)
+        if (
+            held
+            and held + keep_count(total // self.page_size, self.prefix.budget) * self.page_size > self.kv_pool.size // 2
+        ):
             logger.info("loopkv: %d tokens of queued pruned restores: this history loads whole", held)
             return None
         sources, restoring, first = [], {_ref(nd)[0] for nd in stored}, 0
@@ -528,7 +535,8 @@ class LoopKVRadixCache(RadixCache):
             n = first * self.page_size
             if n == 0 or any(_ref(nd) is None or not self._attached(nd) for nd in stored[: len(sources)]):
                 raise LookupError("part of the history was lost while it was restored")
-            slots = self._alloc(n, last_device)
+            cfg = self.prefix
+            slots = self._alloc(keep_count(first, cfg.budget) * self.page_size, last_device)  # the page cache
             if slots is None:
                 raise LookupError("no device slots for the history")
         except LookupError as e:
@@ -537,11 +545,10 @@ class LoopKVRadixCache(RadixCache):
                 if src.fd is not None:
                     os.close(src.fd)
             return None
-        cfg = self.prefix
         job = PrunedRestore(
             req.rid,
             sources,
-            slots,
+            first,
             device_len,
             torch.cat(summaries, dim=1),
             self.kv_pool.k_buffer,
@@ -554,29 +561,33 @@ class LoopKVRadixCache(RadixCache):
             local=cfg.local,
             disk=self.store.disk,
         )
+        job.attach(slots)
         job.last_node = stored[len(sources) - 1]
         job.key = key
         self.pruned[req.rid] = job
         logger.info(
-            "loopkv: resuming %d tokens chunk-pruned (budget %.2f: %d of %d chunks per period, every %d layers), "
-            "read during the prefill",
+            "loopkv: resuming %d tokens chunk-pruned (budget %.2f: %d of %d chunks per period, every %d layers, "
+            "in a page cache of %d device slots), read during the prefill",
             n,
             cfg.budget,
             job.keep,
             job.n_chunks,
             cfg.period,
+            job.cache_tokens,
         )
         return job
 
     def prefix_device_indices(self, req) -> torch.Tensor:
-        """SGLang's path indices, then the pruned restore's slots (the request's own, as LMCache's
-        loaded-but-unpublished slots are): the row gets the whole history."""
+        """SGLang's path indices, then the pruned history's positions, which hold no KV of their own:
+        they point at the pool's padding slot (the allocator never hands out page 0), and the
+        loopkv backend's plans read the restore's page cache for them instead (as SGLang's LMCache
+        connector appends slots it loaded but did not publish, this appends what the tree lacks)."""
         job = self.pruned.get(req.rid)
         if job is None:
             return super().prefix_device_indices(req)
-        path = self.path_device_indices(req.last_node)[: job.start]
+        path = self.path_device_indices(req.last_node)[: job.start].to(torch.int64)
         self.pruned_adopted.add(req.rid)
-        indices = torch.cat([path.to(torch.int64), job.slots.to(path.device)])
+        indices = torch.cat([path, path.new_full((job.tokens,), PADDING_SLOT)])
         assert len(indices) == req.prefix_len, (req.rid, len(indices), req.prefix_len)
         return indices
 
@@ -587,14 +598,13 @@ class LoopKVRadixCache(RadixCache):
     def on_release(self, req, *, checkpointed: bool) -> None:
         super().on_release(req, checkpointed=checkpointed)
         if req.rid in self.pruned:
-            self._drop_pruned(req.rid, free_slots=False)  # its row gave the slots back
+            self._drop_pruned(req.rid, ran=True)
 
-    def _drop_pruned(self, rid: str, free_slots: bool) -> None:
+    def _drop_pruned(self, rid: str, ran: bool) -> None:
         job = self.pruned.pop(rid)
         self.pruned_adopted.discard(rid)
         job.close()  # no read may still write into slots that are about to be reused
-        if free_slots:
-            self.token_to_kv_pool_allocator.free(job.slots)
+        self.token_to_kv_pool_allocator.free(job.slots)  # the page cache is not in the row's freed range
         stats = job.account()
         self.pruned_stats.add(stats)
         self._pruned_done[rid] = stats
@@ -603,7 +613,7 @@ class LoopKVRadixCache(RadixCache):
         for seg in job.bad_segments:
             logger.warning("loopkv: segment %s had damaged extents: removed, that history is recomputed next time", seg)
             self.store.forget_corrupt(seg)
-        if free_slots:  # never ran: nothing was used
+        if not ran:  # a queued request's restore, never run: nothing was used
             return
         mass, touched = job.chunk_importance(), []
         for src in job.sources:  # the value policy learns which chunks the new turn attended to
@@ -625,7 +635,7 @@ class LoopKVRadixCache(RadixCache):
         for rid in [
             r for r, j in self.pruned.items() if r not in self.pruned_adopted and now - j.last_used > UNADOPTED_S
         ]:
-            self._drop_pruned(rid, free_slots=True)
+            self._drop_pruned(rid, ran=False)
 
     def _store_pruned_turn(self, req, job: PrunedRestore, up_to: int) -> None:
         """Store the finished turn after a pruned history (its KV, computed over the kept chunks, is
@@ -789,6 +799,9 @@ class LoopKVRadixCache(RadixCache):
                 "wasted_prefetch_bytes": stats.wasted_prefetch_bytes,
                 "io_wait_s": round(stats.io_wait_s, 6),
                 "inter_period_overlap": round(stats.inter_period_overlap, 4),
+                "decode_selections": stats.decode_selections,
+                "recalled_bytes": stats.recalled_bytes,
                 "bad_extents": stats.bad_extents,
+                "device_tokens": job.cache_tokens if job is not None else stats.cache_tokens,
             }
         return out

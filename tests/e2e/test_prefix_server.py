@@ -4,6 +4,7 @@ where the new turn looks, the turn is stored, and the conversation goes on."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -34,12 +35,18 @@ def server(tiny_model_dir, disk_dir, log, *flags) -> ServerProcess:
     return ServerProcess(args, log_path=log)
 
 
+# slow (30 s): the default suite checks budget 1.0 in-process (the backend over a full page cache equals
+# dense attention over the stored history: tests/unit/test_prefix_prune.py) and runs the pruned server below
+@pytest.mark.slow
 def test_streamed_disk_resume_at_full_budget_equals_the_full_load(tiny_server, tiny_model_dir, server_logs, tmp_path):
     from tests.e2e.test_tiered_cache import N_CONV, ask, tiers
 
     reference = {i: ask(tiny_server.url, i)["output_ids"] for i in (0, N_CONV - 3)}
     log = server_logs / "prefix-stream.log"
-    with server(tiny_model_dir, tmp_path, log, "--loopkv-prefix-stream").start() as srv:
+    # freekv on: at budget 1.0 every chunk is kept, so its decode re-selection never changes a thing
+    with server(
+        tiny_model_dir, tmp_path, log, "--loopkv-prefix-stream", "--loopkv-decode-policy", "freekv"
+    ).start() as srv:
         for i in range(N_CONV):
             ask(srv.url, i)
         host = ask(srv.url, N_CONV - 3)
@@ -75,7 +82,9 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server,
     reference = {1: ask(tiny_server.url, 1, q1)["output_ids"], 2: ask(tiny_server.url, 2, q2)["output_ids"]}
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     log = server_logs / "prefix-pruned.log"
-    with server(tiny_model_dir, tmp_path, log, "--loopkv-prefix-budget", "0.25").start() as srv:
+    # freekv with tau > 1: every decode step re-selects each period's chunks and recalls what changed
+    flags = ("--loopkv-prefix-budget", "0.25", "--loopkv-decode-policy", "freekv", "--loopkv-decode-tau", "2")
+    with server(tiny_model_dir, tmp_path, log, *flags).start() as srv:
         for i in range(N_CONV + 1):  # the host tier holds the last ~4: 0, 1 and 2 are on disk only
             ask(srv.url, i)
         time.sleep(1.0)
@@ -83,7 +92,12 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server,
         assert tiers(first)["disk"] > 800, tiers(first)
         pruned = first["meta_info"]["cached_tokens_details"]["pruned"]
         assert 0.25 <= pruned["kept_fraction"] < 0.35, pruned
-        assert 0 < pruned["disk_bytes_read"] == pruned["bytes_used"] == pruned["bytes_loaded"], pruned  # one period
+        # chunk-aligned reads: every byte read from disk was loaded (at the prefill, then recalled by
+        # decode re-selections, one per generated token after the first)
+        assert 0 < pruned["disk_bytes_read"] == pruned["bytes_loaded"], pruned
+        assert pruned["bytes_used"] <= pruned["bytes_loaded"] and pruned["decode_selections"] >= 11, pruned
+        # the device held a page cache of a quarter of the history's chunks, not the history
+        assert pruned["device_tokens"] == math.ceil(0.25 * (tiers(first)["disk"] // 16)) * 16, pruned
         host = ask(srv.url, N_CONV - 1, "How many books are in room 4?")  # from the host tier
         assert tiers(host)["host"] > 800, tiers(host)
         assert host["meta_info"]["cached_tokens_details"]["pruned"]["disk_bytes_read"] == 0

@@ -49,17 +49,24 @@ def kv_of(seed: int, chunks: int) -> torch.Tensor:
     return torch.randn(L, 2, chunks * C, H, D, generator=torch.Generator().manual_seed(seed))
 
 
-def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None, slots=None):
-    n = kv_total.shape[2]
+def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None):
+    m = kv_total.shape[2] // C
     pool_k = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
     pool_v = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
-    slots = slots if slots is not None else torch.randperm(4000)[:n] + 10
     summaries = key_summaries(kv_total[:, 0], C)
     job = PrunedRestore(
-        "r", sources, slots, 0, summaries, pool_k, pool_v, ChunkReader(),
+        "r", sources, m, 0, summaries, pool_k, pool_v, ChunkReader(),
         chunk=C, budget=budget, period=period, gate=gate, local=2, disk=disk,
     )  # fmt: skip
+    job.attach(torch.randperm(4000)[: job.cache_tokens] + 10)  # a scattered page cache
     return job, pool_k, pool_v
+
+
+def check_layer(job, pk, pv, kv, layer):
+    """What layer ``layer`` attends to is exactly the stored KV of its kept chunks."""
+    pos, slots = job.kept_positions(layer), job.kept_slots(layer)
+    assert torch.equal(pk[layer][slots], kv[layer, 0, pos]) and torch.equal(pv[layer][slots], kv[layer, 1, pos])
+    return pos
 
 
 def run_prefill(job, q_seed=1):
@@ -74,16 +81,15 @@ def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_pe
     kv = kv_of(0, 20)
     job, pk, pv = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3)
     run_prefill(job)
+    assert job.cache_tokens == keep_count(20, 0.3) * C  # the device holds the kept chunks, not the history
     for layer in range(L):
-        pos = job.kept_positions(layer)
+        pos = check_layer(job, pk, pv, kv, layer)
         assert len(pos) == keep_count(20, 0.3) * C
-        slots = job.slots[pos]
-        assert torch.equal(pk[layer][slots], kv[layer, 0, pos]) and torch.equal(pv[layer][slots], kv[layer, 1, pos])
         if layer % 3:  # one selection per period: every layer of it reads the same chunks
             assert torch.equal(pos, job.kept_positions(layer - layer % 3))
-    unread = torch.ones(20 * C, dtype=torch.bool)
-    unread[job.kept_positions(0)] = False  # a chunk no period chose stays unread (NaN in this pool)
-    assert torch.isnan(pk[0][job.slots[unread]]).all() or unread.sum() == 0
+    outside = torch.ones(4096, dtype=torch.bool)
+    outside[job.slots] = False  # nothing is written outside the page cache
+    assert all(torch.isnan(pk[layer][outside]).all() for layer in range(L))
     st = job.account()
     assert st.bytes_used == sum(len(job.kept_positions(x)) for x in range(L)) // C * job.layer_bytes
     assert st.prefetched_bytes > 0 and st.wasted_prefetch_bytes <= st.prefetched_bytes
@@ -93,11 +99,10 @@ def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_pe
 
 def test_budget_one_keeps_every_chunk():
     kv = kv_of(1, 9)
-    job, pk, _ = restore([Source("s", 0, 9, 0, host_kv=kv)], kv, budget=1.0)
+    job, pk, pv = restore([Source("s", 0, 9, 0, host_kv=kv)], kv, budget=1.0)
     run_prefill(job)
     for layer in range(L):
-        assert torch.equal(job.kept_positions(layer), torch.arange(9 * C))
-        assert torch.equal(pk[layer][job.slots], kv[layer, 0])
+        assert torch.equal(check_layer(job, pk, pv, kv, layer), torch.arange(9 * C))
     job.close()
 
 
@@ -119,9 +124,7 @@ def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path):
     job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=2, disk=store)
     run_prefill(job)
     for layer in range(L):
-        pos = job.kept_positions(layer)
-        assert torch.equal(pk[layer][job.slots[pos]], kv[layer, 0, pos])
-        assert torch.equal(pv[layer][job.slots[pos]], kv[layer, 1, pos])
+        check_layer(job, pk, pv, kv, layer)
     st = job.account()
     # chunk-aligned reads: what was read is what was loaded (extents carry no padding at this geometry)
     assert st.disk_bytes_read == st.bytes_loaded and st.bytes_used <= st.bytes_loaded
@@ -135,10 +138,10 @@ def test_two_sources_map_to_their_history_chunks(tmp_path):
     kv_host = kv_of(4, 5)
     kv = torch.cat([kv_disk[:, :, C:], kv_host], dim=2)  # history = disk chunks 1..5, then host 0..4
     sources = [disk_source(store, rec, lo=1, hi=6, first=0), Source("h", 0, 5, 5, host_kv=kv_host)]
-    job, pk, _ = restore(sources, kv, budget=1.0, disk=store)
+    job, pk, pv = restore(sources, kv, budget=1.0, disk=store)
     run_prefill(job)
     for layer in range(L):
-        assert torch.equal(pk[layer][job.slots], kv[layer, 0])
+        assert len(check_layer(job, pk, pv, kv, layer)) == 10 * C
     job.close()
 
 
@@ -158,12 +161,12 @@ def test_a_damaged_extent_never_reaches_a_plan(tmp_path, damage):
             f.write(bytes([b[0] ^ 0xFF]))
     else:
         os.truncate(path, off + 10)
-    job, pk, _ = restore([src], kv, budget=1.0, period=2, disk=store)
+    job, pk, pv = restore([src], kv, budget=1.0, period=2, disk=store)
     run_prefill(job)
     assert job.stats.bad_extents >= 1
     pos = job.kept_positions(bad_layer)
     assert not ((pos >= bad_chunk * C) & (pos < (bad_chunk + 1) * C)).any()  # left out, not read
-    assert torch.equal(pk[bad_layer][job.slots[pos]], kv[bad_layer, 0, pos])  # the rest is intact
+    check_layer(job, pk, pv, kv, bad_layer)  # the rest is intact
     if damage == "flip":  # other layers lost nothing
         assert len(job.kept_positions(0)) == 12 * C
     job.close()
@@ -197,3 +200,115 @@ def test_prefix_flags_validate():
             PrefixConfig(**bad)
     cfg = LoopKVConfig.from_flat(prefix_budget=0.25, prefix_period=4)
     assert cfg.prefix.budget == 0.25 and cfg.prefix.period == 4
+
+
+def test_the_page_cache_never_grows_with_the_history_and_reselection_reuses_places():
+    """Whatever the history's length, the device holds budget x chunks; a period whose selection
+    differs from the one read ahead for it puts its new chunks in the places of those it dropped,
+    and what every layer attends to is still exactly its chunks' stored KV."""
+    for m in (8, 40, 120):
+        kv = kv_of(10 + m, m)
+        job, pk, pv = restore([Source("s", 0, m, 0, host_kv=kv)], kv, budget=0.25, period=2)
+        assert job.cache_tokens == keep_count(m, 0.25) * C
+        for q_seed in (1, 2, 3):  # a second and third extend re-select every period (chunked prefill)
+            run_prefill(job, q_seed)
+            for layer in range(L):
+                check_layer(job, pk, pv, kv, layer)
+                places = job.where[job.period_of(layer)]
+                assert int((places >= 0).sum()) == job.keep and len(set(places[places >= 0].tolist())) == job.keep
+        st = job.account()
+        assert st.wasted_prefetch_bytes <= st.prefetched_bytes
+        job.close()
+
+
+def decode_steps(job, steps, serial, seed=20):
+    """Decode steps whose query drifts: every period re-selects (tau 2: always) and recalls."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        q = torch.randn(1, 2 * H, D, generator=g)
+        for layer in range(L):
+            if layer % job.period == 0:
+                job.decode_select(layer, q, 0.3, tau=2.0, serial=serial)
+            job.wait(layer)
+
+
+def test_decode_recall_overlapped_equals_serial_and_stays_in_the_cache(tmp_path):
+    """FreeKV on a pruned history: chunks chosen with a drifting decode query are recalled from disk
+    into the page cache; recalling behind the next periods' compute (overlapped) leaves exactly what
+    recalling at once and waiting (serial) leaves, every layer attends to its chunks' stored KV, and
+    the device cache never grows."""
+    store, rec, kv = stored_segment(tmp_path, seed=11, chunks=24)
+    jobs = []
+    for serial in (False, True):
+        job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=2, disk=store)
+        run_prefill(job)
+        decode_steps(job, 4, serial)
+        job._flush_recalls(skip=None)  # the last step's decisions (the next step would make them)
+        for layer in range(L):
+            job.wait(layer)
+            check_layer(job, pk, pv, kv, layer)
+        assert job.stats.recalled_bytes > 0 and job.stats.decode_selections > 0
+        assert len(job.slots) == keep_count(24, 0.25) * C
+        jobs.append(job)
+    for layer in range(L):
+        assert torch.equal(jobs[0].kept_positions(layer), jobs[1].kept_positions(layer))
+    for job in jobs:
+        job.close()
+
+
+# --- the backend's kept-chunk plans (fake SGLang batches) ------------------------------------------
+@pytest.mark.parametrize("budget", [1.0, 0.4])
+def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget):
+    """A batch of two sequences, the first with a pruned history of 20 chunks (its row points the
+    history at the padding slot, filled with garbage here), the second dense. The pruned one's
+    output equals dense attention over its kept chunks' stored KV and its own tokens (budget 1.0: the
+    full history, i.e. the full load); the other's is untouched."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    from sgl_loopkv.attention import dense_attention
+    from sgl_loopkv.attention.backend import LoopKVAttnBackend
+    from tests.fakes import FakeKVPool, fake_batch, fake_layer, fake_runner
+
+    hq, layer = 2 * H, fake_layer(0, 2 * H, D, 0.3)
+    pool = FakeKVPool.random(0, L, 4096, H, D)
+    hist = kv_of(30, 20)  # the stored history (all layers)
+    req_to_token = torch.zeros(2, 1024, dtype=torch.int32)  # row 0: history -> padding slot 0
+    req_to_token[0, 320:400] = torch.arange(2000, 2080)
+    req_to_token[1, :200] = torch.arange(2500, 2700)
+    pool.k[0][0] = float("nan")  # whoever reads the padding slot poisons its output
+    job = PrunedRestore(
+        "a", [Source("s", 0, 20, 0, host_kv=hist)], 20, 0, key_summaries(hist[:, 0], C), pool.k, pool.v,
+        ChunkReader(), chunk=C, budget=budget, period=3, gate=2, local=2,
+    )  # fmt: skip
+    job.attach(torch.arange(3000, 3000 + job.cache_tokens))
+    ctx = SimpleNamespace(cache=SimpleNamespace(pruned={"a": job}, pruned_job={"a": job}.get))
+    be = LoopKVAttnBackend(fake_runner(req_to_token, pool), context=ctx)
+
+    def expect(q, seq_len, n_new, out):
+        pos = job.kept_positions(0)
+        own = req_to_token[0, 320:seq_len].long()
+        k = torch.cat([hist[0, 0, pos], pool.k[0][own]])
+        v = torch.cat([hist[0, 1, pos], pool.v[0][own]])
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out, dense_attention(q, k, v, 0.3), rtol=0, atol=1e-6)
+        return pos
+
+    fb = fake_batch(ForwardMode.EXTEND, [0, 1], [384, 200], [64, 200], torch.zeros(264, dtype=torch.int64))
+    fb.rids = ["a", "b"]
+    be.init_forward_metadata(fb)
+    q = torch.randn(264, hq, D, generator=torch.Generator().manual_seed(3))
+    out = be.forward_extend(q.view(264, -1), None, None, layer, fb, save_kv_cache=False).view(264, hq, D)
+    pos = expect(q[:64], 384, 64, out[:64])
+    assert len(pos) == (20 * C if budget == 1.0 else keep_count(20, budget) * C)
+    other = req_to_token[1, :200].long()
+    assert torch.equal(out[64:], dense_attention(q[64:], pool.k[0][other], pool.v[0][other], 0.3))
+
+    fb = fake_batch(ForwardMode.DECODE, [0, 1], [385, 201], [1, 1], torch.zeros(2, dtype=torch.int64))
+    fb.rids = ["a", "b"]
+    be.init_forward_metadata(fb)
+    q = torch.randn(2, hq, D, generator=torch.Generator().manual_seed(4))
+    out = be.forward_decode(q.view(2, -1), None, None, layer, fb, save_kv_cache=False).view(2, hq, D)
+    expect(q[:1], 385, 1, out[:1])
+    job.close()
