@@ -60,10 +60,10 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-# the torch fallback paths are slow-marked (a second server start); the default suite checks the kernel path
-@pytest.mark.parametrize(
-    "native", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["native-kernel", "torch-paths"]
-)
+# slow (60 s with its reference server): the default suite checks the executor on a fragmented pool
+# in-process (tests/unit/test_paged_decode.py) and decode after resumes in every tiered-cache test
+@pytest.mark.slow
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "torch-paths"])
 def test_decode_after_resumes_into_a_fragmented_pool(
     native, tiny_model_dir, tiny_native_server, server_logs, tokenizer
 ):

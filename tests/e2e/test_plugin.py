@@ -61,7 +61,8 @@ def test_plugin_registration_is_idempotent():
     assert not out["wrapped_twice"]
 
 
-@pytest.mark.parametrize("stock", [False, True])
+# the stock side is slow-marked (21 s, a second server): the default suite checks the loopkv side
+@pytest.mark.parametrize("stock", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_decode_linear_hooks_only_in_loopkv_servers(stock):
     """The split linear layers are sgl-loopkv's: a server of its launcher gets them, its stock
     baseline (``--loopkv-stock``) and a plain SGLang process keep SGLang's layers."""

@@ -12,7 +12,7 @@ import pytest
 from benchmarks import soak
 from benchmarks.common import model_facts
 
-DURATION_S = 20
+DURATION_S = 15  # ~100 turns on the tiny model, each replayed after (the suite's 15-minute budget)
 # tokens of KV: 32 conversations of 3 turns (~100 new tokens each) outgrow the pool many times over,
 # the host tier a few times, the disk tier (segment files with their headers) within the run
 LOAD = soak.Load(conversations=32, turns=3, user_tokens=100, max_tokens=16)
