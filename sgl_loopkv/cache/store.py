@@ -16,6 +16,7 @@ flags, the counters and the ``_evicted`` queue that :meth:`TieredKVStore.sync` d
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import logging
 import os
@@ -24,7 +25,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from shutil import disk_usage
@@ -341,21 +342,12 @@ class TieredKVStore:
         if not seg.on_disk:
             raise CorruptSegment(f"segment {seg_id} has no copy")
         t0 = time.perf_counter()
-        try:  # no lock: a file evicted meanwhile by any worker is either read whole or found gone
+        with self._disk_read(seg):  # no lock: a file evicted meanwhile by any worker is either read whole or found gone
             before = self.disk.bytes_read
             partial = skip_chunks is not None and any(skip_chunks)
             first = [chunk_lo + k for k in skip_chunks] if partial else None
             kv = self.disk.read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
             self.stats.disk_bytes_read += self.disk.bytes_read - before
-        except SegmentGone:
-            self.stats.gone_segments += 1
-            seg.on_disk = False
-            self._lose(seg_id)
-            raise
-        except CorruptSegment:
-            self.stats.corrupt_segments += 1
-            self._lose(seg_id)  # deletes the bad file; the tree recomputes that history
-            raise
         self.stats.load_seconds += time.perf_counter() - t0
         self.last_disk_read = (self.disk.bytes_read - before, time.perf_counter() - t0)
         if partial:
@@ -376,6 +368,22 @@ class TieredKVStore:
             self.stats.host_bytes += nbytes
         return slice_tokens(kv, chunk_lo * c, chunk_hi * c), "disk"
 
+    @contextlib.contextmanager
+    def _disk_read(self, seg: StoredSegment) -> Iterator[None]:
+        """Around a read of ``seg``'s file: a file gone (evicted by any worker) or damaged is counted
+        and the segment forgotten (a damaged file deleted); the tree recomputes that history."""
+        try:
+            yield
+        except SegmentGone:
+            self.stats.gone_segments += 1
+            seg.on_disk = False
+            self._lose(seg.record.seg_id)
+            raise
+        except CorruptSegment:
+            self.stats.corrupt_segments += 1
+            self._lose(seg.record.seg_id)
+            raise
+
     def chunk_source(
         self, seg_id: str, chunk_lo: int, chunk_hi: int, keep: Collection[str] = ()
     ) -> tuple[object | None, int | None, dict | None, torch.Tensor, str]:
@@ -388,24 +396,14 @@ class TieredKVStore:
         if seg is None:
             raise CorruptSegment(f"segment {seg_id} is gone")
         if not seg.in_host and seg.on_disk:
-            try:
+            with self._disk_read(seg):
                 fd, header = self.disk.open_for_chunks(seg_id)
-            except SegmentGone:
-                self.stats.gone_segments += 1
-                seg.on_disk = False
-                self._lose(seg_id)
-                raise
-            except CorruptSegment:
-                self.stats.corrupt_segments += 1
-                self._lose(seg_id)
-                raise
             if "side" not in header:
                 try:
-                    summaries = self.disk.codec.read_summaries(fd, seg_id)
+                    with self._disk_read(seg):
+                        summaries = self.disk.codec.read_summaries(fd, seg_id)
                 except CorruptSegment:
                     os.close(fd)
-                    self.stats.corrupt_segments += 1
-                    self._lose(seg_id)
                     raise
                 return None, fd, header, summaries[:, chunk_lo:chunk_hi].float(), "disk"
             os.close(fd)
