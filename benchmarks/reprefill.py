@@ -34,8 +34,9 @@ disk / prefetched / wasted prefetch, I/O wait and reader seconds (the request's 
 bytes read / bytes used (summed over the timed resumes); the key summaries a disk admission reads
 (1/16 of the history's fp32 KV, not in that counter) are added in a second column, computed from
 the segment geometry. Bytes vs load-all = bytes loaded / the whole history's KV. ``device floor``:
-TTFT of the same kind of turn with the history already in the device pool (nothing to load; the
-load_all servers measure it): no loading strategy gets below it.
+TTFT of the same kind of turn with the whole history already in the device pool (nothing to load,
+attention over every history token; the load_all servers measure it): no strategy that loads
+everything gets below it (a pruned one may: its turn attends to fewer keys).
 
 Fidelity vs full prefill: the host load_all server first prefills history + turn A with nothing
 cached (its first-token log-probabilities are the reference) and generates 128 greedy tokens after
@@ -57,10 +58,14 @@ and tier (1.0 when none below reaches it). Multi-turn: benchmarks.multiturn's qu
 conversations decode_sparse plays) on dense sgl-loopkv and on ``--loopkv-prefix-budget R
 --loopkv-prefix-min-tokens 512``; the pruned run's server log must show chunk-pruned resumes.
 
-    python -m benchmarks.reprefill                   # 2K/4K/8K, 5 budgets, host + disk, 5 repeats (~25 min)
+    python -m benchmarks.reprefill                   # 2K/4K/8K, 5 budgets, host + disk, 5 repeats (~23 min)
     python -m benchmarks.reprefill --quick           # 4K only, 1 repeat, budgets 0.1/0.5/1.0 -> reprefill_quick.*
     python -m benchmarks.reprefill --parts servers inprocess   # no multi-turn run
+    python -m benchmarks.reprefill --parts multiturn --add --mt-budgets 0.1 0.25 1.0   # more multi-turn budgets
     python -m benchmarks.reprefill --replot          # table + plot again from reprefill.json
+
+Run it alone on the machine (``flock /tmp/loopkv_cpu.lock python -m benchmarks.reprefill``): TTFTs of
+0.1-1 s move with any other load.
 
 Writes benchmarks/results/reprefill.{json,md,png} (server logs: benchmarks/results/reprefill_*.log).
 """
@@ -589,6 +594,7 @@ def summarize(p: dict) -> dict:
         if name.startswith("reprefill_mt_b"):
             rs = [v for q, v in r["score_ratio_vs_dense"].items() if q != "all" and v is not None]
             out.setdefault("multiturn_score_ratio_min", {})[name.removeprefix("reprefill_mt_b")] = min(rs, default=None)
+    out["multiturn_score_ratio_min_recommended"] = (out.get("multiturn_score_ratio_min") or {}).get(f"{rec:g}")
     return out
 
 
@@ -608,6 +614,10 @@ def report_md(p: dict) -> str:
         f"# chunk-pruned re-prefill ({env['when']}; `{cfg['command']}`; median of {cfg['repeats']} timed resume(s) "
         f"after a warm-up; load average {env['loadavg_start'][0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end)",
         "",
+        *(
+            f"Added: `{r['command']}` ({r['env']['when']}; multi-turn part, dense run again in it).\n"
+            for r in cfg.get("runs", [])
+        ),
         f"{cfg['model']} ({cfg['num_layers']} layers), {cfg['pool_dtype']} KV pool, {machine_label()}. A returning "
         "turn (one sentence, 1 generated token) after a history stored in the host arena (`host`) or on disk with the "
         "page cache dropped (`disk`). `load_all` = today's path (`--loopkv-prefix-budget 1.0`, a disk hit read and "
@@ -693,8 +703,8 @@ def report_md(p: dict) -> str:
         )
     )
     lines.append(
-        "\n`device floor`: TTFT of the same kind of turn with the history already in the device pool (nothing to "
-        "load). `read amp.` = disk bytes read / bytes attention used (prefetched chunks that the next period did "
+        "\n`device floor`: TTFT of the same kind of turn with the whole history already in the device pool (nothing "
+        "to load, attention over all of it; a pruned turn attends to fewer keys and may go below it). `read amp.` = disk bytes read / bytes attention used (prefetched chunks that the next period did "
         "not select count as read, not used). `attention recall`: in-process, share of the dense attention mass of "
         "the turn's rows on the history that falls on the kept chunks (mean over layers and heads). IMPRESS-style: "
         "token-granular selection of the same budget by exact attention mass, read as 64-token blocks (no server "
@@ -782,8 +792,42 @@ def report_md(p: dict) -> str:
                 body,
             )  # fmt: skip
         )
-    lines += ["", "## Summary", "", "```json", json.dumps(sm, indent=1), "```", "", "![reprefill](reprefill.png)", ""]
+    lines += ["", "## Targets (issue 15)", "", *targets_md(sm), ""]
+    lines += ["## Summary", "", "```json", json.dumps(sm, indent=1), "```", "", "![reprefill](reprefill.png)", ""]
     return "\n".join(lines)
+
+
+def targets_md(sm: dict) -> list[str]:
+    """One line per acceptance target, from the summary: value, target, met or not."""
+    t, ok = sm["targets"], lambda c: "**met**" if c else "**not met**"  # noqa: E731
+    mt = sm.get("multiturn_score_ratio_min_recommended")
+    rows = [
+        ("read amplification, loopkv disk 4K budget 0.1", sm["read_amplification"], f"<= {t['read_amplification']}",
+         sm["read_amplification"] is not None and sm["read_amplification"] <= t["read_amplification"],
+         f"without the wasted prefetch {_f(sm['read_amplification_without_wasted_prefetch_4k_10pct'])}, with the key "
+         f"summaries read at admission {_f(sm['read_amplification_with_summaries_4k_10pct'])}; IMPRESS-style "
+         f"baseline {_f(sm['baseline_read_amplification'])}"),
+        ("TTFT load_all / loopkv, disk 4K budget 0.1", sm["ttft_load_all_over_loopkv_4k_disk_10pct"],
+         f">= {t['ttft_load_all_over_loopkv_4k_disk_10pct']}",
+         (sm["ttft_load_all_over_loopkv_4k_disk_10pct"] or 0) >= t["ttft_load_all_over_loopkv_4k_disk_10pct"],
+         f"load_all / device floor (whole history on the device) {_f(sm['ttft_load_all_over_device_floor_4k_disk'])}"),
+        ("TTFT read-then-admit / streamed, disk 4K budget 1.0", sm["streamed_over_admit_4k_disk_full"],
+         f"> {t['streamed_over_admit_4k_disk_full']}",
+         (sm["streamed_over_admit_4k_disk_full"] or 0) > t["streamed_over_admit_4k_disk_full"],
+         f"host tier: {_f(sm['streamed_over_admit_4k_host_full'])}"),
+        (f"teacher-forced agreement at the recommended budget {sm['recommended_budget']:g}",
+         sm["teacher_forced_agreement_recommended"], f">= {t['teacher_forced_agreement_recommended']}",
+         (sm["teacher_forced_agreement_recommended"] or 0) >= t["teacher_forced_agreement_recommended"],
+         "per budget (min over lengths and tiers): " + ", ".join(
+             f"{float(b):g}: {_f(v)}" for b, v in sm["teacher_forced_agreement_by_budget"].items())),
+        ("multi-turn score ratio vs dense at the recommended budget, min over positions", mt,
+         f">= {t['multiturn_score_ratio_min']}", mt is not None and mt >= t["multiturn_score_ratio_min"],
+         "per budget run: " + ", ".join(f"{b}: {_f(v)}" for b, v in (sm.get("multiturn_score_ratio_min") or {}).items())),
+        ("exact at budget 1.0 (streamed host and disk; load_all restored)", sm["exact_at_full_budget"],
+         "teacher-forced 1.0, KL <= 1e-6", sm["exact_at_full_budget"],
+         f"streamed greedy 128 tokens identical: {sm['greedy_identical_streamed']}"),
+    ]  # fmt: skip
+    return [f"- {what}: {_f(v)} (target {tgt}): {ok(c)}; {note}" for what, v, tgt, c, note in rows]
 
 
 def plot(p: dict, path: Path) -> None:
@@ -843,6 +887,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat, budgets 0.1/0.5/1.0 (-> reprefill_quick)")
     ap.add_argument("--name", default=None, help="results name (default reprefill, reprefill_quick with --quick)")
     ap.add_argument("--replot", action="store_true", help="table and plot again from <name>.json")
+    ap.add_argument("--mt-budgets", type=float, nargs="+", default=None,
+                    help="budgets of the multi-turn part (default: the recommended one)")  # fmt: skip
+    ap.add_argument("--add", action="store_true", help="with --parts multiturn: add to <name>.json's multi-turn part")
     args = ap.parse_args()
     name = args.name or ("reprefill_quick" if args.quick else "reprefill")
     if args.replot:
@@ -850,6 +897,10 @@ def main() -> None:
         payload["summary"] = summarize(payload)
         write_results(name, payload, report_md(payload))
         plot(payload, RESULTS / f"{name}.png")
+        return
+    if args.add:
+        assert args.parts == ["multiturn"], "--add runs the multi-turn part only (the rest is read from the JSON)"
+        add_multiturn(name, args.mt_budgets)
         return
     if args.quick:
         args.lengths, args.repeats, args.budgets = [4096], 1, QUICK_BUDGETS
@@ -908,15 +959,38 @@ def main() -> None:
                 payload["inprocess"] = run_inprocess(tok, model_dir, b.hist_all, lengths, [*budgets, 1.0], bar)
                 save(name, payload, load_start)
             if "multiturn" in args.parts:
-                rec = payload["summary"]["recommended_budget"]
-                mt_budgets = [rec]
-                if rec >= 1.0 and budgets:  # nothing below 1.0 reaches the target: also the best of them
-                    agree = payload["summary"]["teacher_forced_agreement_by_budget"]
-                    mt_budgets.append(max(budgets, key=lambda x: (agree[str(x)] or 0, x)))
-                payload["multiturn"] = run_multiturn(tok, mt_budgets, bar)
+                payload["multiturn"] = run_multiturn(tok, args.mt_budgets or default_mt_budgets(payload), bar)
                 save(name, payload, load_start)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    plot(payload, RESULTS / f"{name}.png")
+    print(json.dumps(payload["summary"], indent=1))
+
+
+def default_mt_budgets(payload: dict) -> list[float]:
+    """The recommended budget; when that is 1.0, also the budget below it that agreed best."""
+    rec, agree = payload["summary"]["recommended_budget"], payload["summary"]["teacher_forced_agreement_by_budget"]
+    below = [b for b in table_budgets(payload) if b < 1.0]
+    return [rec] + ([max(below, key=lambda x: (agree[str(x)] or 0, x))] if rec >= 1.0 and below else [])
+
+
+def add_multiturn(name: str, budgets: list[float] | None) -> None:
+    """Multi-turn runs added to an existing result (dense run again: the ratios come from one invocation)."""
+    from transformers import AutoTokenizer
+
+    payload = json.loads((RESULTS / f"{name}.json").read_text())
+    budgets = budgets or default_mt_budgets(payload)
+    tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
+    load_start = os.getloadavg()
+    with tqdm(total=14 * (1 + len(budgets)), desc="reprefill multiturn") as bar:
+        new = run_multiturn(tok, budgets, bar)
+    payload["multiturn"] = {**(payload.get("multiturn") or {}), **new}
+    payload["config"].setdefault("runs", []).append(
+        {"command": "python -m benchmarks.reprefill " + " ".join(sys.argv[1:])}
+        | {"env": environment() | {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
+    )
+    payload["summary"] = summarize(payload)
+    write_results(name, payload, report_md(payload))
     plot(payload, RESULTS / f"{name}.png")
     print(json.dumps(payload["summary"], indent=1))
 

@@ -515,7 +515,7 @@ class LoopKVRadixCache(RadixCache):
             logger.info("loopkv: %d tokens of queued pruned restores: this history loads whole", held)
             return None
         sources, restoring, first = [], {_ref(nd)[0] for nd in stored}, 0
-        summaries = []
+        summaries, admission_read = [], self.store.stats.disk_bytes_read
         try:
             for node in stored:
                 seg, lo, hi = _ref(node)
@@ -562,6 +562,7 @@ class LoopKVRadixCache(RadixCache):
             disk=self.store.disk,
         )
         job.attach(slots)
+        job.stats.disk_bytes_read += self.store.stats.disk_bytes_read - admission_read  # headers and summaries
         job.last_node = stored[len(sources) - 1]
         job.key = key
         self.pruned[req.rid] = job

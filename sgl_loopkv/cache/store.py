@@ -396,6 +396,7 @@ class TieredKVStore:
         if seg is None:
             raise CorruptSegment(f"segment {seg_id} is gone")
         if not seg.in_host and seg.on_disk:
+            before = self.disk.bytes_read
             with self._disk_read(seg):
                 fd, header = self.disk.open_for_chunks(seg_id)
             if "side" not in header:
@@ -405,6 +406,8 @@ class TieredKVStore:
                 except CorruptSegment:
                     os.close(fd)
                     raise
+                finally:  # admission reads (header, summaries: 1/16 of fp32 KV) are reads too
+                    self.stats.disk_bytes_read += self.disk.bytes_read - before
                 return None, fd, header, summaries[:, chunk_lo:chunk_hi].float(), "disk"
             os.close(fd)
         kv, tier = self.fetch(seg_id, chunk_lo, chunk_hi, keep=keep)

@@ -92,9 +92,9 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server,
         assert tiers(first)["disk"] > 800, tiers(first)
         pruned = first["meta_info"]["cached_tokens_details"]["pruned"]
         assert 0.25 <= pruned["kept_fraction"] < 0.35, pruned
-        # chunk-aligned reads: every byte read from disk was loaded (at the prefill, then recalled by
-        # decode re-selections, one per generated token after the first)
-        assert 0 < pruned["disk_bytes_read"] == pruned["bytes_loaded"], pruned
+        # chunk-aligned reads: every chunk byte read from disk was loaded (at the prefill, then recalled by
+        # decode re-selections, one per generated token after the first); admission read headers and summaries
+        assert 0 < pruned["bytes_loaded"] < pruned["disk_bytes_read"] < 1.5 * pruned["bytes_loaded"], pruned
         assert pruned["bytes_used"] <= pruned["bytes_loaded"] and pruned["decode_selections"] >= 11, pruned
         # the device held a page cache of a quarter of the history's chunks, not the history
         assert pruned["device_tokens"] == math.ceil(0.25 * (tiers(first)["disk"] // 16)) * 16, pruned
