@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +17,9 @@ import torch
 from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
+
+READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one layer issued together
+_READERS = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="loopkv-pread")
 
 # 3: content-addressed names, per-chunk links, no index (shared by several workers).
 # 2: extents padded to 512-byte sectors, float16 summaries next to narrower tiers, int8 tiers.
@@ -202,8 +206,14 @@ class SegmentCodec:
         where = {j: i for i, j in enumerate(chunks)}
         bad: list[int] = []
         base = layout.extent_offset(layer, 0)
-        for off, length in layout.runs(layer, chunks):
-            buf = os.pread(fd, length, off)
+        runs = layout.runs(layer, chunks)
+        # Scattered runs are latency-bound on a cold file: several in flight (pread drops the GIL)
+        bufs = (
+            _READERS.map(lambda r: os.pread(fd, r[1], r[0]), runs)
+            if len(runs) > 1
+            else [os.pread(fd, length, off) for off, length in runs]
+        )
+        for (off, length), buf in zip(runs, bufs):
             self.bytes_read += len(buf)
             first = (off - base) // g.extent_bytes
             for i in range(length // g.extent_bytes):
