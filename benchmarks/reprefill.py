@@ -31,9 +31,9 @@ a different one-sentence turn (so every resume restores exactly the history and 
 TTFT of a 1-token request (median), and from ``/metrics`` deltas: bytes loaded / used / read from
 disk / prefetched / wasted prefetch, I/O wait and reader seconds (the request's own
 ``cached_tokens_details.pruned`` is kept too: its inter-period overlap). Read amplification = disk
-bytes read / bytes used (summed over the timed resumes); the key summaries a disk admission reads
-(1/16 of the history's fp32 KV, not in that counter) are added in a second column, computed from
-the segment geometry. Bytes vs load-all = bytes loaded / the whole history's KV. ``device floor``:
+extent bytes read / bytes used (summed over the timed resumes); a second column adds the key
+summaries a disk admission reads (those of each period's first layer, the only ones scored: the
+server counts them apart, ``part="summary_read"``). Bytes vs load-all = bytes loaded / the whole history's KV. ``device floor``:
 TTFT of the same kind of turn with the whole history already in the device pool (nothing to load,
 attention over every history token; the load_all servers measure it): no strategy that loads
 everything gets below it (a pruned one may: its turn attends to fewer keys).
@@ -122,7 +122,7 @@ KL_EXACT = 1e-6  # "first-token KL ~0"
 PREFIX = PrefixConfig()  # the defaults the servers run: period, gate, local, min tokens
 COMMON = ["--enable-metrics", "--loopkv-restore-planner", "load_all"]
 P = "loopkv_prefix_bytes_total"
-PARTS = ("loaded", "used", "disk_read", "prefetched", "wasted_prefetch")
+PARTS = ("loaded", "used", "disk_read", "summary_read", "prefetched", "wasted_prefetch")
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -207,12 +207,12 @@ def summarise_runs(runs: list[dict], pruned: bool) -> dict:
     if pruned:
         s["bytes_loaded_vs_load_all"] = tot("loaded_bytes") / hist
         s["kept_fraction"] = tot("used_bytes") / hist
-        s["read_amplification"] = tot("disk_read_bytes") / tot("used_bytes") if tot("disk_read_bytes") else None
+        kv_read = tot("disk_read_bytes") - tot("summary_read_bytes")  # chunk extents only
+        s["read_amplification"] = kv_read / tot("used_bytes") if kv_read else None
         s["read_amplification_without_wasted_prefetch"] = (
-            (tot("disk_read_bytes") - tot("wasted_prefetch_bytes")) / tot("used_bytes")
-            if tot("disk_read_bytes")
-            else None
+            (kv_read - tot("wasted_prefetch_bytes")) / tot("used_bytes") if kv_read else None
         )
+        s["read_amplification_with_summaries"] = tot("disk_read_bytes") / tot("used_bytes") if kv_read else None
         s["wasted_prefetch_share"] = tot("wasted_prefetch_bytes") / max(tot("loaded_bytes"), 1)
         s["io_wait_s"] = median([x["io_wait_s"] for x in runs])
         s["reader_s"] = median([x["reader_s"] for x in runs])
@@ -320,17 +320,14 @@ class Bench:
         self.bar.update()
 
     # loopkv (budget < 1) and stream (budget 1.0, disk): one server for every length
-    def summary_bytes(self, L: int) -> int:
-        """Key summaries a disk admission reads for an L-token history (all layers, fp32 pool)."""
-        g = KVGeometry(self.model.num_layers, self.model.num_kv_heads, self.model.head_dim, torch.float32, CHUNK)
-        return L // CHUNK * g.num_layers * g.summary_bytes_per_chunk_layer
-
     def pruned(self, tier: str, budget: float, lengths: list[int]) -> None:
         tok, reps, stream = self.tok, self.args.repeats, budget >= 1.0
         name = f"stream_{tier}" if stream else f"loopkv_{tier}_b{budget:g}"
         self.bar.set_postfix_str(name)
         flags, disk = self.tier_flags(tier, name)
         flags += ["--loopkv-prefix-stream"] if stream else ["--loopkv-prefix-budget", str(budget)]
+        if self.args.prefetch is not None:
+            flags += ["--loopkv-prefix-prefetch", str(self.args.prefetch)]
         srv = self.server(name, flags, max(lengths) + 1024)
         results = {}
         try:
@@ -352,10 +349,6 @@ class Bench:
                     if r:
                         runs.append(rec)
                 out = summarise_runs(runs, pruned=True) | {"runs": runs, "startup_s": srv.startup_s}
-                if disk:
-                    used = sum(x["used_bytes"] for x in runs)
-                    read = sum(x["disk_read_bytes"] for x in runs) + len(runs) * self.summary_bytes(L)
-                    out["read_amplification_with_summaries"] = read / used
                 out |= fidelity(srv.url, tok, hist, self.ref[L])
                 if stream:  # greedy decode on the streamed restore, compared with the reference's
                     own = timed_generate(srv.url, hist + turn_b(tok), GEN)["output_ids"]
@@ -608,6 +601,7 @@ def _f(v, nd=3):
 
 def report_md(p: dict) -> str:
     s, sm, cfg, env = p["systems"], p["summary"], p["config"], p["env"]
+    pd = cfg["prefix_defaults"]
     inproc = p.get("inprocess") or {}
     lengths, budgets = cfg["lengths"], table_budgets(p)
     lines = [
@@ -622,7 +616,8 @@ def report_md(p: dict) -> str:
         "turn (one sentence, 1 generated token) after a history stored in the host arena (`host`) or on disk with the "
         "page cache dropped (`disk`). `load_all` = today's path (`--loopkv-prefix-budget 1.0`, a disk hit read and "
         "verified whole before admission); `loopkv` = `--loopkv-prefix-budget B` (period "
-        f"{PREFIX.period}, gate {PREFIX.gate}, {PREFIX.local} local chunks); `stream` = budget 1.0 with "
+        f"{pd['period']}, gate {pd['gate']}, {pd['local']} local chunks, prefetch {pd.get('prefetch', 1.0):g} of a "
+        "period's set); `stream` = budget 1.0 with "
         "`--loopkv-prefix-stream` (every chunk, restored chunk by chunk period by period). "
         "IMPRESS-style columns: token-granular selection of the same budget by exact attention mass read as "
         f"{BLOCK}-token blocks, computed in-process: **its TTFT is not measured** (no server path).",
@@ -887,6 +882,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat, budgets 0.1/0.5/1.0 (-> reprefill_quick)")
     ap.add_argument("--name", default=None, help="results name (default reprefill, reprefill_quick with --quick)")
     ap.add_argument("--replot", action="store_true", help="table and plot again from <name>.json")
+    ap.add_argument("--prefetch", type=float, default=None, help="--loopkv-prefix-prefetch of the pruned servers")
     ap.add_argument("--mt-budgets", type=float, nargs="+", default=None,
                     help="budgets of the multi-turn part (default: the recommended one)")  # fmt: skip
     ap.add_argument("--add", action="store_true", help="with --parts multiturn: add to <name>.json's multi-turn part")
@@ -932,7 +928,12 @@ def main() -> None:
             "num_layers": model.num_layers,
             "pool_dtype": pool_dtype,
             "token_bytes": token_bytes,
-            "prefix_defaults": {"period": PREFIX.period, "gate": PREFIX.gate, "local": PREFIX.local},
+            "prefix_defaults": {
+                "period": PREFIX.period,
+                "gate": PREFIX.gate,
+                "local": PREFIX.local,
+                "prefetch": PREFIX.prefetch if args.prefetch is None else args.prefetch,
+            },
             "common_flags": COMMON,
             "commit": commit.stdout.strip(),
         }

@@ -175,6 +175,12 @@ def gathered_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 #: 9/3 heads, D 64, 4K cached keys in two runs, run-wise / gather + SDPA (2026-11-24): 3 rows 0.69 /
 #: 1.58 ms, 16 rows 1.82 / 2.07, 32 rows 4.01 / 3.15, 64 rows 11.8 / 5.2.
 RUNS_MAX_ROWS = 16
+#: The run-wise path also needs few runs for its rows and long runs: each run costs a few small
+#: matmuls (~40 us), a gather ~1 us per key. 4K keys (2026-11-25): 8 rows in 4 runs 1.76 / 2.13 ms, in 16
+#: runs 2.34 / 2.08, in 64 runs 4.21 / 2.68; 2-8 rows over 1K keys in 64 runs 2.2-2.7 / 0.45-0.7 (a
+#: chunk-pruned history's page cache is such a fragmented set).
+RUNS_MAX_WORK = 64
+RUNS_MIN_AVG_LEN = 128
 #: Decode without the native kernel: read the pool through run views when a sequence has at most
 #: this many slot runs, else gather its KV first. Each run costs two small matmuls (~10-20 us of
 #: dispatch on these CPUs) while a gather of a 4K-token prefix costs about as much as reading it
@@ -227,7 +233,12 @@ class TorchDenseExecutor(AttentionExecutor):
                 self.run_decode(one, q[q0:q1], k_cache, v_cache, scale, out[q0:q1])
                 continue
             runs = plan.runs(i) if q1 - q0 <= RUNS_MAX_ROWS else None
-            if runs is not None and len(runs) > 1:
+            if (
+                runs is not None
+                and 1 < len(runs)
+                and (q1 - q0) * len(runs) <= RUNS_MAX_WORK
+                and plan.kv_len(i) >= RUNS_MIN_AVG_LEN * len(runs)
+            ):
                 out[q0:q1] = attention_over_runs(q[q0:q1], k_cache, v_cache, runs, scale, plan.causal)
             else:
                 out[q0:q1] = dense_attention(

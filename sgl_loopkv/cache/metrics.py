@@ -101,7 +101,7 @@ class TierMetrics:
 
     def publish_pruned(self, stats) -> None:
         """Chunk-pruned restore totals (:class:`sgl_loopkv.cache.pruned.PrunedStats`); read amplification =
-        disk_read / used."""
+        disk_read / used (``summary_read``: the part of disk_read that admissions read, key summaries)."""
         if not self.enabled:
             return
         last = self._last_pruned or type(stats)()
@@ -109,6 +109,7 @@ class TierMetrics:
             ("loaded", "bytes_loaded"),
             ("used", "bytes_used"),
             ("disk_read", "disk_bytes_read"),
+            ("summary_read", "summary_bytes_read"),
             ("prefetched", "prefetched_bytes"),
             ("wasted_prefetch", "wasted_prefetch_bytes"),
             ("recalled", "recalled_bytes"),

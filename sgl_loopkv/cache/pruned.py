@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_loopkv.platform import keep_torch_on_this_thread
-from sgl_loopkv.selection.chunks import chunk_scores, keep_count, select_chunks
+from sgl_loopkv.selection.chunks import always_kept, chunk_scores, keep_count, select_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ class PrunedStats:
 
     bytes_loaded: int = 0  # copied into the pool (host or disk)
     bytes_used: int = 0  # of those, the chunks attention read in the period they were loaded for
-    disk_bytes_read: int = 0
+    disk_bytes_read: int = 0  # all of it: admission's headers and key summaries included
+    summary_bytes_read: int = 0  # of those, admission's: the key summaries of the layers it scores at
     prefetched_bytes: int = 0  # loaded ahead for the next period's layers
     wasted_prefetch_bytes: int = 0  # prefetched, then not selected by that period
     io_wait_s: float = 0.0  # the forward waiting for reads
@@ -114,12 +115,14 @@ class PrunedRestore:
         period: int,
         gate: int,
         local: int,
+        prefetch: float = 0.0,
         disk=None,
     ):
         self.rid, self.sources, self.start = rid, sources, start
-        self.summaries = summaries  # [L, m, H, 2, D]
+        self.summaries = summaries  # [periods, m, H, 2, D]: each period's first layer (none at budget 1.0)
         self.k_buffers, self.v_buffers, self.reader, self.disk = k_buffers, v_buffers, reader, disk
         self.chunk, self.budget, self.period, self.gate, self.local = chunk, budget, period, gate, local
+        self.prefetch = prefetch  # share of a period's set read ahead for the next period
         self.num_layers = len(k_buffers)
         self.n_chunks = n_chunks
         self.tokens = n_chunks * chunk
@@ -143,7 +146,9 @@ class PrunedRestore:
         self.bad_segments: set[str] = set()  # segments with an extent that failed its checksum
         self._decode_q: dict[int, torch.Tensor] = {}  # period -> the decode query it last chose with
         self._recalls: dict[int, torch.Tensor] = {}  # period -> chunks chosen, recalled at the next period
-        self._version = 0  # bumped by every selection and read: kept_slots' cache key
+        # per layer, bumped by its period's selections and its own reads: kept_slots' cache key (a
+        # read of a later layer must not make every layer rebuild its slot list)
+        self._version = [0] * self.num_layers
         self._kept_cache: dict[int, tuple[int, torch.Tensor]] = {}
         self.closed = False
         self.last_used = time.monotonic()
@@ -170,10 +175,11 @@ class PrunedRestore:
         queue their reads for every layer of the period, then prefetch them for the next period."""
         p = self.period_of(layer)
         if self.keep >= self.n_chunks:
-            chunks = torch.arange(self.n_chunks)
+            chunks = ahead = torch.arange(self.n_chunks)  # every period keeps them all: nothing is wasted
         else:
-            scores = chunk_scores(q, self.summaries[layer], scale, self.chunk)
+            scores = chunk_scores(q, self.summaries[p], scale, self.chunk)
             chunks = select_chunks(scores, self.keep, self.local)
+            ahead = self._surest(chunks, scores)
             self.mass += scores
         prev = self.kept[p - 1] if p else None
         if prev is not None and len(chunks):  # what the prefetch of the previous period's set covered
@@ -181,7 +187,7 @@ class PrunedRestore:
             self.stats.overlaps += 1
         self.kept[p] = chunks
         self._assign(p, chunks)
-        self._version += 1
+        self._bump(self._layers(p))
         self.stats.selections += 1
         self.stats.kept_chunks += len(chunks)
         self.stats.scored_chunks += self.n_chunks
@@ -189,8 +195,21 @@ class PrunedRestore:
         self._queue(range(first, end), chunks, prefetch=False)
         if end < self.num_layers and self.kept[p + 1] is None:  # ContiguousKV: the next period probably
             self.where[p + 1] = self.where[p]  # wants much the same chunks: the same places, read ahead
-            self._queue(range(end, min(end + self.period, self.num_layers)), chunks, prefetch=True)
+            self._queue(range(end, min(end + self.period, self.num_layers)), ahead, prefetch=True)
         return chunks
+
+    def _surest(self, chunks: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The part of a period's set read ahead for the next period: the always-kept chunks (first,
+        nearest: certain to be kept again), then the best scored, ``prefetch`` of the set in all.
+        Consecutive periods of SmolLM2 share about half their chunks; the best scored are the likeliest."""
+        forced = always_kept(self.n_chunks, self.keep, self.local)[chunks]
+        n = max(int(forced.sum()), round(self.prefetch * len(chunks)))
+        order = torch.argsort(scores[chunks].masked_fill(forced, torch.inf), descending=True, stable=True)
+        return chunks[order[:n]].sort().values
+
+    def _bump(self, layers) -> None:
+        for layer in layers:
+            self._version[layer] += 1
 
     def _layers(self, p: int) -> range:
         return range(p * self.period, min((p + 1) * self.period, self.num_layers))
@@ -234,7 +253,7 @@ class PrunedRestore:
         self._decode_q[p] = qv
         if self.keep >= self.n_chunks or self.kept[p] is None:
             return
-        chunks = select_chunks(chunk_scores(q, self.summaries[layer], scale, self.chunk), self.keep, self.local)
+        chunks = select_chunks(chunk_scores(q, self.summaries[p], scale, self.chunk), self.keep, self.local)
         self.stats.decode_selections += 1
         if torch.equal(chunks, self.kept[p]):
             return
@@ -249,7 +268,7 @@ class PrunedRestore:
             chunks = self._recalls.pop(p)
             self.kept[p] = chunks
             self._assign(p, chunks)
-            self._version += 1
+            self._bump(self._layers(p))
             before = int(self.asked[self._layers(p)].sum())
             self._queue(self._layers(p), chunks, prefetch=False)
             self.stats.recalled_bytes += (int(self.asked[self._layers(p)].sum()) - before) * self.layer_bytes
@@ -286,16 +305,15 @@ class PrunedRestore:
         """The page-cache slots holding :meth:`kept_positions` at this layer, in position order;
         cached until a selection or a read changes them (every decode step asks for every layer)."""
         hit = self._kept_cache.get(layer)
-        if hit is not None and hit[0] == self._version:
+        if hit is not None and hit[0] == self._version[layer]:
             return hit[1]
-        version = self._version
+        version = self._version[layer]
         slots = self._slots_of(self.period_of(layer), self.kept_chunks(layer))
         self._kept_cache[layer] = (version, slots)
         return slots
 
     def _slots_of(self, p: int, chunks: torch.Tensor) -> torch.Tensor:
-        places = self.where[p, chunks]
-        return self.slots[(places[:, None] * self.chunk + torch.arange(self.chunk)).flatten()]
+        return self.slots.view(-1, self.chunk)[self.where[p, chunks]].flatten()
 
     # --- reads -----------------------------------------------------------------------------------
     def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
@@ -314,30 +332,32 @@ class PrunedRestore:
         """Reader thread: copy ``chunks`` of ``layer`` into the slots ``dst`` (``chunk`` per chunk, in
         order), disk extents verified first."""
         t0 = time.perf_counter()
-        try:
-            order = {j: i for i, j in enumerate(chunks.tolist())}
-            wanted = set(order)
-            k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+        try:  # tensor ops, no Python loop per chunk: this thread shares the GIL with the forward
+            c, k_buf, v_buf = self.chunk, self.k_buffers[layer], self.v_buffers[layer]
+            tok = torch.arange(c)
             for src in self.sources:
-                mine = [j for j in range(src.first, src.first + src.n_chunks) if j in wanted]
-                if not mine:
+                at = torch.nonzero((chunks >= src.first) & (chunks < src.first + src.n_chunks)).flatten()
+                if len(at) == 0:
                     continue
-                local = [j - src.first for j in mine]
+                mine = chunks[at]  # history chunk ids, ascending; ``at``: their places in ``chunks``
+                local = mine - src.first
                 if src.host_kv is not None:
-                    kv = src.host_kv[layer]
-                    pos = (torch.tensor(local)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
-                    kv = kv[:, pos]
+                    kv, lo, hi = src.host_kv[layer], int(local[0]), int(local[-1])
+                    # one run (budget 1.0: all of them): a view, else a gather
+                    kv = (
+                        kv[:, lo * c : (hi + 1) * c]
+                        if hi - lo == len(local) - 1
+                        else kv[:, (local[:, None] * c + tok).flatten()]
+                    )
                     bad: list[int] = []
                 else:
                     before = self.disk.codec.bytes_read
-                    kv, bad = self.disk.read_chunks(src.fd, src.seg_id, src.header, layer, [src.lo + j for j in local])
+                    kv, bad = self.disk.read_chunks(src.fd, src.seg_id, src.header, layer, (local + src.lo).tolist())
                     self.stats.disk_bytes_read += self.disk.codec.bytes_read - before
-                    bad = [j - src.lo + src.first for j in bad]
-                failed = set(bad)
-                good = [i for i, j in enumerate(mine) if j not in failed]
                 if bad:
+                    failed = torch.tensor(bad) - src.lo + src.first
                     self.bad_segments.add(src.seg_id)
-                    self.bad[layer, bad] = True
+                    self.bad[layer, failed] = True
                     self.stats.bad_extents += len(bad)
                     logger.warning(
                         "loopkv: %d chunk extent(s) of segment %s layer %d failed their checksum: left out of the "
@@ -346,20 +366,20 @@ class PrunedRestore:
                         src.seg_id,
                         layer,
                     )
-                if not good:
-                    continue
-                rows = (torch.tensor(good)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
-                at = torch.tensor([order[mine[i]] for i in good])
-                to = dst[(at[:, None] * self.chunk + torch.arange(self.chunk)).flatten()]
-                k_buf.index_copy_(0, to, kv[0, rows].to(k_buf.device, k_buf.dtype))
-                v_buf.index_copy_(0, to, kv[1, rows].to(v_buf.device, v_buf.dtype))
-                self.loaded[layer, [mine[i] for i in good]] = True
-                self.stats.bytes_loaded += len(good) * self.layer_bytes
+                    good = torch.nonzero(~torch.isin(mine, failed)).flatten()
+                    if len(good) == 0:
+                        continue
+                    kv, at, mine = kv[:, (good[:, None] * c + tok).flatten()], at[good], mine[good]
+                to = dst.view(-1, c)[at].flatten()
+                k_buf.index_copy_(0, to, kv[0].to(k_buf.device, k_buf.dtype))
+                v_buf.index_copy_(0, to, kv[1].to(v_buf.device, v_buf.dtype))
+                self.loaded[layer, mine] = True
+                self.stats.bytes_loaded += len(mine) * self.layer_bytes
         except Exception:  # never leave the forward waiting; what did not load is not attended
             logger.exception("loopkv: reading chunks of layer %d failed", layer)
         finally:
             self.stats.reader_busy_s += time.perf_counter() - t0
-            self._version += 1
+            self._bump((layer,))
             with self._cond:
                 self._pending[layer] -= 1
                 self._cond.notify_all()
@@ -425,12 +445,6 @@ class ChunkReader:
                 return
             job, layer, chunks, dst = item
             job.load(layer, chunks, dst)
-
-    def chunk_importance(self) -> torch.Tensor | None:
-        """Per history chunk, the attention mass the selections estimated (mean 1), for the tiers'
-        value policy; None when nothing was scored (budget 1.0)."""
-        total = float(self.mass.sum())
-        return self.mass * (self.n_chunks / total) if total > 0 else None
 
     def close(self) -> None:
         if self._thread is not None:

@@ -516,11 +516,13 @@ class LoopKVRadixCache(RadixCache):
             return None
         sources, restoring, first = [], {_ref(nd)[0] for nd in stored}, 0
         summaries, admission_read = [], self.store.stats.disk_bytes_read
+        # chunks are scored at each period's first layer only, and not at all when every chunk is kept
+        scored = list(range(0, self.geometry.num_layers, self.prefix.period)) if self.prefix.budget < 1 else []
         try:
             for node in stored:
                 seg, lo, hi = _ref(node)
                 try:
-                    host_kv, fd, header, summ, tier = self.store.chunk_source(seg, lo, hi, keep=restoring)
+                    host_kv, fd, header, summ, tier = self.store.chunk_source(seg, lo, hi, scored, restoring)
                 except CorruptSegment as e:
                     logger.warning("loopkv: %s; recomputing that part of the history", e)
                     break  # the node and its subtree went with the segment
@@ -539,8 +541,11 @@ class LoopKVRadixCache(RadixCache):
             slots = self._alloc(keep_count(first, cfg.budget) * self.page_size, last_device)  # the page cache
             if slots is None:
                 raise LookupError("no device slots for the history")
-        except LookupError as e:
-            logger.warning("loopkv: %s; recomputing it", e)
+        except Exception as e:  # a history that cannot be restored is recomputed, never a crashed scheduler
+            if isinstance(e, LookupError):
+                logger.warning("loopkv: %s; recomputing it", e)
+            else:
+                logger.exception("loopkv: chunk-pruned admission failed; recomputing the history")
             for src in sources:
                 if src.fd is not None:
                     os.close(src.fd)
@@ -558,11 +563,15 @@ class LoopKVRadixCache(RadixCache):
             budget=cfg.budget,
             period=cfg.period,
             gate=cfg.gate,
+            prefetch=cfg.prefetch,
             local=cfg.local,
             disk=self.store.disk,
         )
         job.attach(slots)
-        job.stats.disk_bytes_read += self.store.stats.disk_bytes_read - admission_read  # headers and summaries
+        job.stats.summary_bytes_read = (
+            self.store.stats.disk_bytes_read - admission_read
+        )  # the scored layers' key summaries
+        job.stats.disk_bytes_read += job.stats.summary_bytes_read
         job.last_node = stored[len(sources) - 1]
         job.key = key
         self.pruned[req.rid] = job
@@ -797,6 +806,7 @@ class LoopKVRadixCache(RadixCache):
                 "bytes_loaded": stats.bytes_loaded,
                 "bytes_used": stats.bytes_used,
                 "disk_bytes_read": stats.disk_bytes_read,
+                "summary_bytes_read": stats.summary_bytes_read,
                 "wasted_prefetch_bytes": stats.wasted_prefetch_bytes,
                 "io_wait_s": round(stats.io_wait_s, 6),
                 "inter_period_overlap": round(stats.inter_period_overlap, 4),

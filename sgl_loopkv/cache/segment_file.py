@@ -89,6 +89,7 @@ class SegmentCodec:
             raw = np.concatenate([raw, np.zeros((R * m, pad), np.uint8)], axis=1)
         crcs = [zlib.crc32(row) for row in raw]
         summary_raw = _to_bytes(summaries.to(g.summary_dtype))
+        per_layer = summary_raw.reshape(g.num_layers, -1)  # layer-major: a restore reads only the layers it scores
         side_raw, side_meta = np.zeros(0, np.uint8), []
         if packed:
             blobs = []
@@ -114,6 +115,7 @@ class SegmentCodec:
             "writer": writer,
             "extent_crc32": crcs,
             "summary_crc32": zlib.crc32(summary_raw),
+            "summary_layer_crc32": [zlib.crc32(row) for row in per_layer],
         }
         if packed:
             header |= packed.header() | {"rows": R, "side": side_meta, "side_crc32": zlib.crc32(side_raw)}
@@ -201,8 +203,8 @@ class SegmentCodec:
         read per run of adjacent chunks. Unpacked segments only (``"side" not in header``)."""
         g = self.geometry
         layout = self.layout(header)
-        crcs, used = header["extent_crc32"], g.chunk_tokens * g.token_bytes_per_layer
-        out = np.zeros((1, len(chunks), used), np.uint8)
+        crcs, used, eb = header["extent_crc32"], g.chunk_tokens * g.token_bytes_per_layer, g.extent_bytes
+        out = np.empty((len(chunks), used), np.uint8)
         where = {j: i for i, j in enumerate(chunks)}
         bad: list[int] = []
         base = layout.extent_offset(layer, 0)
@@ -215,14 +217,15 @@ class SegmentCodec:
         )
         for (off, length), buf in zip(runs, bufs):
             self.bytes_read += len(buf)
-            first = (off - base) // g.extent_bytes
-            for i in range(length // g.extent_bytes):
-                j, extent = first + i, buf[i * g.extent_bytes : (i + 1) * g.extent_bytes]
-                if len(extent) != g.extent_bytes or zlib.crc32(extent) != crcs[layer * layout.n_chunks + j]:
-                    bad.append(j)
-                    continue
-                out[0, where[j]] = np.frombuffer(extent, np.uint8)[:used]
-        rows = self._rows_of_extents(torch.from_numpy(out))
+            first, got, mv = (off - base) // eb, len(buf) // eb, memoryview(buf)  # views: no copy per extent
+            crc0 = layer * layout.n_chunks + first
+            ok = [zlib.crc32(mv[i * eb : (i + 1) * eb]) == crcs[crc0 + i] for i in range(got)]
+            at = where[first]  # a run's chunks are adjacent in ``chunks`` too (both ascending)
+            out[at : at + got] = np.frombuffer(buf, np.uint8, got * eb).reshape(got, eb)[:, :used]
+            bad += [first + i for i in range(length // eb) if i >= got or not ok[i]]
+        if bad:  # cut short or damaged: zeroed, and the caller leaves them out
+            out[[where[j] for j in bad]] = 0
+        rows = self._rows_of_extents(torch.from_numpy(out)[None])
         return rows[0], bad
 
     def _rows_of_extents(self, raw: torch.Tensor) -> torch.Tensor | QuantKV:
@@ -254,16 +257,36 @@ class SegmentCodec:
             out.append(tensors)
         return out
 
-    def read_summaries(self, fd: int, seg_id: str) -> torch.Tensor:
-        """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment (small; read without touching KV)."""
+    def read_summaries(
+        self, fd: int, seg_id: str, layers: list[int] | None = None, header: dict | None = None
+    ) -> torch.Tensor:
+        """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment, or [len(layers), ...] of
+        the given layers only (small; read without touching KV). Each layer's block is verified by its
+        own crc32 (files written before per-layer checksums: the whole block is read and verified)."""
         g = self.geometry
-        header = self.header(fd, seg_id)
+        header = header or self.header(fd, seg_id)
         layout = self.layout(header)
-        length = g.num_layers * layout.n_chunks * g.summary_bytes_per_chunk_layer
-        buf = os.pread(fd, length, layout.summary_offset)
-        self.bytes_read += len(buf)
-        if len(buf) != length or zlib.crc32(buf) != header["summary_crc32"]:
-            raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch")
-        return torch.frombuffer(bytearray(buf), dtype=g.summary_dtype).view(
-            g.num_layers, layout.n_chunks, g.num_kv_heads, 2, g.head_dim
-        )
+        block = layout.n_chunks * g.summary_bytes_per_chunk_layer
+        crcs = header.get("summary_layer_crc32")
+        if layers is None or crcs is None:
+            buf = os.pread(fd, g.num_layers * block, layout.summary_offset)
+            self.bytes_read += len(buf)
+            if len(buf) != g.num_layers * block or zlib.crc32(buf) != header["summary_crc32"]:
+                raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch")
+            out = self._summaries(buf, g.num_layers, layout.n_chunks)
+            return out if layers is None else out[layers].clone()
+        parts = []
+        for layer in layers:
+            buf = os.pread(fd, block, layout.summary_offset + layer * block)
+            self.bytes_read += len(buf)
+            if len(buf) != block or zlib.crc32(buf) != crcs[layer]:
+                raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch at layer {layer}")
+            parts.append(buf)
+        return self._summaries(b"".join(parts), len(layers), layout.n_chunks)
+
+    def _summaries(self, buf: bytes, n_layers: int, n_chunks: int) -> torch.Tensor:
+        g = self.geometry
+        shape = (n_layers, n_chunks, g.num_kv_heads, 2, g.head_dim)
+        if not buf:  # no layer asked for (a restore that scores nothing)
+            return torch.empty(shape, dtype=g.summary_dtype)
+        return torch.frombuffer(bytearray(buf), dtype=g.summary_dtype).view(shape)

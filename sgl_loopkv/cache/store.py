@@ -385,11 +385,12 @@ class TieredKVStore:
             raise
 
     def chunk_source(
-        self, seg_id: str, chunk_lo: int, chunk_hi: int, keep: Collection[str] = ()
+        self, seg_id: str, chunk_lo: int, chunk_hi: int, layers: list[int], keep: Collection[str] = ()
     ) -> tuple[object | None, int | None, dict | None, torch.Tensor, str]:
         """What a chunk-pruned restore reads chunks ``[chunk_lo, chunk_hi)`` from, without reading any KV
         yet: (host KV of the range or None, an open segment file and its verified header or None,
-        the range's key summaries [L, m, H, 2, D] float32, the tier). A disk segment whose rows are
+        the range's key summaries of ``layers`` only [len(layers), m, H, 2, D] float32 (the layers the
+        restore scores at: a disk admission reads just those), the tier). A disk segment whose rows are
         packed (layer sharing) is fetched whole (:meth:`fetch`) and served as host KV. Raises
         CorruptSegment (and forgets the segment) like :meth:`fetch`; the caller closes the file."""
         seg = self.segments.get(seg_id)
@@ -402,17 +403,17 @@ class TieredKVStore:
             if "side" not in header:
                 try:
                     with self._disk_read(seg):
-                        summaries = self.disk.codec.read_summaries(fd, seg_id)
-                except CorruptSegment:
+                        summaries = self.disk.codec.read_summaries(fd, seg_id, layers, header)
+                except BaseException:
                     os.close(fd)
                     raise
-                finally:  # admission reads (header, summaries: 1/16 of fp32 KV) are reads too
+                finally:  # admission reads (header, the scored layers' summaries) are reads too
                     self.stats.disk_bytes_read += self.disk.bytes_read - before
                 return None, fd, header, summaries[:, chunk_lo:chunk_hi].float(), "disk"
             os.close(fd)
         kv, tier = self.fetch(seg_id, chunk_lo, chunk_hi, keep=keep)
         summaries = seg.host_summaries if seg.host_summaries is not None else self.disk.read_summaries(seg_id)
-        return kv, None, None, summaries[:, chunk_lo:chunk_hi].float(), tier
+        return kv, None, None, summaries[layers, chunk_lo:chunk_hi].float(), tier
 
     def touch(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
         if seg_id in self.segments:

@@ -54,8 +54,13 @@ def select_chunks(scores: torch.Tensor, keep: int, local: int) -> torch.Tensor:
     m = scores.shape[0]
     if keep >= m:
         return torch.arange(m)
+    s = scores.float().cpu().masked_fill(always_kept(m, keep, local), torch.inf)
+    return s.topk(keep).indices.sort().values
+
+
+def always_kept(m: int, keep: int, local: int) -> torch.Tensor:
+    """[m] bool: the chunks :func:`select_chunks` keeps whatever their scores (the first, the nearest)."""
     forced = torch.zeros(m, dtype=torch.bool)
     forced[0] = True
     forced[m - max(1, min(local, keep - 1)) :] = True
-    s = scores.float().cpu().masked_fill(forced, torch.inf)
-    return s.topk(keep).indices.sort().values
+    return forced

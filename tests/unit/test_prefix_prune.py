@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, Source
-from sgl_loopkv.selection.chunks import chunk_scores, keep_count, select_chunks
+from sgl_loopkv.selection.chunks import always_kept, chunk_scores, keep_count, select_chunks
 
 C, H, D, L = 16, 2, 8, 6
 GEO = KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, chunk_tokens=C)
@@ -49,14 +49,14 @@ def kv_of(seed: int, chunks: int) -> torch.Tensor:
     return torch.randn(L, 2, chunks * C, H, D, generator=torch.Generator().manual_seed(seed))
 
 
-def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None):
+def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None, prefetch=1.0):
     m = kv_total.shape[2] // C
     pool_k = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
     pool_v = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
-    summaries = key_summaries(kv_total[:, 0], C)
+    summaries = key_summaries(kv_total[:, 0], C)[::period]  # each period's first layer
     job = PrunedRestore(
         "r", sources, m, 0, summaries, pool_k, pool_v, ChunkReader(),
-        chunk=C, budget=budget, period=period, gate=gate, local=2, disk=disk,
+        chunk=C, budget=budget, period=period, gate=gate, local=2, prefetch=prefetch, disk=disk,
     )  # fmt: skip
     job.attach(torch.randperm(4000)[: job.cache_tokens] + 10)  # a scattered page cache
     return job, pool_k, pool_v
@@ -97,6 +97,33 @@ def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_pe
     job.close()
 
 
+@pytest.mark.parametrize("prefetch", [0.0, 0.5, 1.0])
+def test_prefetch_reads_ahead_the_always_kept_then_the_best_scored_share(prefetch):
+    """``prefetch`` of a period's set is read ahead for the next: the first and nearest chunks always
+    (kept again whatever the scores: never wasted), then the best scored; what every layer attends
+    to is still exactly its kept chunks' stored KV."""
+    kv = kv_of(7, 40)
+    job, pk, pv = restore([Source("s", 0, 40, 0, host_kv=kv)], kv, budget=0.3, period=3, prefetch=prefetch)
+    q = torch.randn(5, 2 * H, D, generator=torch.Generator().manual_seed(1))
+    chunks = job.select(0, q, 0.3)
+    ahead = torch.nonzero(job.prefetched[3]).flatten()  # read ahead for period 1 (layers 3..5)
+    forced = torch.nonzero(always_kept(40, job.keep, 2)).flatten()
+    assert torch.isin(forced, ahead).all() and torch.isin(ahead, chunks).all()
+    assert len(ahead) == max(len(forced), round(prefetch * len(chunks)))
+    scores = chunk_scores(q, job.summaries[0], 0.3, C)
+    rest = chunks[~torch.isin(chunks, forced)]
+    if 0 < len(ahead) - len(forced) < len(rest):  # the best scored of the rest, none worse left behind
+        assert scores[ahead[~torch.isin(ahead, forced)]].min() >= scores[rest[~torch.isin(rest, ahead)]].max()
+    run_prefill(job)
+    for layer in range(L):
+        check_layer(job, pk, pv, kv, layer)
+    st = job.account()
+    assert st.prefetched_bytes >= len(ahead) * 3 * job.layer_bytes
+    if prefetch == 0.0:
+        assert st.wasted_prefetch_bytes == 0  # only the always-kept chunks were read ahead
+    job.close()
+
+
 def test_budget_one_keeps_every_chunk():
     kv = kv_of(1, 9)
     job, pk, pv = restore([Source("s", 0, 9, 0, host_kv=kv)], kv, budget=1.0)
@@ -130,6 +157,47 @@ def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path):
     assert st.disk_bytes_read == st.bytes_loaded and st.bytes_used <= st.bytes_loaded
     assert st.disk_bytes_read < L * 12 * job.layer_bytes  # pruned: not the whole history
     job.close()
+
+
+def test_admission_reads_only_the_scored_layers_summaries_each_verified(tmp_path):
+    """A restore scores chunks at each period's first layer only: admission reads those layers'
+    summaries (a fraction of the block), each layer checked by its own crc32; a file written before
+    per-layer checksums is read and verified whole."""
+    import json
+    import struct
+
+    from sgl_loopkv.cache.layout import PREAMBLE_BYTES
+
+    store, rec, kv = stored_segment(tmp_path, seed=5, chunks=8)
+    whole = key_summaries(kv[:, 0], C)
+    fd, header = store.open_for_chunks(rec.seg_id)
+    before = store.bytes_read
+    part = store.codec.read_summaries(fd, rec.seg_id, [0, 2], header)
+    assert torch.equal(part, whole[[0, 2]].to(GEO.summary_dtype))
+    assert store.bytes_read - before == 2 * 8 * GEO.summary_bytes_per_chunk_layer  # 2 of L layers
+    none = store.codec.read_summaries(fd, rec.seg_id, [], header)  # budget 1.0 scores nothing: reads nothing
+    assert (
+        none.shape == (0, *whole.shape[1:]) and store.bytes_read - before == 2 * 8 * GEO.summary_bytes_per_chunk_layer
+    )
+    os.close(fd)
+
+    path = next(tmp_path.rglob(f"*{rec.seg_id}*"))
+    layout = store.codec.layout(header)
+    block = 8 * GEO.summary_bytes_per_chunk_layer
+    raw = bytearray(path.read_bytes())
+    raw[layout.summary_offset + block + 3] ^= 0xFF  # damage layer 1's summaries only
+    path.write_bytes(bytes(raw))
+    fd, header = store.open_for_chunks(rec.seg_id)
+    assert torch.equal(store.codec.read_summaries(fd, rec.seg_id, [0, 2], header), part)  # layer 1 not read
+    with pytest.raises(CorruptSegment, match="layer 1"):
+        store.codec.read_summaries(fd, rec.seg_id, [1], header)
+    # an older file (no per-layer checksums): the whole block is read, so layer 1's damage shows
+    hlen = struct.unpack("<II", raw[8:PREAMBLE_BYTES])[0]
+    old = json.loads(bytes(raw[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen]))
+    del old["summary_layer_crc32"]
+    with pytest.raises(CorruptSegment, match="summary checksum"):
+        store.codec.read_summaries(fd, rec.seg_id, [0, 2], old | {"kv_offset": header["kv_offset"]})
+    os.close(fd)
 
 
 def test_two_sources_map_to_their_history_chunks(tmp_path):
@@ -195,7 +263,8 @@ def test_prefix_flags_validate():
 
     assert not PrefixConfig().enabled  # budget 1.0 and no streaming: the load path as before
     assert PrefixConfig(budget=0.1).enabled and PrefixConfig(stream=True).enabled
-    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"period": 0}, {"gate": 0}, {"local": 0}, {"min_tokens": -1}):
+    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"period": 0}, {"gate": 0}, {"local": 0}, {"min_tokens": -1},
+                {"prefetch": -0.1}, {"prefetch": 1.5}):  # fmt: skip
         with pytest.raises(ValueError):
             PrefixConfig(**bad)
     cfg = LoopKVConfig.from_flat(prefix_budget=0.25, prefix_period=4)
@@ -279,7 +348,7 @@ def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget
     req_to_token[1, :200] = torch.arange(2500, 2700)
     pool.k[0][0] = float("nan")  # whoever reads the padding slot poisons its output
     job = PrunedRestore(
-        "a", [Source("s", 0, 20, 0, host_kv=hist)], 20, 0, key_summaries(hist[:, 0], C), pool.k, pool.v,
+        "a", [Source("s", 0, 20, 0, host_kv=hist)], 20, 0, key_summaries(hist[:, 0], C)[::3], pool.k, pool.v,
         ChunkReader(), chunk=C, budget=budget, period=3, gate=2, local=2,
     )  # fmt: skip
     job.attach(torch.arange(3000, 3000 + job.cache_tokens))

@@ -7,8 +7,10 @@ and still read by the request, or owned twice after the request's insert)."""
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
@@ -58,7 +60,7 @@ class KVPool:
         self.counter = counter
 
 
-def make_cache(tmp_path, host_bytes: int):
+def make_cache(tmp_path, host_bytes: int, prefix=None):
     pool = KVPool()
     allocator = PagedAllocator(pool)
     params = CacheInitParams(
@@ -75,7 +77,7 @@ def make_cache(tmp_path, host_bytes: int):
             on_lost=on_lost,
         )
 
-    return LoopKVRadixCache(params, kv_pool=pool, store_factory=store_factory), allocator
+    return LoopKVRadixCache(params, kv_pool=pool, store_factory=store_factory, prefix=prefix), allocator
 
 
 def add_turn(cache, allocator, tokens: list[int]):
@@ -128,3 +130,38 @@ def test_a_segment_lost_while_a_later_one_is_promoted_cuts_the_restored_history_
     assert match.device_prefix_len == len(cache.path_device_indices(last))
     # Every slot is owned once: evicting everything frees each page exactly once (the allocator asserts).
     cache.evict(EvictParams(num_tokens=SLOTS))
+
+
+def test_a_failing_chunk_pruned_admission_loads_the_history_instead(tmp_path, monkeypatch, caplog):
+    """Whatever goes wrong while admitting a chunk-pruned restore (here: an unexpected error from
+    the store), the history is restored the tree's way and nothing leaks: no crashed scheduler, no
+    pruned job, the disk sources opened so far closed."""
+    from sgl_loopkv.config import PrefixConfig
+
+    hist = list(range(300, 364))
+    cache, allocator = make_cache(tmp_path, host_bytes=0, prefix=PrefixConfig(budget=0.5, min_tokens=16))
+    node = add_turn(cache, allocator, hist)
+    cache.evict(EvictParams(num_tokens=SLOTS))
+    assert node.evicted
+    disk, opened = cache.store.disk, []
+    open_for_chunks = disk.open_for_chunks
+
+    def recording_open(seg_id):
+        fd, header = open_for_chunks(seg_id)
+        opened.append(fd)
+        return fd, header
+
+    def failing_read(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(disk, "open_for_chunks", recording_open)
+    monkeypatch.setattr(type(disk.codec), "read_summaries", failing_read)
+    monkeypatch.setattr(cache.restorer, "_stack", object())  # as if the loopkv backend ran (it runs pruned plans)
+    req = SimpleNamespace(rid="r")
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(hist + [7] * 16, None), req=req))
+    assert "chunk-pruned admission failed" in caplog.text and "r" not in cache.pruned
+    assert match.device_prefix_len == len(hist)  # loaded whole instead
+    assert opened  # the history was on disk: its file was opened for the restore, then closed
+    for fd in opened:
+        with pytest.raises(OSError):
+            os.fstat(fd)
