@@ -66,7 +66,7 @@ class PrunedStats:
 
     bytes_loaded: int = 0  # copied into the pool (host or disk)
     bytes_used: int = 0  # of those, the chunks attention read in the period they were loaded for
-    disk_bytes_read: int = 0  # all of it: admission's headers and key summaries included
+    disk_bytes_read: int = 0  # all of it, admission's key summaries included
     summary_bytes_read: int = 0  # of those, admission's: the key summaries of the layers it scores at
     prefetched_bytes: int = 0  # loaded ahead for the next period's layers
     wasted_prefetch_bytes: int = 0  # prefetched, then not selected by that period
@@ -201,7 +201,8 @@ class PrunedRestore:
     def _surest(self, chunks: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The part of a period's set read ahead for the next period: the always-kept chunks (first,
         nearest: certain to be kept again), then the best scored, ``prefetch`` of the set in all.
-        Consecutive periods of SmolLM2 share about half their chunks; the best scored are the likeliest."""
+        Consecutive periods of SmolLM2 share about half their chunks, and the best scored are only
+        slightly likelier to stay (benchmarks/results/prefetch_survival.md)."""
         forced = always_kept(self.n_chunks, self.keep, self.local)[chunks]
         n = max(int(forced.sum()), round(self.prefetch * len(chunks)))
         order = torch.argsort(scores[chunks].masked_fill(forced, torch.inf), descending=True, stable=True)

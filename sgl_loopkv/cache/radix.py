@@ -568,10 +568,9 @@ class LoopKVRadixCache(RadixCache):
             disk=self.store.disk,
         )
         job.attach(slots)
-        job.stats.summary_bytes_read = (
-            self.store.stats.disk_bytes_read - admission_read
-        )  # the scored layers' key summaries
-        job.stats.disk_bytes_read += job.stats.summary_bytes_read
+        admitted = self.store.stats.disk_bytes_read - admission_read  # the scored layers' key summaries
+        job.stats.summary_bytes_read = admitted
+        job.stats.disk_bytes_read += admitted
         job.last_node = stored[len(sources) - 1]
         job.key = key
         self.pruned[req.rid] = job
