@@ -699,7 +699,7 @@ def report_md(p: dict) -> str:
     )
     lines.append(
         "\n`device floor`: TTFT of the same kind of turn with the whole history already in the device pool (nothing "
-        "to load, attention over all of it; a pruned turn attends to fewer keys and may go below it). `read amp.` = disk bytes read / bytes attention used (prefetched chunks that the next period did "
+        "to load, attention over all of it; a pruned turn attends to fewer keys and may go below it). `read amp.` = chunk-extent bytes read from disk / bytes attention used (admission's key summaries apart; prefetched chunks that the next period did "
         "not select count as read, not used). `attention recall`: in-process, share of the dense attention mass of "
         "the turn's rows on the history that falls on the kept chunks (mean over layers and heads). IMPRESS-style: "
         "token-granular selection of the same budget by exact attention mass, read as 64-token blocks (no server "
