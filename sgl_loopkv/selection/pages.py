@@ -35,10 +35,13 @@ def chunk_minmax(k: torch.Tensor, chunk: int) -> torch.Tensor:
 
 def score_bound(q: torch.Tensor, summaries: torch.Tensor) -> torch.Tensor:
     """Upper bound of q . k over each page's keys. q: [H, g, D] (g query heads per KV head);
-    summaries: [n, H, 2, D] -> [H, g, n] float32. max(q*kmax, q*kmin) = q+ * kmax + q- * kmin."""
+    summaries: [n, H, 2, D] -> [H, g, n] float32. max(q*kmax, q*kmin) = q- * kmin + q+ * kmax: one
+    batched matmul of [q-, q+] against the (min, max) pairs, in place when ``summaries`` is a
+    transposed view of a head-major [H, n, 2, D] buffer (the decode state keeps them so: no copy)."""
     qf = q.float()
-    kmin, kmax = summaries[:, :, 0].transpose(0, 1), summaries[:, :, 1].transpose(0, 1)  # [H, n, D]
-    return torch.bmm(qf.clamp(min=0), kmax.transpose(1, 2)) + torch.bmm(qf.clamp(max=0), kmin.transpose(1, 2))
+    H, n, D = summaries.shape[1], summaries.shape[0], summaries.shape[-1]
+    pairs = summaries.transpose(0, 1).reshape(H, n, 2 * D)  # a view for head-major buffers
+    return torch.bmm(torch.cat([qf.clamp(max=0), qf.clamp(min=0)], dim=-1), pairs.transpose(1, 2))
 
 
 def group_max(scores: torch.Tensor, per: int) -> torch.Tensor:
@@ -66,11 +69,11 @@ def top_pages(scores: torch.Tensor, budget: int, sink: int, local: int) -> torch
     H, n = scores.shape
     if budget >= n:
         return torch.arange(n, device=scores.device).expand(H, n)
-    forced = torch.zeros(n, dtype=torch.bool, device=scores.device)
-    forced[: min(sink, n)] = True
-    forced[max(n - local, 0) :] = True
-    s = scores.float().masked_fill(forced, torch.inf)
-    k = max(budget, int(forced.sum()))
+    sink, local_from = min(sink, n), max(n - local, 0)
+    s = scores.float().clone()  # forced pages score +inf (slices: no mask tensor, no host sync)
+    s[:, :sink] = torch.inf
+    s[:, local_from:] = torch.inf
+    k = max(budget, sink + n - max(local_from, sink))
     return s.topk(k, dim=-1, sorted=False).indices.sort(dim=-1).values
 
 
@@ -79,5 +82,6 @@ def pages_to_positions(pages: torch.Tensor, page: int, length: int) -> torch.Ten
     [H, m] (every head's last page must be the sequence's last one or all pages full, so that
     rows keep one length: :func:`top_pages` guarantees it with ``local >= 1``)."""
     pos = (pages[..., None] * page + torch.arange(page, device=pages.device)).flatten(-2)
-    keep = pos[0] < length  # the same in every head: only the sequence's last page is clipped
-    return pos[:, keep]
+    # only the sequence's last page can be partial, and it is every head's last when chosen
+    cut = -length % page if pages.shape[-1] and -(-length // page) - 1 == int(pages[0, -1]) else 0
+    return pos[:, : pos.shape[-1] - cut]

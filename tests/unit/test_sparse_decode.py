@@ -12,7 +12,7 @@ from sgl_loopkv.attention.decode import DECODE_POLICIES, DecodeParams, LayerStat
 from sgl_loopkv.attention.decode.selector import SparseDecoder
 from sgl_loopkv.cache.layout import key_summaries
 from sgl_loopkv.kernels import paged_decode
-from sgl_loopkv.selection.pages import chunk_minmax, score_bound, top_pages
+from sgl_loopkv.selection.pages import chunk_minmax, group_max, score_bound, top_pages
 from tests.unit.test_paged_decode import reference
 
 POLICIES = ["freekv", "loopserve", "lserve"]
@@ -212,3 +212,23 @@ def test_sequences_below_min_context_take_the_dense_path():
     dec = decoder("lserve", True, min_context=1024)
     assert not dec.begin([1, 2], slots)
     assert dec.states == {}
+
+
+@pytest.mark.parametrize(
+    "n,per,budget,sink,local", [(37, 4, 5, 1, 2), (496, 4, 16, 1, 3), (64, 1, 10, 2, 2), (9, 4, 2, 1, 1)]
+)
+def test_native_page_selection_equals_the_torch_path(n, per, budget, sink, local):
+    """The one-call CPU selection picks the same pages as score_bound + group_max + top_pages,
+    from the head-major summaries the decode state keeps (a partial last physical page included)."""
+    lib = paged_decode.load()
+    if lib is None:
+        pytest.skip("the native paged-decode kernel cannot be built here")
+    gen = torch.Generator().manual_seed(n * 31 + per)
+    for _ in range(5):
+        k = torch.randn(n * 16 - 5, 3, 64, generator=gen)
+        q = torch.randn(3, 3, 64, generator=gen)
+        summ = chunk_minmax(k, 16)  # [n, H, 2, D]
+        buf = torch.empty(3, n + 7, 2, 64)
+        buf[:, :n] = summ.transpose(0, 1)
+        want = top_pages(group_max(score_bound(q, summ).amax(dim=1), per), budget, sink, local)
+        assert torch.equal(lib.select_pages(q, buf, n, per, budget, sink, local), want)

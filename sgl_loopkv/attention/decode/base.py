@@ -42,7 +42,7 @@ class LayerState:
     last one may be partial); ``pages`` were chosen when the sequence had ``sel_len`` tokens
     (positions from ``sel_len`` on are read as the local window until the next selection)."""
 
-    summaries: torch.Tensor | None = None  # [capacity >= n_logical, Hkv, 2, D] float32
+    summaries: torch.Tensor | None = None  # [Hkv, capacity >= n_logical, 2, D] float32 (head-major: scored in place)
     summarized: int = 0
     pages: torch.Tensor | None = None  # [Hkv, k] ascending physical page ids
     sel_len: int = 0
@@ -65,19 +65,20 @@ class SeqKeys:
         return self._keys_fn(start, self.length if end is None else end)
 
     def summaries(self) -> torch.Tensor:
+        """[n_logical, Hkv, 2, D]: a view of the state's head-major buffer (what the score reads)."""
         st, lp = self.state, self.logical_page
         n = -(-self.length // lp)
         if st.summaries is None or st.summarized < self.length:
             first = st.summarized // lp  # a partial last page is recomputed from its first token
-            fresh = chunk_minmax(self.keys(first * lp, self.length), lp)
-            if st.summaries is None or st.summaries.shape[0] < n:  # grow by half: appends stay amortised O(1)
-                grown = fresh.new_empty(n + n // 2 + 8, *fresh.shape[1:])
+            fresh = chunk_minmax(self.keys(first * lp, self.length), lp).transpose(0, 1)
+            if st.summaries is None or st.summaries.shape[1] < n:  # grow by half: appends stay amortised O(1)
+                grown = fresh.new_empty(fresh.shape[0], n + n // 2 + 8, *fresh.shape[2:])
                 if st.summaries is not None:
-                    grown[:first] = st.summaries[:first]
+                    grown[:, :first] = st.summaries[:, :first]
                 st.summaries = grown
-            st.summaries[first:n] = fresh
+            st.summaries[:, first:n] = fresh
             st.summarized = self.length
-        return st.summaries[:n]
+        return st.summaries[:, :n].transpose(0, 1)
 
 
 class DecodePolicy(ABC):
@@ -96,6 +97,7 @@ class DecodePolicy(ABC):
 
     def __init__(self, params: DecodeParams):
         self.p = params
+        self.native = None  # the CPU kernels' module (set by the selector): one-call page selection
         self.corrections = 0  # freekv: speculative selections replaced
         self.decisions = 0
 
@@ -120,6 +122,14 @@ class DecodePolicy(ABC):
 
     def by_bound(self, q: torch.Tensor, seq: SeqKeys) -> torch.Tensor:
         """LServe's hierarchical selection: logical-page bounds, maxed over the query heads of a
-        group and over the logical pages of a physical page, top pages."""
-        bound = score_bound(q, seq.summaries()).amax(dim=1)  # [Hkv, n_logical]
-        return self.top(group_max(bound, self.p.page_size // self.p.logical_page), seq.length)
+        group and over the logical pages of a physical page, top pages (one native call on CPU:
+        the same pages, ties to the lower id; tests/unit/test_sparse_decode.py)."""
+        summaries, per, ps = seq.summaries(), self.p.page_size // self.p.logical_page, self.p.page_size
+        buf = seq.state.summaries
+        if self.native is not None and buf.device.type == "cpu" and -(-seq.length // ps) > self.p.budget // ps:
+            pages = -(-self.p.sink // ps), self.local_pages(seq.length)
+            return self.native.select_pages(
+                q.float().contiguous(), buf, summaries.shape[0], per, self.p.budget // ps, *pages
+            )
+        bound = score_bound(q, summaries).amax(dim=1)  # [Hkv, n_logical]
+        return self.top(group_max(bound, per), seq.length)

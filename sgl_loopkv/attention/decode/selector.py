@@ -14,6 +14,7 @@ read once, in place.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -48,6 +49,8 @@ class _Batch:
     slots: list[torch.Tensor]
     sparse: list[bool]
     dense_index: list[torch.Tensor | None] = field(default_factory=list)  # per sequence, for dense ones
+    tails: dict = field(default_factory=dict)  # (sequence, from) -> the local window's rows: the same in every layer
+    heads: torch.Tensor | None = None  # [Hkv, 1]
 
 
 EXECUTOR_NAMES = ("auto", "native", "reference", "triton", "flashinfer")
@@ -60,6 +63,8 @@ class SparseDecoder:
 
     def __init__(self, policy: DecodePolicy, num_layers: int, native=None, executor: str = "auto"):
         self.policy, self.num_layers, self.native = policy, num_layers, native
+        if native is not None and hasattr(native, "select_pages"):
+            policy.native = native
         if executor not in EXECUTOR_NAMES:
             raise ValueError(f"sparse decode executor must be one of {EXECUTOR_NAMES}, not {executor!r}")
         if executor == "native" and native is None:
@@ -99,8 +104,10 @@ class SparseDecoder:
         B, hq, d = q.shape
         hkv = k_cache.shape[1]
         g = hq // hkv
-        heads = torch.arange(hkv, device=k_cache.device)[:, None]
-        parts = []
+        if b.heads is None or b.heads.shape[0] != hkv:
+            b.heads = torch.arange(hkv, device=k_cache.device)[:, None]
+        heads = b.heads
+        parts, lens = [], []
         for i, sid in enumerate(b.ids):
             slots = b.slots[i]
             L = len(slots)
@@ -108,6 +115,7 @@ class SparseDecoder:
                 if b.dense_index[i] is None:  # the same in every layer
                     b.dense_index[i] = (slots[None] * hkv + heads).flatten()
                 parts.append(b.dense_index[i])
+                lens.append(L)
                 continue
             st = self.states[sid].layers[layer]
             qi = q[i].view(hkv, g, d)
@@ -117,14 +125,17 @@ class SparseDecoder:
                 st.pages, st.sel_len = chosen
                 st.selected_at = self.states[sid].step
                 st.index = slots[pages_to_positions(st.pages, self.p.page_size, st.sel_len)] * hkv + heads
-            index = (
-                torch.cat([st.index, slots[None, st.sel_len :] * hkv + heads], dim=1) if st.sel_len < L else st.index
-            )
+            index = st.index
+            if st.sel_len < L:
+                tail = b.tails.get((i, st.sel_len))
+                if tail is None:
+                    tail = b.tails[(i, st.sel_len)] = slots[None, st.sel_len :] * hkv + heads
+                index = torch.cat([index, tail], dim=1)
             self.stats.selected_tokens += index.numel()
             self.stats.context_tokens += L * hkv
             parts.append(index.flatten())
-        counts = torch.tensor([0] + [p.numel() // hkv for p in parts], dtype=torch.int64)
-        indptr = counts.repeat_interleave(torch.tensor([1] + [hkv] * B)).cumsum(0)
+            lens.append(index.shape[1])
+        indptr = torch.tensor(list(accumulate((n for n in lens for _ in range(hkv)), initial=0)), dtype=torch.int64)
         if self.keep_index:
             self.last_index = parts
         indices = torch.cat(parts)
