@@ -340,6 +340,33 @@ torch::Tensor select_pages(torch::Tensor q, torch::Tensor summ, int64_t n, int64
   return out;
 }
 
+// The plan rows of selected pages: rows[h] = slots[positions of pages[h] below length] * hkv + h
+// (row `slot * Hkv + h` of the pool viewed as one-head rows); only the sequence's last page can be
+// partial (sgl_loopkv.selection.pages.pages_to_positions is the torch path).
+torch::Tensor page_rows(torch::Tensor pages, torch::Tensor slots, int64_t page, int64_t length) {
+  TORCH_CHECK(pages.dim() == 2 && pages.scalar_type() == at::kLong && pages.is_contiguous(), "pages: int64 [H, k]");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) >= length,
+              "slots: int64 [>= length]");
+  const int64_t H = pages.size(0), k = pages.size(1);
+  const int64_t* pg = pages.data_ptr<int64_t>();
+  const int64_t cut = (k > 0 && pg[k - 1] == (length - 1) / page) ? (page - length % page) % page : 0;
+  const int64_t m = k * page - cut;
+  auto out = torch::empty({H, m}, torch::kLong);
+  int64_t* po = out.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t h = 0; h < H; ++h) {
+    int64_t* row = po + h * m;
+    int64_t w = 0;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t p0 = pg[h * k + i] * page, p1 = std::min(p0 + page, length);
+      TORCH_CHECK(p0 < length, "page_rows: page ", pg[h * k + i], " is past the sequence's end");
+      for (int64_t p = p0; p < p1 && w < m; ++p) row[w++] = sl[p] * H + h;
+    }
+    TORCH_CHECK(w == m, "page_rows: head ", h, "'s pages do not end at the sequence's last page");
+  }
+  return out;
+}
+
 // Whether at::parallel_for spreads work over torch's threads here (it is serial when the extension
 // is built without OpenMP: a decode step's attention then ran on one of the two cores).
 bool intra_op_parallel() {
@@ -353,5 +380,6 @@ bool intra_op_parallel() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over SGLang's KV pool (CPU)");
   m.def("select_pages", &select_pages, "Sparse decode page selection for one sequence and layer (CPU)");
+  m.def("page_rows", &page_rows, "Plan rows (slot * Hkv + head) of selected pages (CPU)");
   m.def("intra_op_parallel", &intra_op_parallel, "at::parallel_for runs on torch's intra-op threads");
 }

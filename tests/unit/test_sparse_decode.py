@@ -12,7 +12,7 @@ from sgl_loopkv.attention.decode import DECODE_POLICIES, DecodeParams, LayerStat
 from sgl_loopkv.attention.decode.selector import SparseDecoder
 from sgl_loopkv.cache.layout import key_summaries
 from sgl_loopkv.kernels import paged_decode
-from sgl_loopkv.selection.pages import chunk_minmax, group_max, score_bound, top_pages
+from sgl_loopkv.selection.pages import chunk_minmax, group_max, pages_to_positions, score_bound, top_pages
 from tests.unit.test_paged_decode import reference
 
 POLICIES = ["freekv", "loopserve", "lserve"]
@@ -232,3 +232,18 @@ def test_native_page_selection_equals_the_torch_path(n, per, budget, sink, local
         buf[:, :n] = summ.transpose(0, 1)
         want = top_pages(group_max(score_bound(q, summ).amax(dim=1), per), budget, sink, local)
         assert torch.equal(lib.select_pages(q, buf, n, per, budget, sink, local), want)
+
+
+@pytest.mark.parametrize("length", [64 * 9, 64 * 9 - 1, 64 * 8 + 1])
+def test_native_plan_rows_equal_the_torch_path(length):
+    """Pages -> plan rows (slot * Hkv + head) in one native call: the torch path's rows, the
+    sequence's partial last page clipped, over a scattered slot list."""
+    lib = paged_decode.load()
+    if lib is None:
+        pytest.skip("the native paged-decode kernel cannot be built here")
+    n = -(-length // 64)
+    slots = torch.randperm(5000)[:length]
+    pages = torch.stack([torch.cat([torch.randperm(n - 1)[:3].sort().values, torch.tensor([n - 1])]) for _ in range(3)])
+    heads = torch.arange(3)[:, None]
+    want = slots[pages_to_positions(pages, 64, length)] * 3 + heads
+    assert torch.equal(lib.page_rows(pages, slots, 64, length), want)

@@ -65,6 +65,7 @@ class SparseDecoder:
         self.policy, self.num_layers, self.native = policy, num_layers, native
         if native is not None and hasattr(native, "select_pages"):
             policy.native = native
+        self._page_rows = getattr(native, "page_rows", None)
         if executor not in EXECUTOR_NAMES:
             raise ValueError(f"sparse decode executor must be one of {EXECUTOR_NAMES}, not {executor!r}")
         if executor == "native" and native is None:
@@ -124,7 +125,7 @@ class SparseDecoder:
             if chosen is not None:
                 st.pages, st.sel_len = chosen
                 st.selected_at = self.states[sid].step
-                st.index = slots[pages_to_positions(st.pages, self.p.page_size, st.sel_len)] * hkv + heads
+                st.index = self.rows_of(st.pages, slots, st.sel_len, heads)
             index = st.index
             if st.sel_len < L:
                 tail = b.tails.get((i, st.sel_len))
@@ -152,6 +153,12 @@ class SparseDecoder:
             self._interface = interface_executor(name)
         dev = k_cache.device
         return self._interface(q, k_cache, v_cache, indptr.to(dev), indices.to(dev) // hkv, scale, out)
+
+    def rows_of(self, pages: torch.Tensor, slots: torch.Tensor, length: int, heads: torch.Tensor) -> torch.Tensor:
+        """The plan rows [Hkv, m] (``slot * Hkv + h``) of the positions below ``length`` of ``pages``."""
+        if self._page_rows is not None and slots.device.type == "cpu" and slots.dtype == torch.int64:
+            return self._page_rows(pages.contiguous(), slots.contiguous(), self.p.page_size, length)
+        return slots[pages_to_positions(pages, self.p.page_size, length)] * heads.shape[0] + heads
 
     def executor_for(self, k_cache: torch.Tensor) -> str:
         if self.executor != "auto":
