@@ -57,7 +57,7 @@ class TierMetrics:
         )
         self.pruned_seconds = Counter(
             "loopkv_prefix_seconds",
-            "Chunk-pruned restores: the forward waiting for reads (io_wait), the reader busy",
+            "Chunk-pruned restores: the forward waiting for reads (io_wait), the reads waiting for the forward's next selection (compute_wait), the reader busy",
             ["part"],
         )
         self.pruned_bad = Counter("loopkv_prefix_bad_extents", "Chunk extents that failed their checksum (left out)")
@@ -116,6 +116,7 @@ class TierMetrics:
         ):
             self.pruned.labels(part=part).inc(max(getattr(stats, name) - getattr(last, name), 0))
         self.pruned_seconds.labels(part="io_wait").inc(max(stats.io_wait_s - last.io_wait_s, 0.0))
+        self.pruned_seconds.labels(part="compute_wait").inc(max(stats.compute_wait_s - last.compute_wait_s, 0.0))
         self.pruned_seconds.labels(part="reader").inc(max(stats.reader_busy_s - last.reader_busy_s, 0.0))
         self.pruned_bad.inc(max(stats.bad_extents - last.bad_extents, 0))
         if stats.scored_chunks:

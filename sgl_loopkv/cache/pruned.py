@@ -71,6 +71,9 @@ class PrunedStats:
     prefetched_bytes: int = 0  # loaded ahead for the next period's layers
     wasted_prefetch_bytes: int = 0  # prefetched, then not selected by that period
     io_wait_s: float = 0.0  # the forward waiting for reads
+    # the reads waiting for the forward: during the prefill, time with every read of the restore done
+    # and the next not yet queued (the next period not selected yet: ContiguousKV's compute wait)
+    compute_wait_s: float = 0.0
     reader_busy_s: float = 0.0  # the reader copying or reading
     selections: int = 0
     kept_chunks: int = 0  # summed over selections
@@ -141,6 +144,8 @@ class PrunedRestore:
         self.prefetched = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)
         self._pending = [0] * self.num_layers
         self._cond = threading.Condition()
+        self._idle_since: float | None = None  # every queued read done (compute wait runs from here)
+        self._in_prefill = True  # decode-time recalls are not waiting for a selection
         self.stats = PrunedStats()
         self.mass = torch.zeros(self.n_chunks)  # the selections' estimated attention mass per chunk, summed
         self.bad_segments: set[str] = set()  # segments with an extent that failed its checksum
@@ -246,6 +251,7 @@ class PrunedRestore:
         places of the dropped ones). ``serial``: recall now and wait (the reference the overlapped
         path must equal)."""
         p = self.period_of(layer)
+        self._in_prefill = False
         self._flush_recalls(skip=p)
         qv = q.float().flatten()
         last = self._decode_q.get(p)
@@ -326,6 +332,9 @@ class PrunedRestore:
             self.prefetched[layer, todo] = prefetch
             self.n_prefetched += len(todo) if prefetch else 0
             with self._cond:
+                if self._idle_since is not None and self._in_prefill and not any(self._pending):
+                    self.stats.compute_wait_s += time.perf_counter() - self._idle_since
+                self._idle_since = None
                 self._pending[layer] += 1
             self.reader.submit(self, layer, todo, self._slots_of(self.period_of(layer), todo))
 
@@ -383,6 +392,8 @@ class PrunedRestore:
             self._bump((layer,))
             with self._cond:
                 self._pending[layer] -= 1
+                if not any(self._pending):
+                    self._idle_since = time.perf_counter()
                 self._cond.notify_all()
 
     def settle(self) -> None:

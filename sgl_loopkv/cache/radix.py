@@ -808,6 +808,7 @@ class LoopKVRadixCache(RadixCache):
                 "summary_bytes_read": stats.summary_bytes_read,
                 "wasted_prefetch_bytes": stats.wasted_prefetch_bytes,
                 "io_wait_s": round(stats.io_wait_s, 6),
+                "compute_wait_s": round(stats.compute_wait_s, 6),
                 "inter_period_overlap": round(stats.inter_period_overlap, 4),
                 "decode_selections": stats.decode_selections,
                 "recalled_bytes": stats.recalled_bytes,

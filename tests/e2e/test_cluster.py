@@ -141,3 +141,66 @@ def test_a_restarted_worker_rejoins_and_resumes_what_was_stored_meanwhile(
             time.sleep(1.0)
         assert details(out)["storage_shared"] > 0, details(out)  # what the survivor stored while it was down
         assert out["output_ids"] == generate(tiny_server.url, history)["output_ids"]
+
+
+@pytest.mark.slow  # the command as a user runs it: a cluster of its own
+def test_the_launch_cluster_command_serves_chat_through_the_router_and_stops_cleanly(tiny_model_dir, tmp_path):
+    """``python -m sgl_loopkv.launch_cluster`` end to end: two workers and the router come up, chat
+    requests through the router's OpenAI endpoint are answered (round robin: one turn by each
+    worker), and SIGTERM stops the router and every worker."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from sgl_loopkv.server.process import free_port
+
+    port = free_port()
+    cmd = [
+        *(sys.executable, "-m", "sgl_loopkv.launch_cluster", "--workers", "2", "--router-policy", "round_robin"),
+        *("--port", str(port), "--router-health-interval-s", "2", "--log-dir", str(tmp_path / "logs")),
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--loopkv-disk-dir", str(tmp_path / "kv")),
+        "--enable-metrics",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 600
+        while not any("router (round_robin) on" in x for x in lines):
+            assert proc.poll() is None, "launch_cluster exited:\n" + "".join(lines[-40:])
+            assert time.monotonic() < deadline, "launch_cluster did not come up:\n" + "".join(lines[-40:])
+            time.sleep(0.5)
+        up = next(x for x in lines if "router (round_robin) on" in x)
+        workers = re.search(r"workers (.*); logs", up).group(1).split(", ")
+        assert len(workers) == 2
+        url = f"http://127.0.0.1:{port}"
+        model = requests.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+        messages = [{"role": "user", "content": "Name three colours of the rainbow. " * 20}]
+        served = []
+        for _ in range(2):
+            before = [_prompt_tokens(w) for w in workers]
+            r = requests.post(
+                f"{url}/v1/chat/completions",
+                json={"model": model, "messages": messages, "max_tokens": 8, "temperature": 0},
+                timeout=300,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"]
+            served += [i for i, (b, w) in enumerate(zip(before, workers)) if _prompt_tokens(w) > b]
+            messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "And two more?"}]
+        assert sorted(served) == [0, 1]  # round robin: each worker served a turn
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    assert code == 0, "".join(lines[-40:])
+    for w in workers:  # no worker outlives the command
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"{w}/health", timeout=5)
+
+
+def _prompt_tokens(worker_url: str) -> float:
+    text = requests.get(f"{worker_url}/metrics", timeout=10).text
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith("sglang:prompt_tokens_total"))

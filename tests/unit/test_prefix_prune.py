@@ -124,6 +124,32 @@ def test_prefetch_reads_ahead_the_always_kept_then_the_best_scored_share(prefetc
     job.close()
 
 
+def test_compute_wait_is_the_reads_waiting_for_the_next_selection_during_the_prefill():
+    """A forward that takes 0.2 s before its second period's selection: the reads of the first
+    period are done long before, so the restore's compute wait holds that time (and its I/O wait
+    does not); a decode-time re-selection afterwards adds nothing to it."""
+    import time
+
+    kv = kv_of(3, 20)
+    job, pk, pv = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3, prefetch=0.0)
+    q = torch.randn(5, 2 * H, D, generator=torch.Generator().manual_seed(1))
+    job.select(0, q, 0.3)
+    for layer in range(3):
+        job.wait(layer)
+    time.sleep(0.2)  # the forward computes layers 0-2 while the reader has nothing queued
+    job.select(3, q, 0.3)
+    for layer in range(3, L):
+        job.wait(layer)
+    job.settle()
+    waited = job.account().compute_wait_s
+    assert 0.15 <= waited < 1.0, waited
+    time.sleep(0.1)
+    job.decode_select(0, q[:1] * -1, 0.3, tau=2.0, serial=True)  # a recall: not a prefill wait
+    job.settle()
+    assert job.account().compute_wait_s == waited
+    job.close()
+
+
 def test_budget_one_keeps_every_chunk():
     kv = kv_of(1, 9)
     job, pk, pv = restore([Source("s", 0, 9, 0, host_kv=kv)], kv, budget=1.0)
