@@ -11,7 +11,9 @@ Parts:
   covering the context every policy must agree on every step (``exact_at_full_budget``).
 - ``grid`` (servers): TPOT and tokens/s per policy and dense, contexts x batch sizes, ``--gen``
   tokens per request (benchmarks.decode's harness: the requests of a batch share all but their last
-  64 context tokens), with the selected fraction and correction rate from each server's /metrics.
+  64 context tokens, so a dense batch reads one KV, mostly from the CPU caches; with
+  ``--distinct-contexts`` each request has a context of its own, as several conversations do), with
+  the selected fraction and correction rate from each server's /metrics.
 - ``multiturn``: benchmarks.multiturn's quick conversations with each policy on; score per
   question position and its ratio to dense.
 
@@ -173,10 +175,13 @@ def metric_reader():
 
 def run_grid(contexts, batch_sizes, args, tok, bar) -> dict:
     n_ctx = max(batch_sizes)
-    ctx_ids = dec.shared_context_ids(tok, contexts, n_ctx)
+    if args.distinct_contexts:  # several conversations: each request reads its own KV from memory
+        ctx_ids = {L: [synthetic_ids(tok, L, seed=1000 * L + i) for i in range(n_ctx)] for L in contexts}
+    else:  # one context, each request its own last 64 tokens: a batch reads one KV, mostly from cache
+        ctx_ids = dec.shared_context_ids(tok, contexts, n_ctx)
     pool = n_ctx * ((max(contexts) + args.gen + 32) // 16 * 16) + 4096
     out = {}
-    for name in ["dense", *POLICIES]:
+    for name in ["dense", *args.policies]:
         flags = ("--enable-metrics",) + (() if name == "dense" else ("--loopkv-decode-policy", name))
         out[name] = dec.run_sglang(
             f"sparse_{name}", "float32", flags, contexts, batch_sizes, ctx_ids, args, pool, bar, None, metric_reader()
@@ -327,6 +332,9 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES, help="grid: policies beside dense")
+    ap.add_argument("--distinct-contexts", action="store_true",
+                    help="grid: every request of a batch a whole context of its own (slow prefill)")  # fmt: skip
     ap.add_argument("--name", default="decode_sparse")
     ap.add_argument("--replot", action="store_true")
     ap.add_argument("--add", action="store_true", help="keep the parts already in <name>.json, run --parts")
@@ -350,7 +358,7 @@ def main() -> None:
     }  # fmt: skip
     units = (
         ("fidelity" in args.parts) * (len(contexts) * (1 + len(POLICIES)) + len(POLICIES))
-        + ("grid" in args.parts) * (1 + len(POLICIES)) * len(contexts) * (1 + len(args.batch_sizes))
+        + ("grid" in args.parts) * (1 + len(args.policies)) * len(contexts) * (1 + len(args.batch_sizes))
         + ("multiturn" in args.parts) * 4 * dec.MT_UNITS // 2
     )
     if args.add:
