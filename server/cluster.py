@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"launch_cluster: {INSTALL_HINT}")
     if ns.workers < 1:
         sys.exit(f"launch_cluster: --workers must be at least 1, not {ns.workers}")
+    if ns.log_dir is not None:  # a new folder is fine: the workers' log files open in it
+        ns.log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(
         worker_args,
         workers=ns.workers,
