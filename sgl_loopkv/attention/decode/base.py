@@ -127,9 +127,9 @@ class DecodePolicy(ABC):
         summaries, per, ps = seq.summaries(), self.p.page_size // self.p.logical_page, self.p.page_size
         buf = seq.state.summaries
         if self.native is not None and buf.device.type == "cpu" and -(-seq.length // ps) > self.p.budget // ps:
-            pages = -(-self.p.sink // ps), self.local_pages(seq.length)
+            forced = -(-self.p.sink // ps), self.local_pages(seq.length)  # sink and local pages
             return self.native.select_pages(
-                q.float().contiguous(), buf, summaries.shape[0], per, self.p.budget // ps, *pages
+                q.float().contiguous(), buf, summaries.shape[0], per, self.p.budget // ps, *forced
             )
         bound = score_bound(q, summaries).amax(dim=1)  # [Hkv, n_logical]
         return self.top(group_max(bound, per), seq.length)
