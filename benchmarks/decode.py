@@ -524,11 +524,12 @@ def shared_context_ids(tok, contexts, n_ctx: int) -> dict[int, list[list[int]]]:
     }  # fmt: skip
 
 
-def quick_multiturn(tok):
-    """benchmarks.multiturn --quick's conversations: (convs, history tokens per turn, device pool,
-    host-tier bytes: a quarter of the fp32 histories, as benchmarks.multiturn sizes it)."""
+def quick_multiturn(tok, per_task: int = 1):
+    """benchmarks.multiturn --quick's conversations (``per_task`` per task: more turns per question
+    position): (convs, history tokens per turn, device pool, host-tier bytes: a quarter of the fp32
+    histories, as benchmarks.multiturn sizes it)."""
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    convs = conv.suite(conv.TASKS, 1, [1024, 2048, 3072], (2, 3), 0, count)
+    convs = conv.suite(conv.TASKS, per_task, [1024, 2048, 3072], (2, 3), 0, count)
     hist = {
         c.id: [count(tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True))
                for t in range(len(c.turns))]

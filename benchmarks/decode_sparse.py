@@ -26,8 +26,10 @@ import argparse
 import copy
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -180,20 +182,30 @@ def run_grid(contexts, batch_sizes, args, tok, bar) -> dict:
     else:  # one context, each request its own last 64 tokens: a batch reads one KV, mostly from cache
         ctx_ids = dec.shared_context_ids(tok, contexts, n_ctx)
     pool = n_ctx * ((max(contexts) + args.gen + 32) // 16 * 16) + 4096
+    shared = []
+    if args.distinct_contexts:
+        # one disk tier for every system's server: the first prefills the contexts (~30 s each at 8K on
+        # 2 cores) and stores them, the next ones load them from disk (untimed either way)
+        shared = ["--loopkv-disk-dir", tempfile.mkdtemp(prefix="decode-sparse-kv-")]
     out = {}
-    for name in ["dense", *args.policies]:
-        flags = ("--enable-metrics",) + (() if name == "dense" else ("--loopkv-decode-policy", name))
-        out[name] = dec.run_sglang(
-            f"sparse_{name}", "float32", flags, contexts, batch_sizes, ctx_ids, args, pool, bar, None, metric_reader()
-        )
+    try:
+        for name in ["dense", *args.policies]:
+            flags = ("--enable-metrics", *shared) + (() if name == "dense" else ("--loopkv-decode-policy", name))
+            out[name] = dec.run_sglang(
+                f"sparse_{name}", "float32", flags, contexts, batch_sizes, ctx_ids, args, pool, bar, None,
+                metric_reader(),
+            )  # fmt: skip
+    finally:
+        if shared:
+            shutil.rmtree(shared[1], ignore_errors=True)
     return out
 
 
 # --- multi-turn --------------------------------------------------------------------------------------
-def run_multiturn(tok, bar) -> dict:
+def run_multiturn(tok, bar, per_task: int = 1) -> dict:
     from benchmarks import multiturn as mt
 
-    convs, hist, pool, host_bytes = dec.quick_multiturn(tok)
+    convs, hist, pool, host_bytes = dec.quick_multiturn(tok, per_task)
     out = {}
     # sparse from 1K tokens: the quick suite's histories are 1-3.5K, most turns then decode sparse
     for name in ["dense", *POLICIES]:
@@ -212,7 +224,7 @@ def ratio(a, b):
 
 def summarize(p: dict) -> dict:
     grid, fid, mt = p.get("grid") or {}, p.get("fidelity") or {}, p.get("multiturn") or {}
-    big = str(max(p["config"]["contexts"]))
+    big = str(max(p["config"].get("grid_contexts") or p["config"]["contexts"]))
     s: dict = {"tpot_speedup_8k": {}, "throughput_speedup_8k_bs8": {}, "teacher_forced_agreement": {},
                "score_ratio_vs_dense_min": {}, "attention_recall": {}, "kl_mean": {}}  # fmt: skip
     for pol in POLICIES:
@@ -243,8 +255,11 @@ def report_md(p: dict) -> str:
         f"SmolLM2-135M-Instruct fp32, default budgets (budget {DEFAULTS.budget} tokens, pages {DEFAULTS.page_size}/"
         f"{DEFAULTS.logical_page}, sink {DEFAULTS.sink}, local {DEFAULTS.local}, lserve reuse {DEFAULTS.reuse}, "
         f"freekv tau {DEFAULTS.tau}, loopserve n_d {DEFAULTS.n_d}, min context {DEFAULTS.min_context}); "
-        f"{cfg['gen']} generated tokens; medians."
-    )
+        f"{cfg['gen']} generated tokens; medians. Grid: "
+        + ("every request of a batch a context of its own (several conversations)" if cfg.get("distinct_contexts")
+           else "the requests of a batch share their context but the last 64 tokens")
+        + "."
+    )  # fmt: skip
     lines.append("")
     rows = [[pol, _f(s["tpot_speedup_8k"].get(pol)), _f(s["throughput_speedup_8k_bs8"].get(pol)),
              _f(s["teacher_forced_agreement"].get(pol), 3), _f(s["attention_recall"].get(pol), 3),
@@ -294,7 +309,9 @@ def report_md(p: dict) -> str:
         lines.append("")
     mt = p.get("multiturn") or {}
     if mt:
-        lines += ["## Multi-turn score per question position (quick suite, sparse from 1024 tokens)", ""]
+        per = cfg.get("mt_convs_per_task", 1)
+        lines += [f"## Multi-turn score per question position (quick suite, {per} conversation(s) per task, "
+                  "sparse from 1024 tokens)", ""]  # fmt: skip
         body = [[n, *(_f(r["score"].get(q), 3) for q in (*conv.POSITIONS, "all")), r["n_turns"]] for n, r in mt.items()]
         lines.append(md_table(["system", *(f"score q@{q}" for q in conv.POSITIONS), "all", "turns"], body))
     return "\n".join(lines) + "\n"
@@ -329,12 +346,15 @@ def main() -> None:
                     choices=["fidelity", "grid", "multiturn"])  # fmt: skip
     # 7936 + 256 generated = SmolLM2's 8192 positions (the server refuses more)
     ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7936])
+    ap.add_argument("--grid-contexts", type=int, nargs="+", help="grid: these contexts (default: --contexts)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--gen", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES, help="grid: policies beside dense")
     ap.add_argument("--distinct-contexts", action="store_true",
                     help="grid: every request of a batch a whole context of its own (slow prefill)")  # fmt: skip
+    ap.add_argument("--mt-convs", type=int, default=1,
+                    help="multiturn: conversations per task (1: the quick suite's 5 conversations, 14 turns)")  # fmt: skip
     ap.add_argument("--name", default="decode_sparse")
     ap.add_argument("--replot", action="store_true")
     ap.add_argument("--add", action="store_true", help="keep the parts already in <name>.json, run --parts")
@@ -350,16 +370,18 @@ def main() -> None:
     model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
     contexts = sorted(args.contexts)
+    grid_contexts = sorted(args.grid_contexts or contexts)
     payload: dict = {
         "environment": environment(),
         "config": {"command": "python -m benchmarks.decode_sparse " + " ".join(sys.argv[1:]),
-                   "contexts": contexts, "batch_sizes": args.batch_sizes, "gen": args.gen,
+                   "contexts": contexts, "grid_contexts": grid_contexts, "batch_sizes": args.batch_sizes,
+                   "gen": args.gen, "distinct_contexts": args.distinct_contexts, "mt_convs_per_task": args.mt_convs,
                    "defaults": dataclasses.asdict(DEFAULTS)},
     }  # fmt: skip
     units = (
         ("fidelity" in args.parts) * (len(contexts) * (1 + len(POLICIES)) + len(POLICIES))
-        + ("grid" in args.parts) * (1 + len(args.policies)) * len(contexts) * (1 + len(args.batch_sizes))
-        + ("multiturn" in args.parts) * 4 * dec.MT_UNITS // 2
+        + ("grid" in args.parts) * (1 + len(args.policies)) * len(grid_contexts) * (1 + len(args.batch_sizes))
+        + ("multiturn" in args.parts) * 4 * args.mt_convs * dec.MT_UNITS // 2
     )
     if args.add:
         old = json.loads((RESULTS / f"{args.name}.json").read_text())
@@ -367,8 +389,8 @@ def main() -> None:
         payload.setdefault("runs", []).append(payload["config"]["command"])
     parts = {
         "fidelity": lambda bar: run_fidelity(contexts, args.gen, tok, model_dir, bar),
-        "grid": lambda bar: run_grid(contexts, args.batch_sizes, args, tok, bar),
-        "multiturn": lambda bar: run_multiturn(tok, bar),
+        "grid": lambda bar: run_grid(grid_contexts, args.batch_sizes, args, tok, bar),
+        "multiturn": lambda bar: run_multiturn(tok, bar, args.mt_convs),
     }
     with tqdm(total=units, desc="decode_sparse") as bar:
         for part in [p for p in parts if p in args.parts]:

@@ -367,6 +367,60 @@ torch::Tensor page_rows(torch::Tensor pages, torch::Tensor slots, int64_t page, 
   return out;
 }
 
+// Sparse decode's page summaries brought up to date with the keys of positions [from, to) (the torch
+// path is sgl_loopkv.selection.pages.chunk_minmax over those keys): a logical page's (min, max) rows
+// fold in its new keys, a page started at `from` or later takes its first key. Keys never change once
+// written and min/max are exact, so folding equals recomputing the page; in place, no allocation (as
+// ~8 small torch ops per sequence and layer it cost about as much as the sparse attention itself).
+//
+//   summ:    [H, cap, 2, D] float32, head-major; rows of positions < from are already up to date
+//   k_cache: [P, H, D] one layer's key buffer (float32 / bfloat16 / float16); slots: int64 [>= to]
+template <typename KV>
+void fold_keys(float* summ, int64_t s_head, const KV* k, int64_t k_slot, const int64_t* slots, int64_t from,
+               int64_t to, int64_t page, int64_t H, int64_t d) {
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t p = from; p < to; ++p) {
+      float* mn = summ + h * s_head + (p / page) * 2 * d;
+      float* mx = mn + d;
+      const KV* kr = k + slots[p] * k_slot + h * d;
+      if (p % page == 0) {
+        for (int64_t x = 0; x < d; ++x) mn[x] = mx[x] = to_float(kr[x]);
+      } else {
+        for (int64_t x = 0; x < d; ++x) {
+          const float v = to_float(kr[x]);
+          mn[x] = std::min(mn[x], v);
+          mx[x] = std::max(mx[x], v);
+        }
+      }
+    }
+}
+
+void update_summaries(torch::Tensor summ, torch::Tensor k_cache, torch::Tensor slots, int64_t from, int64_t to,
+                      int64_t page) {
+  TORCH_CHECK(summ.dim() == 4 && summ.scalar_type() == at::kFloat && summ.stride(3) == 1 &&
+                  summ.stride(2) == summ.size(3) && summ.stride(1) == 2 * summ.size(3) && summ.size(2) == 2,
+              "summ: float32 [H, cap, 2, D] with contiguous pages");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2) &&
+                  k_cache.size(1) == summ.size(0) && k_cache.size(2) == summ.size(3),
+              "k_cache: [P, H, D] with contiguous rows, H and D as summ's");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) >= to,
+              "slots: contiguous int64 [>= to]");
+  TORCH_CHECK(page >= 1 && 0 <= from && from <= to && (to + page - 1) / page <= summ.size(1),
+              "update_summaries: positions past the summaries' capacity");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t p = from; p < to; ++p)
+    TORCH_CHECK(sl[p] >= 0 && sl[p] < k_cache.size(0), "update_summaries: slot ", sl[p], " outside the key buffer");
+  float* sm = summ.data_ptr<float>();
+  const int64_t H = summ.size(0), d = summ.size(3), s_head = summ.stride(0), k_slot = k_cache.stride(0);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return fold_keys(sm, s_head, k_cache.data_ptr<float>(), k_slot, sl, from, to, page, H, d);
+    case at::kBFloat16:
+      return fold_keys(sm, s_head, k_cache.data_ptr<at::BFloat16>(), k_slot, sl, from, to, page, H, d);
+    case at::kHalf: return fold_keys(sm, s_head, k_cache.data_ptr<at::Half>(), k_slot, sl, from, to, page, H, d);
+    default: TORCH_CHECK(false, "update_summaries: unsupported key dtype ", k_cache.scalar_type());
+  }
+}
+
 // Whether at::parallel_for spreads work over torch's threads here (it is serial when the extension
 // is built without OpenMP: a decode step's attention then ran on one of the two cores).
 bool intra_op_parallel() {
@@ -381,5 +435,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over SGLang's KV pool (CPU)");
   m.def("select_pages", &select_pages, "Sparse decode page selection for one sequence and layer (CPU)");
   m.def("page_rows", &page_rows, "Plan rows (slot * Hkv + head) of selected pages (CPU)");
+  m.def("update_summaries", &update_summaries, "Fold new keys into sparse decode's page summaries (CPU)");
   m.def("intra_op_parallel", &intra_op_parallel, "at::parallel_for runs on torch's intra-op threads");
 }

@@ -65,12 +65,28 @@ def test_stored_chunk_summaries_are_the_selection_modules():
     assert torch.equal(key_summaries(k, 16), chunk_minmax(k, 16))
 
 
-def test_incremental_summaries_equal_recomputed_ones():
-    k = torch.randn(300, 3, 8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("native", NATIVE)
+def test_incremental_summaries_equal_recomputed_ones(native, dtype):
+    k_pool, _, (slots,) = pool(3, [300], d=8, size=1024, dtype=dtype)  # fragmented slots, as in the server
+    k = k_pool[slots]
+    lib = paged_decode.load() if native else None
+    if native and lib is None:
+        pytest.skip("the native paged-decode kernel cannot be built here")
+    fold = (lambda buf, a, e: lib.update_summaries(buf, k_pool, slots, a, e, 16)) if native else None
     state = LayerState()
     for length in [1, 15, 16, 17, 40, 41, 64, 200, 300]:  # appends inside, at and across page edges
-        seq = SeqKeys(lambda a, e: k[a:e], length, state, 16)
+        seq = SeqKeys(lambda a, e: k[a:e], length, state, 16, fold)
         assert torch.equal(seq.summaries(), chunk_minmax(k[:length], 16))
+
+
+def test_native_summary_update_refuses_positions_past_its_buffer():
+    lib = paged_decode.load()
+    if lib is None:
+        pytest.skip("the native paged-decode kernel cannot be built here")
+    k_pool, _, (slots,) = pool(4, [64], d=8, size=256)
+    with pytest.raises(RuntimeError, match="capacity"):
+        lib.update_summaries(torch.zeros(3, 2, 2, 8), k_pool, slots, 0, 64, 16)  # 4 pages into 2
 
 
 def test_top_pages_keeps_sink_and_local_and_the_budget():

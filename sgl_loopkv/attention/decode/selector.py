@@ -66,6 +66,7 @@ class SparseDecoder:
         if native is not None and hasattr(native, "select_pages"):
             policy.native = native
         self._page_rows = getattr(native, "page_rows", None)
+        self._update_summaries = getattr(native, "update_summaries", None)
         if executor not in EXECUTOR_NAMES:
             raise ValueError(f"sparse decode executor must be one of {EXECUTOR_NAMES}, not {executor!r}")
         if executor == "native" and native is None:
@@ -120,7 +121,9 @@ class SparseDecoder:
                 continue
             st = self.states[sid].layers[layer]
             qi = q[i].view(hkv, g, d)
-            seq = SeqKeys(lambda a, e, s=slots: k_cache[s[a:e]], L, st, self.p.logical_page)
+            seq = SeqKeys(
+                lambda a, e, s=slots: k_cache[s[a:e]], L, st, self.p.logical_page, self.folder(k_cache, slots)
+            )
             chosen = self.policy.choose(st, self.states[sid].step, qi, seq, scale)
             if chosen is not None:
                 st.pages, st.sel_len = chosen
@@ -159,6 +162,13 @@ class SparseDecoder:
         if self._page_rows is not None and slots.device.type == "cpu" and slots.dtype == torch.int64:
             return self._page_rows(pages.contiguous(), slots.contiguous(), self.p.page_size, length)
         return slots[pages_to_positions(pages, self.p.page_size, length)] * heads.shape[0] + heads
+
+    def folder(self, k_cache: torch.Tensor, slots: torch.Tensor):
+        """The native in-place summary update for this sequence's keys, or None (torch path)."""
+        native, lp = self._update_summaries, self.p.logical_page
+        if native is None or k_cache.device.type != "cpu" or slots.dtype != torch.int64 or not slots.is_contiguous():
+            return None
+        return lambda buf, a, e: native(buf, k_cache, slots, a, e, lp)
 
     def executor_for(self, k_cache: torch.Tensor) -> str:
         if self.executor != "auto":
