@@ -326,6 +326,14 @@ class SparseDecodeConfig:
         default=16,
         metadata={"help": "loopserve: re-select every this many steps from the last this many queries.", "type": int},
     )
+    dense_steps: int = field(
+        default=16,
+        metadata={
+            "help": "loopserve: a sequence's first this many decode steps read every key (LoopServe's 'decoding "
+            "size' 16), its first selection is made from their queries; 0: select at the first step from its query.",
+            "type": int,
+        },
+    )
     min_context: int = field(
         default=2048,
         metadata={"help": "Sequences shorter than this decode densely.", "type": int},

@@ -133,7 +133,7 @@ def _sparse_reference(q, k, v, index_of_seq, hkv, scale):
 def test_below_budget_each_group_reads_one_selection_within_the_budget(policy, native):
     lens = [4000, 2500]
     k, v, slots = pool(1, lens)
-    dec = decoder(policy, native, budget=512, min_context=1024, sink=64, local=128, reuse=3, n_d=4)
+    dec = decoder(policy, native, budget=512, min_context=1024, sink=64, local=128, reuse=3, n_d=4, dense_steps=0)
     dec.keep_index = True
     for s in range(6):
         q = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(10 + s))
@@ -203,11 +203,33 @@ def test_loopserve_reselects_from_recent_attention_mass():
     k, v, slots = pool(5, [3000])
     target = slots[0][1500:1510]
     k[target] = 4.0  # a hot spot in the middle
-    dec = decoder("loopserve", True, budget=512, min_context=1024, n_d=2)
+    dec = decoder("loopserve", True, budget=512, min_context=1024, n_d=2, dense_steps=0)
     for _ in range(3):
         step(dec, [1], slots, torch.ones(1, 9, 32), k, v)
     pages = dec.states[1].layers[0].pages
     assert (pages == 1500 // 64).any(dim=1).all()
+
+
+def test_loopserve_reads_every_key_for_its_first_steps_then_selects_from_their_queries():
+    """LoopServe's Algorithm 6 selects first at n_o = dense_steps, from the queries of those steps."""
+    k, v, slots = pool(5, [3000])
+    target = slots[0][1500:1510]
+    k[target] = 4.0
+    dec = decoder("loopserve", True, budget=512, min_context=1024, n_d=4, dense_steps=3)
+    dec.keep_index = True
+    full = slots[0]
+    for s in range(8):
+        cur = [full[: 2000 + s]]
+        q = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(s))
+        out = step(dec, [1], cur, q, k, v)
+        read = dec.last_index[0].view(3, -1)
+        if s < 3:  # dense: every key, and the output is dense attention
+            assert read.shape[1] == len(cur[0])
+            torch.testing.assert_close(out.double(), reference(q, k, v, cur, 0.2), atol=2e-5, rtol=1e-4)
+        else:
+            assert read.shape[1] <= 512 + 4
+    assert dec.policy.decisions == 2  # steps 3 and 7
+    assert dec.states[1].layers[0].selected_at == 7
 
 
 def test_a_sequence_that_skips_steps_starts_afresh():

@@ -29,6 +29,7 @@ class DecodeParams:
     reuse: int = 4
     tau: float = 0.9
     n_d: int = 16
+    dense_steps: int = 16
     min_context: int = 2048
 
     @classmethod

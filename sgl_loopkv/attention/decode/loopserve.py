@@ -1,7 +1,11 @@
-"""``loopserve``: LoopServe's progressive decode re-selection. Every ``n_d`` steps the pages are
-re-chosen from the attention of the queries of the last ``n_d`` generated tokens (summed softmax
-mass per page, over the query heads of each KV head's group): what the answer has been looking
-at, which holds up when the question is not at the end of the prompt."""
+"""``loopserve``: LoopServe's progressive decode re-selection. A sequence's first ``dense_steps``
+decode steps read every key (the paper's "decoding size" 16: its Algorithm 6 first selects at
+n_o = 16); from then on, every ``n_d`` steps the pages are re-chosen from the attention of the
+queries of the last ``n_d`` generated tokens (summed softmax mass per page, over the query heads of
+each KV head's group): what the answer has been looking at, which holds up when the question is not
+at the end of the prompt. Selecting at the first step from that step's query alone (``dense_steps``
+0) lost the key-value retrievals of the multi-turn benchmark whose digits come ~15 tokens into the
+answer, before any re-selection (NOTES.md, 2026-11-25)."""
 
 from __future__ import annotations
 
@@ -15,7 +19,10 @@ class LoopServePolicy(DecodePolicy):
     def choose(self, state, step, q, seq, scale):
         state.recent_q.append(q)
         del state.recent_q[: -self.p.n_d]
-        if state.pages is not None and step - state.selected_at < self.p.n_d:
+        if step < self.p.dense_steps:  # every page: the plan reads every key
+            n = self.n_pages(seq.length)
+            return torch.arange(n, device=q.device).expand(q.shape[0], n), seq.length
+        if state.pages is not None and (step - self.p.dense_steps) % self.p.n_d:
             return None
         self.decisions += 1
         qs = torch.stack(state.recent_q, dim=2)  # [Hkv, g, r, D]
