@@ -75,8 +75,8 @@ class SeqKeys:
         if st.summaries is None or st.summarized < self.length:
             first = st.summarized // lp  # a partial last page is recomputed from its first token (or folded)
             if st.summaries is None or st.summaries.shape[1] < n:  # grow by half: appends stay amortised O(1)
-                none = self.keys(0, 0)  # [0, Hkv, D]: the geometry
-                grown = torch.empty(none.shape[1], n + n // 2 + 8, 2, none.shape[2], device=none.device)
+                empty = self.keys(0, 0)  # [0, Hkv, D]: the geometry
+                grown = torch.empty(empty.shape[1], n + n // 2 + 8, 2, empty.shape[2], device=empty.device)
                 if st.summaries is not None:
                     grown[:, :first] = st.summaries[:, :first]
                     if self._fold is not None and first * lp < st.summarized:  # the partial page being folded
