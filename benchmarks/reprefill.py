@@ -14,11 +14,13 @@ Systems (SmolLM2-135M-Instruct, fp32 KV pool, ``--loopkv-restore-planner load_al
 - ``stream``: budget 1.0 with ``--loopkv-prefix-stream``: every chunk, restored chunk by chunk (a
   disk hit admitted from its header, its chunks read and verified period by period during the
   prefill; a host hit copied period by period), one server per tier for every length;
-- ``impress`` (in-process only, no server path: its TTFT is not measured): IMPRESS-style
-  token-granular selection of the same budget by exact attention mass (at each period's first
-  layer, the history tokens with the most mass of the turn's rows, mean over heads), read as
-  64-token blocks (``baseline_block_read_bytes``): its read amplification = block bytes read /
-  bytes of the selected tokens.
+- ``impress``: the IMPRESS-style baseline, ``--loopkv-prefix-budget B --loopkv-prefix-selection
+  impress`` (one server per tier and budget): at each period's first layer the whole history's
+  KV of that layer is read (the probe: exact keys, synchronous), the tokens of most exact attention
+  mass kept (the turn's rows, mean over heads), every 64-token block holding one read for the
+  period's other layers; attention reads the kept tokens. Its read amplification (disk bytes read /
+  bytes of the tokens attended) counts the probe; the in-process column ``IMPRESS read amp.``
+  counts the blocks alone (``baseline_block_read_bytes``).
 
 Histories: 2048, 4096 and 8000 tokens, the prefixes of one synthetic text (so one stored 8000-token
 history serves every length). Tiers: ``host`` (the history prefilled on the server, then evicted
@@ -245,7 +247,7 @@ class Bench:
         self.seed: Path | None = None
         self.ref: dict[int, dict] = {}
         tiers = lambda: {"host": {}, "disk": {}}  # noqa: E731
-        self.res: dict = {"load_all": tiers(), "loopkv": tiers(), "stream": tiers()}
+        self.res: dict = {"load_all": tiers(), "loopkv": tiers(), "stream": tiers(), "impress": tiers()}
 
     def hist(self, L: int) -> list[int]:
         return self.hist_all[:L]
@@ -320,12 +322,14 @@ class Bench:
         self.bar.update()
 
     # loopkv (budget < 1) and stream (budget 1.0, disk): one server for every length
-    def pruned(self, tier: str, budget: float, lengths: list[int]) -> None:
+    def pruned(self, tier: str, budget: float, lengths: list[int], system: str = "loopkv") -> None:
         tok, reps, stream = self.tok, self.args.repeats, budget >= 1.0
-        name = f"stream_{tier}" if stream else f"loopkv_{tier}_b{budget:g}"
+        name = f"stream_{tier}" if stream else f"{system}_{tier}_b{budget:g}"
         self.bar.set_postfix_str(name)
         flags, disk = self.tier_flags(tier, name)
         flags += ["--loopkv-prefix-stream"] if stream else ["--loopkv-prefix-budget", str(budget)]
+        if system == "impress":
+            flags += ["--loopkv-prefix-selection", "impress"]
         if self.args.prefetch is not None:
             flags += ["--loopkv-prefix-prefetch", str(self.args.prefetch)]
         srv = self.server(name, flags, max(lengths) + 1024)
@@ -366,7 +370,7 @@ class Bench:
         if stream:
             self.res["stream"][tier] = results
         else:
-            self.res["loopkv"][tier][budget] = results
+            self.res[system][tier][budget] = results
 
 
 # --- in-process: attention-mass recall and the IMPRESS-style baseline ----------------------------------
@@ -538,6 +542,7 @@ def summarize(p: dict) -> dict:
     rec = min(ok) if ok else 1.0
     la = lambda tier: s["load_all"][tier].get("4096") or {}  # noqa: E731
     lk = lambda tier, b: (s["loopkv"][tier].get(str(b)) or {}).get("4096") or {}  # noqa: E731
+    im = lambda tier, b: ((s.get("impress") or {}).get(tier, {}).get(str(b)) or {}).get("4096") or {}  # noqa: E731
     ratio = lambda a, b: a / b if a and b else None  # noqa: E731
     ra = {str(b): lk("disk", b).get("read_amplification") for b in budgets if lk("disk", b).get("read_amplification")}
     all_ra = [r["read_amplification"] for t in s["loopkv"]["disk"].values() for r in t.values()]
@@ -555,10 +560,22 @@ def summarize(p: dict) -> dict:
         ),
         "read_amplification_with_summaries_4k_10pct": lk("disk", 0.1).get("read_amplification_with_summaries"),
         "inter_period_overlap_4k_10pct": lk("disk", 0.1).get("inter_period_overlap"),
-        "baseline_read_amplification": imp.get("impress_read_amplification"),
+        "baseline_read_amplification": im("disk", 0.1).get("read_amplification"),
+        "baseline_read_amplification_note": "IMPRESS-style server, disk, 4K, budget 0.1: disk bytes read (its key "
+        "probe at each period's first layer and its 64-token blocks) / bytes of the tokens attended",
         "baseline_read_amplification_by_budget_4k": {
+            str(b): im("disk", b).get("read_amplification") for b in budgets if im("disk", b)
+        },
+        "baseline_read_amplification_blocks_only_4k_10pct": imp.get("impress_read_amplification"),
+        "baseline_read_amplification_blocks_only_by_budget_4k": {
             b: r["impress_read_amplification"] for b, r in (inproc.get("4096") or {}).items()
         },
+        "ttft_impress_over_loopkv_4k_disk_10pct": ratio(im("disk", 0.1).get("ttft_s"), lk("disk", 0.1).get("ttft_s")),
+        "ttft_impress_over_loopkv_4k_host_10pct": ratio(im("host", 0.1).get("ttft_s"), lk("host", 0.1).get("ttft_s")),
+        "ttft_load_all_over_impress_4k_disk_10pct": ratio(la("disk").get("ttft_s"), im("disk", 0.1).get("ttft_s")),
+        "teacher_forced_agreement_impress_4k_10pct": min(
+            (im(t, 0.1)["teacher_forced_agreement"] for t in ("host", "disk") if im(t, 0.1)), default=None
+        ),
         "ttft_load_all_over_loopkv_4k_disk_10pct": ratio(la("disk").get("ttft_s"), lk("disk", 0.1).get("ttft_s")),
         "ttft_load_all_over_loopkv_4k_host_10pct": ratio(la("host").get("ttft_s"), lk("host", 0.1).get("ttft_s")),
         "ttft_load_all_over_device_floor_4k_disk": ratio(
@@ -619,8 +636,9 @@ def report_md(p: dict) -> str:
         f"{pd['period']}, gate {pd['gate']}, {pd['local']} local chunks, prefetch {pd.get('prefetch', 1.0):g} of a "
         "period's set); `stream` = budget 1.0 with "
         "`--loopkv-prefix-stream` (every chunk, restored chunk by chunk period by period). "
-        "IMPRESS-style columns: token-granular selection of the same budget by exact attention mass read as "
-        f"{BLOCK}-token blocks, computed in-process: **its TTFT is not measured** (no server path).",
+        "`impress` = `--loopkv-prefix-budget B --loopkv-prefix-selection impress` (IMPRESS-style baseline: at each "
+        "period's first layer every history key of that layer read and scored exactly, the tokens of most mass kept, "
+        f"every {BLOCK}-token block holding one read for the period's other layers; its read amp. counts that probe).",
         "",
     ]
     rows, io_rows = [], []
@@ -631,6 +649,8 @@ def report_md(p: dict) -> str:
                 continue
             entries = [("load_all", 1.0, base)]
             entries += [("loopkv", b, (s["loopkv"][tier].get(str(b)) or {}).get(L)) for b in budgets]
+            imp_tier = (s.get("impress") or {}).get(tier) or {}
+            entries += [("impress", b, (imp_tier.get(str(b)) or {}).get(L)) for b in budgets]
             if L in s["stream"][tier]:
                 entries.append(("stream", 1.0, s["stream"][tier][L]))
             for name, b, r in entries:
@@ -652,7 +672,7 @@ def report_md(p: dict) -> str:
                         r.get("io_wait_s", base.get("fetch_s") if name == "load_all" and disk else "-"),
                         r["first_token_kl"],
                         r["teacher_forced_agreement"],
-                        ip.get("recall", 1.0 if b >= 1 else None),
+                        ip.get("recall", 1.0 if b >= 1 else None) if name != "impress" else ip.get("impress_recall"),
                         ip.get("impress_read_amplification") if b < 1 else "-",
                     ]
                 )
@@ -691,8 +711,8 @@ def report_md(p: dict) -> str:
                 "I/O wait s (load_all disk: fetch s)",
                 "first-token KL",
                 "teacher-forced top-1 (128)",
-                "attention recall (kept chunks)",
-                "IMPRESS-style read amp. (in-process; TTFT not measured)",
+                "attention recall (kept chunks; impress: kept tokens)",
+                "IMPRESS-style read amp. of its blocks alone (in-process)",
             ],
             fmt(rows),
         )
@@ -701,9 +721,8 @@ def report_md(p: dict) -> str:
         "\n`device floor`: TTFT of the same kind of turn with the whole history already in the device pool (nothing "
         "to load, attention over all of it; a pruned turn attends to fewer keys and may go below it). `read amp.` = chunk-extent bytes read from disk / bytes attention used (admission's key summaries apart; prefetched chunks that the next period did "
         "not select count as read, not used). `attention recall`: in-process, share of the dense attention mass of "
-        "the turn's rows on the history that falls on the kept chunks (mean over layers and heads). IMPRESS-style: "
-        "token-granular selection of the same budget by exact attention mass, read as 64-token blocks (no server "
-        "path: its TTFT is not measured)."
+        "the turn's rows on the history that falls on the kept chunks (mean over layers and heads). IMPRESS-style "
+        "read amp. of its blocks alone: in-process, 64-token block bytes / bytes of the selected tokens (no probe)."
     )
     lines += ["", "## Reads per resume (chunk-pruned and streamed restores; sums over the timed resumes)", ""]
     lines.append(
@@ -801,11 +820,15 @@ def targets_md(sm: dict) -> list[str]:
          sm["read_amplification"] is not None and sm["read_amplification"] <= t["read_amplification"],
          f"without the wasted prefetch {_f(sm['read_amplification_without_wasted_prefetch_4k_10pct'])}, with the key "
          f"summaries read at admission {_f(sm['read_amplification_with_summaries_4k_10pct'])}; IMPRESS-style "
-         f"baseline {_f(sm['baseline_read_amplification'])}"),
+         f"baseline {_f(sm['baseline_read_amplification'])} (its blocks alone "
+         f"{_f(sm['baseline_read_amplification_blocks_only_4k_10pct'])})"),
         ("TTFT load_all / loopkv, disk 4K budget 0.1", sm["ttft_load_all_over_loopkv_4k_disk_10pct"],
          f">= {t['ttft_load_all_over_loopkv_4k_disk_10pct']}",
          (sm["ttft_load_all_over_loopkv_4k_disk_10pct"] or 0) >= t["ttft_load_all_over_loopkv_4k_disk_10pct"],
-         f"load_all / device floor (whole history on the device) {_f(sm['ttft_load_all_over_device_floor_4k_disk'])}"),
+         f"load_all / device floor (whole history on the device) {_f(sm['ttft_load_all_over_device_floor_4k_disk'])}; "
+         f"IMPRESS-style / loopkv {_f(sm.get('ttft_impress_over_loopkv_4k_disk_10pct'))} (host "
+         f"{_f(sm.get('ttft_impress_over_loopkv_4k_host_10pct'))}), load_all / IMPRESS-style "
+         f"{_f(sm.get('ttft_load_all_over_impress_4k_disk_10pct'))}"),
         ("TTFT read-then-admit / streamed, disk 4K budget 1.0", sm["streamed_over_admit_4k_disk_full"],
          f"> {t['streamed_over_admit_4k_disk_full']}",
          (sm["streamed_over_admit_4k_disk_full"] or 0) > t["streamed_over_admit_4k_disk_full"],
@@ -845,6 +868,11 @@ def plot(p: dict, path: Path) -> None:
             else:
                 xs, ys = xs + [1.0], ys + [base["ttft_s"]]
             ax.plot(xs, ys, "-o", color=f"C{i}", label=f"loopkv {L}")
+            imp_tier = (s.get("impress") or {}).get(tier) or {}
+            xi = [b for b in budgets if L in (imp_tier.get(str(b)) or {})]
+            if xi:
+                ax.plot(xi, [imp_tier[str(b)][L]["ttft_s"] for b in xi], "-x", color=f"C{i}", alpha=0.6, lw=1,
+                        label=f"impress {L}")  # fmt: skip
             ax.axhline(base["ttft_s"], color=f"C{i}", ls="--", lw=1, label=f"load_all {L}")
             ax.axhline(base["device_floor_ttft_s"], color=f"C{i}", ls=":", lw=1, label=f"device floor {L}")
         ax.set(xscale="log", xlabel="budget (fraction of chunks)", ylabel="TTFT s (median)", ylim=(0, None))
@@ -886,6 +914,8 @@ def main() -> None:
     ap.add_argument("--mt-budgets", type=float, nargs="+", default=None,
                     help="budgets of the multi-turn part (default: the recommended one)")  # fmt: skip
     ap.add_argument("--add", action="store_true", help="with --parts multiturn: add to <name>.json's multi-turn part")
+    ap.add_argument("--impress-budgets", type=float, nargs="*", default=None,
+                    help="budgets of the IMPRESS-style servers (default: every budget below 1.0; none: skip them)")  # fmt: skip
     args = ap.parse_args()
     name = args.name or ("reprefill_quick" if args.quick else "reprefill")
     if args.replot:
@@ -914,7 +944,8 @@ def main() -> None:
     token_bytes = model.kv_bytes_per_token(pool_bytes)
     load_start = os.getloadavg()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-    units = len(lengths) * (1 + ("disk" in args.tiers) + len(args.tiers) * (1 + len(budgets)))
+    impress = budgets if args.impress_budgets is None else sorted(b for b in args.impress_budgets if b < 1.0)
+    units = len(lengths) * (1 + ("disk" in args.tiers) + len(args.tiers) * (1 + len(budgets) + len(impress)))
     units += ("disk" in args.tiers) + ("inprocess" in args.parts) * len(lengths) + ("multiturn" in args.parts) * 28
     root = Path(tempfile.mkdtemp(prefix="loopkv-reprefill-"))
     payload: dict = {
@@ -951,6 +982,8 @@ def main() -> None:
             for tier in args.tiers:
                 for budget in [1.0, *budgets]:  # 1.0: streamed
                     b.pruned(tier, budget, lengths)
+                for budget in impress:
+                    b.pruned(tier, budget, lengths, system="impress")
             payload["reference"] = {
                 str(L): {"self_agreement": r["self_agreement"], "output_ids": r["output_ids"]} for L, r in b.ref.items()
             }

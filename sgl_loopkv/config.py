@@ -425,6 +425,18 @@ class PrefixConfig:
         },
     )
 
+    selection: str = field(
+        default="chunks",
+        metadata={
+            "help": "How a period's history is chosen under a budget below 1.0. chunks (default, ContiguousKV): whole "
+            "16-token chunks scored on their stored key min/max, no key read. impress: the baseline ContiguousKV "
+            "compares with (IMPRESS-style): the period's first layer reads every history key (a synchronous probe), "
+            "keeps the tokens of highest exact attention mass and reads every 64-token block holding one; its page "
+            "cache holds the whole history (a benchmark baseline, not a mode to serve with).",
+            "choices": ["chunks", "impress"],
+        },
+    )
+
     @property
     def enabled(self) -> bool:
         return self.budget < 1.0 or self.stream
@@ -434,6 +446,8 @@ class PrefixConfig:
             raise ValueError(f"--loopkv-prefix-budget must be in (0, 1], not {self.budget}")
         if not 0.0 <= self.prefetch <= 1.0:
             raise ValueError(f"--loopkv-prefix-prefetch must be in [0, 1], not {self.prefetch}")
+        if self.selection not in ("chunks", "impress"):
+            raise ValueError(f"--loopkv-prefix-selection must be chunks or impress, not {self.selection!r}")
         if self.period < 1 or self.gate < 1 or self.local < 1 or self.min_tokens < 0:
             raise ValueError("--loopkv-prefix-period, -gate and -local must be >= 1, -min-tokens >= 0")
 

@@ -20,11 +20,19 @@ request's row points its history positions at the pool's padding slot (never rea
 the cache), and the cache is freed when the request ends. The turn itself is stored at its end like
 any other (its KV computed over the kept chunks). Budget 1.0 keeps every chunk: the same KV as a
 full load, read period by period.
+
+``selection="impress"`` is the baseline ContiguousKV compares with (IMPRESS): at a period's first
+layer the full keys of that layer's whole history are read (the probe, synchronous: the forward
+waits for it), the tokens are chosen by exact attention mass, and every 64-token block holding a
+chosen token is read for the period's other layers; attention reads the chosen tokens only. Its
+page cache holds the whole history (a chunk's place is its index), its probe and block padding are
+read but not used (its read amplification), and nothing is read ahead.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import queue
 import threading
@@ -34,7 +42,14 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_loopkv.platform import keep_torch_on_this_thread
-from sgl_loopkv.selection.chunks import always_kept, chunk_scores, keep_count, select_chunks
+from sgl_loopkv.selection.chunks import (
+    always_kept,
+    chunk_scores,
+    keep_count,
+    select_chunks,
+    select_tokens,
+    token_scores,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +135,11 @@ class PrunedRestore:
         local: int,
         prefetch: float = 0.0,
         disk=None,
+        selection: str = "chunks",
+        block: int = 64,
     ):
+        if selection not in ("chunks", "impress"):
+            raise ValueError(f"unknown chunk selection {selection!r}")
         self.rid, self.sources, self.start = rid, sources, start
         self.summaries = summaries  # [periods, m, H, 2, D]: each period's first layer (none at budget 1.0)
         self.k_buffers, self.v_buffers, self.reader, self.disk = k_buffers, v_buffers, reader, disk
@@ -130,12 +149,18 @@ class PrunedRestore:
         self.n_chunks = n_chunks
         self.tokens = n_chunks * chunk
         self.keep = keep_count(self.n_chunks, budget)
+        self.impress, self.block = selection == "impress", block
+        self.capacity = self.n_chunks if self.impress else self.keep  # chunk places in the page cache
         self.slots: torch.Tensor | None = None  # the device page cache: keep chunks of slots (see attach)
         n_periods = -(-self.num_layers // period)
         self.kept: list[torch.Tensor | None] = [None] * n_periods  # latest selection of each period
         # per period, chunk -> its chunk place in the page cache (-1: none); a place holds, at each
         # layer, the chunk its period maps there, so every period uses the same keep-chunk cache
         self.where = torch.full((n_periods, self.n_chunks), -1, dtype=torch.int64)
+        if self.impress:  # the cache spans the history: a chunk's place is its index, in every period
+            self.where[:] = torch.arange(self.n_chunks)
+        # impress: per period, the history tokens attention reads (None: every token of the kept chunks)
+        self.kept_tokens: list[torch.Tensor | None] = [None] * n_periods
         self.n_prefetched = 0  # (layer, chunk) reads queued ahead for the next period
         self.n_wasted = 0  # of those, dropped by that period's own selection
         self.loaded = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)  # in the pool (reader thread)
@@ -163,7 +188,7 @@ class PrunedRestore:
     @property
     def cache_tokens(self) -> int:
         """Device-pool slots the restore holds: its page cache, whatever the history's length."""
-        return self.keep * self.chunk
+        return self.capacity * self.chunk
 
     def attach(self, slots: torch.Tensor) -> None:
         """The page cache's pool slots (``cache_tokens`` of them)."""
@@ -179,6 +204,8 @@ class PrunedRestore:
         """At a period's first layer: choose its chunks from this layer's query rows q [n, Hq, D],
         queue their reads for every layer of the period, then prefetch them for the next period."""
         p = self.period_of(layer)
+        if self.impress and self.keep < self.n_chunks:
+            return self._select_tokens(layer, q, scale)
         if self.keep >= self.n_chunks:
             chunks = ahead = torch.arange(self.n_chunks)  # every period keeps them all: nothing is wasted
         else:
@@ -201,6 +228,33 @@ class PrunedRestore:
         if end < self.num_layers and self.kept[p + 1] is None:  # ContiguousKV: the next period probably
             self.where[p + 1] = self.where[p]  # wants much the same chunks: the same places, read ahead
             self._queue(range(end, min(end + self.period, self.num_layers)), ahead, prefetch=True)
+        return chunks
+
+    def _select_tokens(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """IMPRESS-style selection at a period's first layer: probe (read this layer's whole
+        history and wait for it), choose tokens by exact mass, read their blocks for the period's
+        other layers."""
+        p = self.period_of(layer)
+        every = torch.arange(self.n_chunks)
+        self._queue(range(layer, layer + 1), every, prefetch=False)
+        t0 = time.perf_counter()
+        with self._cond:
+            while self._pending[layer]:
+                self._cond.wait()
+        self.stats.io_wait_s += time.perf_counter() - t0
+        valid = (self.loaded[layer] & ~self.bad[layer]).repeat_interleave(self.chunk)
+        keys = self.k_buffers[layer][self._slots_of(p, every).to(self.k_buffers[layer].device)]
+        scores = token_scores(q, keys, scale, valid)
+        mask, chunks = select_tokens(
+            scores, math.ceil(self.budget * self.tokens - 1e-9), self.chunk, self.local, self.block
+        )
+        self.mass += scores.view(self.n_chunks, self.chunk).sum(dim=1)
+        self.kept[p], self.kept_tokens[p] = chunks, mask
+        self._bump(self._layers(p))
+        self.stats.selections += 1
+        self.stats.kept_chunks += len(chunks)
+        self.stats.scored_chunks += self.n_chunks
+        self._queue(range(layer + 1, min((p + 1) * self.period, self.num_layers)), chunks, prefetch=False)
         return chunks
 
     def _surest(self, chunks: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -235,7 +289,7 @@ class PrunedRestore:
                 for mask in (self.asked, self.loaded, self.prefetched, self.bad):
                     mask[layer, dropped] = False
             where[dropped] = -1
-        used = torch.zeros(self.keep, dtype=torch.bool)
+        used = torch.zeros(self.capacity, dtype=torch.bool)
         used[where[where >= 0]] = True
         free = torch.nonzero(~used).flatten()
         new = chunks[where[chunks] < 0]
@@ -252,6 +306,8 @@ class PrunedRestore:
         path must equal)."""
         p = self.period_of(layer)
         self._in_prefill = False
+        if self.impress:  # the baseline decodes over its last selection
+            return
         self._flush_recalls(skip=p)
         qv = q.float().flatten()
         last = self._decode_q.get(p)
@@ -305,8 +361,12 @@ class PrunedRestore:
         return chunks[self.loaded[layer, chunks] & ~self.bad[layer, chunks]]
 
     def kept_positions(self, layer: int) -> torch.Tensor:
-        """History offsets (0 .. tokens) of :meth:`kept_chunks`."""
-        return (self.kept_chunks(layer)[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+        """History offsets (0 .. tokens) attention reads at this layer: the tokens of
+        :meth:`kept_chunks` (impress: those of them chosen)."""
+        chunks = self.kept_chunks(layer)
+        pos = (chunks[:, None] * self.chunk + torch.arange(self.chunk)).flatten()
+        mask = self.kept_tokens[self.period_of(layer)]
+        return pos if mask is None else pos[mask[pos]]
 
     def kept_slots(self, layer: int) -> torch.Tensor:
         """The page-cache slots holding :meth:`kept_positions` at this layer, in position order;
@@ -315,7 +375,11 @@ class PrunedRestore:
         if hit is not None and hit[0] == self._version[layer]:
             return hit[1]
         version = self._version[layer]
-        slots = self._slots_of(self.period_of(layer), self.kept_chunks(layer))
+        p, chunks = self.period_of(layer), self.kept_chunks(layer)
+        slots = self._slots_of(p, chunks)
+        mask = self.kept_tokens[p]
+        if mask is not None:
+            slots = slots[mask.view(-1, self.chunk)[chunks].flatten()]
         self._kept_cache[layer] = (version, slots)
         return slots
 
@@ -404,16 +468,18 @@ class PrunedRestore:
 
     def account(self) -> PrunedStats:
         """Used and wasted bytes as of the latest selections (call once the turn's prefill is over)."""
-        used = 0
+        used = 0  # tokens
         for layer in range(self.num_layers):
-            chunks = self.kept[self.period_of(layer)]
-            if chunks is None:
+            p = self.period_of(layer)
+            if self.kept[p] is None:
                 continue
             sel = torch.zeros(self.n_chunks, dtype=torch.bool)
-            sel[chunks] = True
-            ok = self.loaded[layer] & ~self.bad[layer]
-            used += int((ok & sel).sum())
-        self.stats.bytes_used = used * self.layer_bytes
+            sel[self.kept[p]] = True
+            ok = (self.loaded[layer] & ~self.bad[layer] & sel).repeat_interleave(self.chunk)
+            if self.kept_tokens[p] is not None:
+                ok &= self.kept_tokens[p]
+            used += int(ok.sum())
+        self.stats.bytes_used = used * self.layer_bytes // self.chunk
         self.stats.prefetched_bytes = self.n_prefetched * self.layer_bytes
         self.stats.wasted_prefetch_bytes = self.n_wasted * self.layer_bytes
         return self.stats

@@ -508,16 +508,17 @@ class LoopKVRadixCache(RadixCache):
         # tree's way, whose slots the scheduler can take back, so queued restores cannot starve
         # the requests that run.
         held = sum(j.cache_tokens for r, j in self.pruned.items() if r not in self.pruned_adopted)
-        if (
-            held
-            and held + keep_count(total // self.page_size, self.prefix.budget) * self.page_size > self.kv_pool.size // 2
-        ):
+        if held and held + self._cache_chunks(total // self.page_size) * self.page_size > self.kv_pool.size // 2:
             logger.info("loopkv: %d tokens of queued pruned restores: this history loads whole", held)
             return None
         sources, restoring, first = [], {_ref(nd)[0] for nd in stored}, 0
         summaries, admission_read = [], self.store.stats.disk_bytes_read
         # chunks are scored at each period's first layer only, and not at all when every chunk is kept
-        scored = list(range(0, self.geometry.num_layers, self.prefix.period)) if self.prefix.budget < 1 else []
+        scored = (
+            list(range(0, self.geometry.num_layers, self.prefix.period))
+            if self.prefix.budget < 1 and self.prefix.selection == "chunks"
+            else []
+        )
         try:
             for node in stored:
                 seg, lo, hi = _ref(node)
@@ -538,7 +539,7 @@ class LoopKVRadixCache(RadixCache):
             if n == 0 or any(_ref(nd) is None or not self._attached(nd) for nd in stored[: len(sources)]):
                 raise LookupError("part of the history was lost while it was restored")
             cfg = self.prefix
-            slots = self._alloc(keep_count(first, cfg.budget) * self.page_size, last_device)  # the page cache
+            slots = self._alloc(self._cache_chunks(first) * self.page_size, last_device)  # the page cache
             if slots is None:
                 raise LookupError("no device slots for the history")
         except Exception as e:  # a history that cannot be restored is recomputed, never a crashed scheduler
@@ -566,6 +567,7 @@ class LoopKVRadixCache(RadixCache):
             prefetch=cfg.prefetch,
             local=cfg.local,
             disk=self.store.disk,
+            selection=cfg.selection,
         )
         job.attach(slots)
         admitted = self.store.stats.disk_bytes_read - admission_read  # the scored layers' key summaries
@@ -585,6 +587,13 @@ class LoopKVRadixCache(RadixCache):
             job.cache_tokens,
         )
         return job
+
+    def _cache_chunks(self, n_chunks: int) -> int:
+        """Chunk places of a pruned restore's page cache: the budget's, or the whole history for the
+        IMPRESS-style baseline (its blocks can lie anywhere)."""
+        if self.prefix.selection == "impress":
+            return n_chunks
+        return keep_count(n_chunks, self.prefix.budget)
 
     def prefix_device_indices(self, req) -> torch.Tensor:
         """SGLang's path indices, then the pruned history's positions, which hold no KV of their own:

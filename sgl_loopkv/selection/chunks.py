@@ -64,3 +64,41 @@ def always_kept(m: int, keep: int, local: int) -> torch.Tensor:
     forced[0] = True
     forced[m - max(1, min(local, keep - 1)) :] = True
     return forced
+
+
+# --- the IMPRESS-style baseline: exact keys, token-granular selection, block-granular reads --------
+def token_scores(q: torch.Tensor, keys: torch.Tensor, scale: float, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact attention mass of each history token. q: [n, Hq, D] (the new turn's query rows of one
+    layer); keys: [T, Hkv, D]; ``valid`` [T] bool (False: a token whose key did not load, never
+    chosen) -> [T] float32 summing to 1 over the valid tokens (softmax over the history per row and
+    head, mean over rows and heads: the same pooling as :func:`chunk_scores`)."""
+    q = scoring_rows(q)
+    n, hq, d = q.shape
+    hkv = keys.shape[1]
+    qg = q.float().view(n, hkv, hq // hkv, d).permute(1, 0, 2, 3).reshape(hkv, -1, d)  # [Hkv, n * g, D]
+    logits = torch.bmm(qg, keys.float().permute(1, 2, 0)) * scale  # [Hkv, n * g, T]
+    if valid is not None:
+        logits = logits.masked_fill(~valid.to(logits.device), -torch.inf)
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).mean(dim=(0, 1)).cpu()
+
+
+def select_tokens(
+    scores: torch.Tensor, keep_tokens: int, chunk: int, local: int, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """IMPRESS-style: the ``keep_tokens`` best tokens by exact mass (the first chunk's and the
+    ``local`` nearest chunks' tokens always among them, as :func:`select_chunks` keeps them) ->
+    ([T] bool kept tokens, ascending chunk ids to read: every chunk of each ``block``-token block that
+    holds a kept token, the fixed read unit whose waste is IMPRESS's read amplification)."""
+    T = scores.shape[0]
+    m = T // chunk
+    keep_chunks = max(2, -(-keep_tokens // chunk))
+    forced = always_kept(m, keep_chunks, local).repeat_interleave(chunk)
+    keep_tokens = min(T, max(keep_tokens, int(forced.sum())))
+    mask = torch.zeros(T, dtype=torch.bool)
+    mask[scores.float().masked_fill(forced, torch.inf).topk(keep_tokens).indices] = True
+    per_block = max(1, block // chunk)
+    touched = mask.view(m, chunk).any(dim=1)
+    pad = (-m) % per_block
+    blocks = torch.nn.functional.pad(touched, (0, pad)).view(-1, per_block).any(dim=1)
+    read = blocks.repeat_interleave(per_block)[:m]
+    return mask, torch.nonzero(read).flatten()

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, Source
-from sgl_loopkv.selection.chunks import always_kept, chunk_scores, keep_count, select_chunks
+from sgl_loopkv.selection.chunks import (
+    always_kept,
+    chunk_scores,
+    keep_count,
+    select_chunks,
+    select_tokens,
+    token_scores,
+)
 
 C, H, D, L = 16, 2, 8, 6
 GEO = KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, chunk_tokens=C)
@@ -49,14 +56,14 @@ def kv_of(seed: int, chunks: int) -> torch.Tensor:
     return torch.randn(L, 2, chunks * C, H, D, generator=torch.Generator().manual_seed(seed))
 
 
-def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None, prefetch=1.0):
+def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None, prefetch=1.0, selection="chunks"):
     m = kv_total.shape[2] // C
     pool_k = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
     pool_v = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
     summaries = key_summaries(kv_total[:, 0], C)[::period]  # each period's first layer
     job = PrunedRestore(
         "r", sources, m, 0, summaries, pool_k, pool_v, ChunkReader(),
-        chunk=C, budget=budget, period=period, gate=gate, local=2, prefetch=prefetch, disk=disk,
+        chunk=C, budget=budget, period=period, gate=gate, local=2, prefetch=prefetch, disk=disk, selection=selection,
     )  # fmt: skip
     job.attach(torch.randperm(4000)[: job.cache_tokens] + 10)  # a scattered page cache
     return job, pool_k, pool_v
@@ -147,6 +154,76 @@ def test_compute_wait_is_the_reads_waiting_for_the_next_selection_during_the_pre
     job.decode_select(0, q[:1] * -1, 0.3, tau=2.0, serial=True)  # a recall: not a prefill wait
     job.settle()
     assert job.account().compute_wait_s == waited
+    job.close()
+
+
+# --- the IMPRESS-style baseline ------------------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 40), st.floats(0.01, 1.0), st.integers(1, 4), st.integers(0, 2**31 - 1))
+def test_token_selection_keeps_the_budget_and_reads_whole_blocks_around_it(m, budget, local, seed):
+    T = m * C
+    scores = torch.rand(T, generator=torch.Generator().manual_seed(seed))
+    want = math.ceil(budget * T - 1e-9)
+    mask, read = select_tokens(scores, want, C, local, 4 * C)
+    forced = always_kept(m, max(2, -(-want // C)), local).repeat_interleave(C)
+    assert int(mask.sum()) == min(T, max(want, int(forced.sum())))  # the budget in tokens (the forced ones above it)
+    assert mask[forced].all()
+    others = ~mask & ~forced
+    if others.any() and (mask & ~forced).any():  # the best scored, none better left out
+        assert scores[mask & ~forced].min() >= scores[others].max()
+    touched = mask.view(m, C).any(1)
+    assert touched[read].any() or not touched.any()
+    for b in range(0, m, 4):  # a block is read whole or not at all, and read when it holds a kept token
+        blk = torch.arange(b, min(b + 4, m))
+        assert bool(torch.isin(blk, read).all()) == bool(touched[blk].any())
+        assert not torch.isin(blk, read).any() or torch.isin(blk, read).all()
+
+
+def test_token_scores_are_the_exact_attention_mass():
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(4, 2 * H, D, generator=g), torch.randn(5 * C, H, D, generator=g)
+    ref = torch.softmax(torch.einsum("nhd,thd->nht", q, k.repeat_interleave(2, dim=1)) * 0.3, dim=-1).mean((0, 1))
+    assert torch.allclose(token_scores(q, k, 0.3), ref, atol=1e-6)
+    valid = torch.ones(5 * C, dtype=torch.bool)
+    valid[C : 2 * C] = False
+    s = token_scores(q, k, 0.3, valid)
+    assert s[C : 2 * C].eq(0).all() and torch.isclose(s.sum(), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_impress_restore_probes_every_key_then_attends_to_the_chosen_tokens_only(tmp_path, tier):
+    """The baseline reads the whole history at each period's first layer (its probe), keeps the tokens
+    of highest exact mass, reads their 64-token blocks for the other layers; every layer attends to
+    exactly the chosen tokens' stored KV, and what it read beyond them is its read amplification."""
+    if tier == "disk":
+        store, rec, kv = stored_segment(tmp_path, seed=9, chunks=24)
+        sources, disk = [disk_source(store, rec)], store
+    else:
+        kv, disk = kv_of(9, 24), None
+        sources = [Source("s", 0, 24, 0, host_kv=kv)]
+    job, pk, pv = restore(sources, kv, budget=0.1, period=3, disk=disk, selection="impress")
+    assert job.cache_tokens == 24 * C  # its cache spans the history
+    q = torch.randn(5, 2 * H, D, generator=torch.Generator().manual_seed(1))
+    run_prefill(job)
+    want = math.ceil(0.1 * 24 * C - 1e-9)
+    for layer in range(L):
+        pos = check_layer(job, pk, pv, kv, layer)
+        p = layer // 3
+        assert torch.equal(pos, torch.nonzero(job.kept_tokens[p]).flatten())  # the chosen tokens, nothing else
+        assert len(pos) == max(want, 3 * C)  # the budget (first + 2 nearest chunks forced)
+        if layer % 3 == 0:  # the probe: every chunk of the period's first layer was read
+            assert job.loaded[layer].all()
+        else:  # the other layers: whole blocks around the chosen tokens, not the history
+            read = torch.nonzero(job.loaded[layer]).flatten()
+            assert torch.equal(read, job.kept[p]) and len(read) < 24 and len(read) % 4 == 0
+    probe = token_scores(q, kv[0, 0], 0.3)  # period 0 chose by exact mass of layer 0's keys
+    mask, _ = select_tokens(probe, want, C, 2, 4 * C)
+    assert torch.equal(mask, job.kept_tokens[0])
+    st = job.account()
+    assert st.bytes_used == sum(len(job.kept_positions(x)) for x in range(L)) * job.layer_bytes // C
+    assert st.bytes_loaded > 2 * st.bytes_used  # probe + block padding: IMPRESS's read amplification
+    if tier == "disk":
+        assert st.disk_bytes_read == st.bytes_loaded
     job.close()
 
 
@@ -290,7 +367,7 @@ def test_prefix_flags_validate():
     assert not PrefixConfig().enabled  # budget 1.0 and no streaming: the load path as before
     assert PrefixConfig(budget=0.1).enabled and PrefixConfig(stream=True).enabled
     for bad in ({"budget": 0.0}, {"budget": 1.5}, {"period": 0}, {"gate": 0}, {"local": 0}, {"min_tokens": -1},
-                {"prefetch": -0.1}, {"prefetch": 1.5}):  # fmt: skip
+                {"prefetch": -0.1}, {"prefetch": 1.5}, {"selection": "tokens"}):  # fmt: skip
         with pytest.raises(ValueError):
             PrefixConfig(**bad)
     cfg = LoopKVConfig.from_flat(prefix_budget=0.25, prefix_period=4)
@@ -352,8 +429,8 @@ def test_decode_recall_overlapped_equals_serial_and_stays_in_the_cache(tmp_path)
 
 
 # --- the backend's kept-chunk plans (fake SGLang batches) ------------------------------------------
-@pytest.mark.parametrize("budget", [1.0, 0.4])
-def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget):
+@pytest.mark.parametrize("budget,selection", [(1.0, "chunks"), (0.4, "chunks"), (0.2, "impress")])
+def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget, selection):
     """A batch of two sequences, the first with a pruned history of 20 chunks (its row points the
     history at the padding slot, filled with garbage here), the second dense. The pruned one's
     output equals dense attention over its kept chunks' stored KV and its own tokens (budget 1.0: the
@@ -375,7 +452,7 @@ def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget
     pool.k[0][0] = float("nan")  # whoever reads the padding slot poisons its output
     job = PrunedRestore(
         "a", [Source("s", 0, 20, 0, host_kv=hist)], 20, 0, key_summaries(hist[:, 0], C)[::3], pool.k, pool.v,
-        ChunkReader(), chunk=C, budget=budget, period=3, gate=2, local=2,
+        ChunkReader(), chunk=C, budget=budget, period=3, gate=2, local=2, selection=selection,
     )  # fmt: skip
     job.attach(torch.arange(3000, 3000 + job.cache_tokens))
     ctx = SimpleNamespace(cache=SimpleNamespace(pruned={"a": job}, pruned_job={"a": job}.get))
@@ -396,7 +473,12 @@ def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget
     q = torch.randn(264, hq, D, generator=torch.Generator().manual_seed(3))
     out = be.forward_extend(q.view(264, -1), None, None, layer, fb, save_kv_cache=False).view(264, hq, D)
     pos = expect(q[:64], 384, 64, out[:64])
-    assert len(pos) == (20 * C if budget == 1.0 else keep_count(20, budget) * C)
+    if selection == "impress":  # the chosen tokens (budget, first and 2 nearest chunks forced), not whole chunks
+        assert len(pos) == max(math.ceil(budget * 20 * C), 3 * C) and torch.equal(
+            pos, job.kept_tokens[0].nonzero()[:, 0]
+        )
+    else:
+        assert len(pos) == (20 * C if budget == 1.0 else keep_count(20, budget) * C)
     other = req_to_token[1, :200].long()
     assert torch.equal(out[64:], dense_attention(q[64:], pool.k[0][other], pool.v[0][other], 0.3))
 
