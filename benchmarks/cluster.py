@@ -15,13 +15,27 @@ policies. Per turn: the worker that served it (``cached_tokens_details.worker``)
 by source (``storage_shared`` = from segments another worker stored). A *cross-worker* turn is a
 returning turn served by another worker than the conversation's previous turn.
 
-    python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 5-6 turns, 3-4K tokens, 2 clients (~10 min)
+Two conversation shapes (``--shapes``, default both), the same documents and questions:
+
+- ``loopserve`` (the summary's plain keys): as benchmarks/conversations.py makes them, LoopServe's
+  shape: every turn brings new context (~500-700 tokens here) with its question. A private worker
+  that served turn t-2 recomputes turns t-1 and t where a shared one prefills turn t (~2x; more on
+  a worker that had none of the conversation);
+- ``followup`` (keys ending ``_followup``): the common chat pattern, built from the same
+  conversations by :func:`followup`: all the context arrives in the first turn, every later turn is
+  a short question about it. A private worker that served any earlier turn recomputes only a short
+  question and reply; one that had none of the conversation recomputes the whole context. Played by
+  ``--followup-configs`` (default ``2w-shared-rr 2w-private-rr``, about 4 min more).
+
+    python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 5-6 turns, 3-4K tokens, 2 clients (~12 min)
     python -m benchmarks.cluster --convs-per-task 2    # twice the conversations
+    python -m benchmarks.cluster --shapes followup     # the follow-up shape alone (round_robin pair, ~4 min)
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import queue
@@ -60,6 +74,42 @@ CONFIGS = [
     Config("2w-shared-ca", 2, True, "cache_aware", "two workers x 1 thread, one shared disk tier, cache_aware"),
     Config("2w-private-ca", 2, False, "cache_aware", "two workers x 1 thread, private tiers, cache_aware"),
 ]
+
+
+SHAPES = ("loopserve", "followup")
+FOLLOWUP_CONFIGS = ("2w-shared-rr", "2w-private-rr")
+CUMULATIVE_TASKS = ("count", "vartrack")  # questions over "everything said so far"
+
+
+def followup(c: conv.Conversation) -> conv.Conversation:
+    """``c`` in the follow-up shape: the first user message holds every turn's context (its user
+    message less its question paragraph), one paragraph per turn in turn order, then the first
+    question; every later user message is that turn's question alone. Questions, gold replies,
+    ``max_tokens`` and scoring are ``c``'s, except where a question counts over everything said so
+    far (``count``, ``vartrack``): all of it is said in the first message, so every turn's gold reply
+    is the last turn's. Evidence spans are dropped (nothing here reads them)."""
+
+    def context(turn: conv.Turn) -> str:
+        paras = turn.user.split("\n\n")  # _render: the question is a paragraph of its own
+        assert paras.count(turn.question) == 1, turn.question
+        return " ".join(x for x in paras if x != turn.question)
+
+    first = "\n\n".join([*(context(t) for t in c.turns), c.turns[0].question])
+    cumulative = c.task in CUMULATIVE_TASKS
+    turns = [
+        conv.Turn(
+            first if i == 0 else t.question,
+            t.question,
+            copy.copy(c.turns[-1].answer if cumulative else t.answer),
+            t.metric,
+            "end",
+            [0],
+            [],
+            t.max_tokens,
+        )
+        for i, t in enumerate(c.turns)
+    ]
+    return conv.Conversation(f"{c.id}-followup", c.task, c.seed, c.target_tokens, turns)
 
 
 def generate_turn(url: str, prompt: str, max_tokens: int) -> dict:
@@ -218,7 +268,8 @@ def ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(results: dict) -> dict:
+def summarize_shape(results: dict) -> dict:
+    """One conversation shape's summary (``results``: configuration name -> run_config's result)."""
     for res in results.values():
         mark_cross_worker(res["turns"])
     per = {name: config_summary(res) for name, res in results.items()}
@@ -252,23 +303,28 @@ def summarize(results: dict) -> dict:
     return summary
 
 
+def summarize(results: dict, results_followup: dict | None = None) -> dict:
+    """The LoopServe-style shape's summary under its keys, the follow-up shape's under the same keys
+    with ``_followup`` appended (``per_config_followup``, ``ttft_ratio_private_over_shared_rr_followup``...)."""
+    summary = summarize_shape(results)
+    if results_followup:
+        summary |= {f"{k}_followup": v for k, v in summarize_shape(results_followup).items()}
+    return summary
+
+
+def verdict(v, target: float) -> str:
+    return "-" if v is None else "met" if v >= target else "not met"
+
+
 def fmt(v, digits: int = 2):
     if v is None:
         return "-"
     return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
 
 
-def report_md(p: dict) -> str:
-    s, cfg = p["summary"], p["config"]
-    env = p["env"]
-    text = (
-        f"# cluster ({env['when']}; `python -m benchmarks.cluster{cfg['argv']}`; {cfg['model']}, "
-        f"{cfg['n_convs']} conversations / {cfg['n_turns']} turns, {cfg['clients']} clients at once; "
-        f"{env['cpu_count']} cores; load avg {env['loadavg_start']:.1f} -> {env['loadavg_end']:.1f}; "
-        f"{env['wall_s'] / 60:.1f} min wall)\n\n"
-    )
+def shape_table(per: dict) -> str:
     rows = []
-    for name, q in s["per_config"].items():
+    for name, q in per.items():
         rows.append(
             [
                 name,
@@ -282,7 +338,7 @@ def report_md(p: dict) -> str:
                 q["recompute_tokens_avoided_shared"],
             ]
         )
-    text += md_table(
+    return md_table(
         [
             "config",
             "turns/min",
@@ -296,22 +352,51 @@ def report_md(p: dict) -> str:
         ],
         rows,
     )
-    text += (
-        f"\nround_robin: {fmt(s['cross_worker_hit_fraction_round_robin'])} of the cross-worker turns resumed from "
-        f"the shared tier (target >= 0.9); their TTFT p50 private / shared = "
-        f"{fmt(s['ttft_ratio_private_over_shared_round_robin'])}x (target >= 3x), "
-        f"{fmt(s.get('ttft_ratio_private_over_shared_rr_first_visit'))}x for those on a worker that had served none of "
-        f"the conversation before; answers of those turns identical "
-        f"to the private run's (recomputed): {s.get('cross_worker_answers_identical_rr', '-')}; all answers vs one "
-        f"worker: {s.get('answers_identical_to_one_worker_rr', '-')}. cache_aware: "
-        + (
-            f"TTFT ratio {fmt(s['ttft_ratio_private_over_shared_ca'])}x"
-            if s.get("ttft_ratio_private_over_shared_ca") is not None
-            else "no returning turn changed worker"
-        )
-        + ". A second worker on the same 2 cores: "
-        f"{fmt(s.get('second_worker_turns_per_min_ratio_rr'))}x the turns/min of one.\n"
+
+
+def rr_line(s: dict, x: str = "") -> str:
+    """The round_robin verdicts of one shape (``x``: the summary keys' suffix)."""
+    hit = s.get(f"cross_worker_hit_fraction_round_robin{x}")
+    r = s.get(f"ttft_ratio_private_over_shared_round_robin{x}")
+    return (
+        f"round_robin: {fmt(hit)} of the cross-worker turns resumed from the shared tier (target >= 0.9: "
+        f"{verdict(hit, 0.9)}); their TTFT p50 private / shared = {fmt(r)}x (target >= 3x: {verdict(r, 3.0)}), "
+        f"{fmt(s.get(f'ttft_ratio_private_over_shared_rr_first_visit{x}'))}x for those on a worker that had served "
+        f"none of the conversation before; answers of those turns identical to the private run's (recomputed): "
+        f"{s.get(f'cross_worker_answers_identical_rr{x}', '-')}; all answers vs one worker: "
+        f"{s.get(f'answers_identical_to_one_worker_rr{x}', '-')}."
     )
+
+
+def report_md(p: dict) -> str:
+    s, cfg = p["summary"], p["config"]
+    env = p["env"]
+    text = (
+        f"# cluster ({env['when']}; `python -m benchmarks.cluster{cfg['argv']}`; {cfg['model']}, "
+        f"{cfg['n_convs']} conversations / {cfg['n_turns']} turns, {cfg['clients']} clients at once; "
+        f"{env['cpu_count']} cores; load avg {env['loadavg_start']:.1f} -> {env['loadavg_end']:.1f}; "
+        f"{env['wall_s'] / 60:.1f} min wall)\n\n"
+    )
+    if s["per_config"]:
+        text += (
+            "## LoopServe-style shape (benchmarks/conversations.py: each turn brings new context and its "
+            "question)\n\n" + shape_table(s["per_config"])
+        )
+        text += (
+            f"\n{rr_line(s)} cache_aware: "
+            + (
+                f"TTFT ratio {fmt(s['ttft_ratio_private_over_shared_ca'])}x"
+                if s.get("ttft_ratio_private_over_shared_ca") is not None
+                else "no returning turn changed worker"
+            )
+            + ". A second worker on the same 2 cores: "
+            f"{fmt(s.get('second_worker_turns_per_min_ratio_rr'))}x the turns/min of one.\n"
+        )
+    if s.get("per_config_followup"):
+        text += (
+            "\n## Follow-up shape (the same conversations: all context in the first turn, every later turn its "
+            "question alone)\n\n" + shape_table(s["per_config_followup"]) + f"\n{rr_line(s, '_followup')}\n"
+        )
     return text + "\n![cluster](cluster.png)\n"
 
 
@@ -321,19 +406,33 @@ def plot(p: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    per = p["summary"]["per_config"]
-    names = list(per)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
-    axes[0].bar(names, [per[n]["turns_per_min"] for n in names], color="C0")
-    axes[0].set(ylabel="turns / min", title="throughput")
-    x = range(len(names))
-    for k, (key, label) in enumerate((("ttft_p50_s", "all turns"), ("cross_worker_ttft_p50_s", "cross-worker turns"))):
-        axes[1].bar([i + 0.4 * k for i in x], [per[n][key] or 0 for n in names], width=0.4, label=label)
-    axes[1].set_xticks([i + 0.2 for i in x], names)
-    axes[1].set(ylabel="TTFT p50 (s)", title="time to first token")
-    axes[1].legend(fontsize=8)
-    for ax in axes:
-        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    s = p["summary"]
+    shapes = [
+        (title, per)
+        for title, per in (
+            ("LoopServe-style", s["per_config"]),
+            ("follow-up", s.get("per_config_followup") or {}),
+        )
+        if per
+    ]
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 4.2 * len(shapes)), squeeze=False)
+    bars = (
+        ("ttft_p50_s", "all turns"),
+        ("cross_worker_ttft_p50_s", "cross-worker turns"),
+        ("first_visit_ttft_p50_s", "of which first visits"),
+    )
+    for row, (title, per) in zip(axes, shapes):
+        names = list(per)
+        row[0].bar(names, [per[n]["turns_per_min"] for n in names], color="C0")
+        row[0].set(ylabel="turns / min", title=f"{title} shape: throughput")
+        x = range(len(names))
+        for k, (key, label) in enumerate(bars):
+            row[1].bar([i + 0.27 * k for i in x], [per[n][key] or 0 for n in names], width=0.27, label=label)
+        row[1].set_xticks([i + 0.27 for i in x], names)
+        row[1].set(ylabel="TTFT p50 (s)", title=f"{title} shape: time to first token")
+        row[1].legend(fontsize=8)
+        for ax in row:
+            ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.suptitle("sgl-loopkv workers behind sglang-router: shared vs private tiers")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -345,7 +444,16 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[3072, 4096], help="conversation lengths (tokens)")
     ap.add_argument("--turns", type=int, nargs=2, default=[5, 6], help="turns per conversation (min max)")
     ap.add_argument("--clients", type=int, default=2, help="conversations played at once")
-    ap.add_argument("--configs", nargs="+", choices=[c.name for c in CONFIGS], default=[c.name for c in CONFIGS])
+    names = [c.name for c in CONFIGS]
+    ap.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES), help="conversation shapes to play")
+    ap.add_argument("--configs", nargs="+", choices=names, default=names, help="configurations, LoopServe-style shape")
+    ap.add_argument(
+        "--followup-configs",
+        nargs="+",
+        choices=names,
+        default=list(FOLLOWUP_CONFIGS),
+        help="configurations, follow-up shape",
+    )
     ap.add_argument("--model-path", help="a local model folder (default: the embedded SmolLM2)")
     ap.add_argument("--max-total-tokens", type=int, default=16384, help="each worker's KV pool")
     ap.add_argument("--seed", type=int, default=0)
@@ -354,7 +462,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.report_only:
         payload = json.loads((RESULTS / f"{args.out}.json").read_text())
-        payload["summary"] = summarize(payload["results"])
+        payload["summary"] = summarize(payload["results"], payload.get("results_followup"))
         write_results(args.out, payload, report_md(payload))
         plot(payload, RESULTS / f"{args.out}.png")
         return
@@ -365,26 +473,36 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
     convs = conv.suite(conv.TASKS, args.convs_per_task, args.lengths, tuple(args.turns), args.seed, count)
+    played = {"loopserve": convs, "followup": [followup(c) for c in convs]}
+    todo = [
+        (shape, c)
+        for shape in args.shapes
+        for c in CONFIGS
+        if c.name in (args.configs if shape == "loopserve" else args.followup_configs)
+    ]
     worker_flags = ["--max-total-tokens", str(args.max_total_tokens)]
     if args.model_path:
         worker_flags += ["--model-path", str(model_dir)]
     env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
     t_start = time.monotonic()
     log_dir = Path(tempfile.mkdtemp(prefix="loopkv-cluster-logs-"))
-    results = {}
-    for cfg in (c for c in CONFIGS if c.name in args.configs):
-        print(f"[cluster] {cfg.name}: {cfg.what}", flush=True)
-        results[cfg.name] = run_config(cfg, convs, args.clients, worker_flags, log_dir, tok)
-        print(f"[cluster] {cfg.name}: {config_summary(results[cfg.name])}", flush=True)
+    results: dict[str, dict] = {shape: {} for shape in SHAPES}
+    for shape, cfg in todo:
+        print(f"[cluster] {shape} {cfg.name}: {cfg.what}", flush=True)
+        res = run_config(cfg, played[shape], args.clients, worker_flags, log_dir / shape, tok)
+        results[shape][cfg.name] = res
+        print(f"[cluster] {shape} {cfg.name}: {config_summary(res)}", flush=True)
     env |= {"loadavg_end": os.getloadavg()[0], "wall_s": time.monotonic() - t_start, "git_end": _git_state()}
     argv = " ".join(sys.argv[1:])
     payload = {
-        "summary": summarize(results),
+        "summary": summarize(results["loopserve"], results["followup"]),
         "config": {
             "argv": f" {argv}" if argv else "",
             "model": model_dir.name,
             "n_convs": len(convs),
             "n_turns": sum(len(c.turns) for c in convs),
+            "shapes": args.shapes,
+            "followup_configs": args.followup_configs if "followup" in args.shapes else [],
             "clients": args.clients,
             "lengths": args.lengths,
             "turns": args.turns,
@@ -393,7 +511,8 @@ def main() -> None:
             "seed": args.seed,
             "logs": str(log_dir),
         },
-        "results": results,
+        "results": results["loopserve"],  # the LoopServe-style shape
+        "results_followup": results["followup"],
         "env": env,
     }
     md = report_md(payload)
