@@ -150,7 +150,7 @@ class PrunedRestore:
         self.tokens = n_chunks * chunk
         self.keep = keep_count(self.n_chunks, budget)
         self.impress, self.block = selection == "impress", block
-        self.capacity = self.n_chunks if self.impress else self.keep  # chunk places in the page cache
+        self.capacity = self.capacity_for(n_chunks, budget, selection)
         self.slots: torch.Tensor | None = None  # the device page cache: keep chunks of slots (see attach)
         n_periods = -(-self.num_layers // period)
         self.kept: list[torch.Tensor | None] = [None] * n_periods  # latest selection of each period
@@ -184,6 +184,12 @@ class PrunedRestore:
         self.last_used = time.monotonic()
         k0 = k_buffers[0]
         self.layer_bytes = 2 * chunk * k0.shape[1] * k0.shape[2] * k0.element_size()  # a chunk of a layer, K and V
+
+    @staticmethod
+    def capacity_for(n_chunks: int, budget: float, selection: str) -> int:
+        """Chunk places of the page cache: the budget's, or the whole history for the IMPRESS-style
+        baseline (its blocks can lie anywhere). The cache allocates this before the restore exists."""
+        return n_chunks if selection == "impress" else keep_count(n_chunks, budget)
 
     @property
     def cache_tokens(self) -> int:
@@ -219,10 +225,7 @@ class PrunedRestore:
             self.stats.overlaps += 1
         self.kept[p] = chunks
         self._assign(p, chunks)
-        self._bump(self._layers(p))
-        self.stats.selections += 1
-        self.stats.kept_chunks += len(chunks)
-        self.stats.scored_chunks += self.n_chunks
+        self._selected(p, chunks)
         first, end = p * self.period, min((p + 1) * self.period, self.num_layers)
         self._queue(range(first, end), chunks, prefetch=False)
         if end < self.num_layers and self.kept[p + 1] is None:  # ContiguousKV: the next period probably
@@ -237,11 +240,7 @@ class PrunedRestore:
         p = self.period_of(layer)
         every = torch.arange(self.n_chunks)
         self._queue(range(layer, layer + 1), every, prefetch=False)
-        t0 = time.perf_counter()
-        with self._cond:
-            while self._pending[layer]:
-                self._cond.wait()
-        self.stats.io_wait_s += time.perf_counter() - t0
+        self._wait_for(range(layer, layer + 1))
         valid = (self.loaded[layer] & ~self.bad[layer]).repeat_interleave(self.chunk)
         keys = self.k_buffers[layer][self._slots_of(p, every).to(self.k_buffers[layer].device)]
         scores = token_scores(q, keys, scale, valid)
@@ -250,12 +249,15 @@ class PrunedRestore:
         )
         self.mass += scores.view(self.n_chunks, self.chunk).sum(dim=1)
         self.kept[p], self.kept_tokens[p] = chunks, mask
+        self._selected(p, chunks)
+        self._queue(range(layer + 1, min((p + 1) * self.period, self.num_layers)), chunks, prefetch=False)
+        return chunks
+
+    def _selected(self, p: int, chunks: torch.Tensor) -> None:
         self._bump(self._layers(p))
         self.stats.selections += 1
         self.stats.kept_chunks += len(chunks)
         self.stats.scored_chunks += self.n_chunks
-        self._queue(range(layer + 1, min((p + 1) * self.period, self.num_layers)), chunks, prefetch=False)
-        return chunks
 
     def _surest(self, chunks: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The part of a period's set read ahead for the next period: the always-kept chunks (first,
@@ -344,12 +346,15 @@ class PrunedRestore:
         next ``gate`` layers, within the period), are done."""
         p_end = min((self.period_of(layer) + 1) * self.period, self.num_layers)
         last = min(layer - layer % self.gate + self.gate, p_end) - 1
-        last = max(last, layer)
-        if all(self._pending[x] == 0 for x in range(layer, last + 1)):
+        self._wait_for(range(layer, max(last, layer) + 1))
+
+    def _wait_for(self, layers: range) -> None:
+        """Until every read queued for ``layers`` is done (counted as I/O wait)."""
+        if all(self._pending[x] == 0 for x in layers):
             return
         t0 = time.perf_counter()
         with self._cond:
-            while any(self._pending[x] for x in range(layer, last + 1)):
+            while any(self._pending[x] for x in layers):
                 self._cond.wait()
         self.stats.io_wait_s += time.perf_counter() - t0
 

@@ -63,7 +63,6 @@ from sgl_loopkv.config import PrefixConfig
 from sgl_loopkv.platform import release_free_heap
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
 from sgl_loopkv.restore.restorer import Restorer
-from sgl_loopkv.selection.chunks import keep_count
 
 logger = logging.getLogger(__name__)
 
@@ -589,11 +588,7 @@ class LoopKVRadixCache(RadixCache):
         return job
 
     def _cache_chunks(self, n_chunks: int) -> int:
-        """Chunk places of a pruned restore's page cache: the budget's, or the whole history for the
-        IMPRESS-style baseline (its blocks can lie anywhere)."""
-        if self.prefix.selection == "impress":
-            return n_chunks
-        return keep_count(n_chunks, self.prefix.budget)
+        return PrunedRestore.capacity_for(n_chunks, self.prefix.budget, self.prefix.selection)
 
     def prefix_device_indices(self, req) -> torch.Tensor:
         """SGLang's path indices, then the pruned history's positions, which hold no KV of their own:
