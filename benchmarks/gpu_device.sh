@@ -3,8 +3,11 @@
 # FlashInfer's JIT modules in the background while the Triton/dense GPU tests run, then the
 # FlashInfer tests and benchmarks/gpu_sparse.py. Logs and results go to $OUT; a short table last.
 #   carry: .whl (apache_tvm_ffi-*.whl, fi/flashinfer-stripped.tar.xz, optional fi/fi_cache.tar.xz)
-#   usage: bash benchmarks/gpu_device.sh [tests|bench|all|fi]   (default all; BENCH_ARGS=... for the benchmark)
+#   usage: bash benchmarks/gpu_device.sh [tests|bench|all|fi|decode]   (default all; BENCH_ARGS=... for
+#   benchmarks/gpu_sparse.py, DECODE_ARGS=... for benchmarks/gpu_decode.py)
 #   fi: all but the Triton/dense GPU tests (~2 min of Triton compiles), for changes to the FlashInfer path
+#   decode: every GPU test, then benchmarks/gpu_decode.py (sparse decode) instead of gpu_sparse.py;
+#   all runs both benchmarks
 # Making .whl here (ignored via .git/info/exclude): the flashinfer-python 0.7.2 wheel is 62 MiB, over
 # what a call may carry, so it travels stripped: unzip it, delete data/csrc/*/ (other kernels' sources)
 # and every non-.py file outside data/, tar.xz flashinfer/ + its dist-info (13 MB). Its other
@@ -54,12 +57,12 @@ FlashInferSparseExecutor(backend=sys.argv[2]).run(plan, q, k, k, 0.125, torch.em
 print(sys.argv[1:], "flashinfer JIT ready in", round(time.time() - t, 1), "s")
 PY
 }
-warm_decode() {  # the sparse decode path's modules (CUDA-core decode; tensor cores: fa2 prefill)
-  python3 - "$1" <<'PY'
+warm_decode() {  # the sparse decode path's modules (CUDA-core decode; tensor cores: fa2 prefill), head dim $2
+  python3 - "$1" "${2:-64}" <<'PY'
 import sys, time, torch
 from sgl_loopkv.attention.decode_gpu import FlashInferSparseDecode
-dt, t = getattr(torch, sys.argv[1]), time.time()
-q = torch.randn(2, 9, 64, device="cuda", dtype=dt); k = torch.randn(100, 3, 64, device="cuda", dtype=dt)
+dt, d, t = getattr(torch, sys.argv[1]), int(sys.argv[2]), time.time()
+q = torch.randn(2, 9, d, device="cuda", dtype=dt); k = torch.randn(100, 3, d, device="cuda", dtype=dt)
 indptr, slots = torch.arange(7) * 10, torch.arange(60) % 100
 for tc in (False, True):
     FlashInferSparseDecode(use_tensor_cores=tc)(q, k, k, indptr, slots, 0.125, torch.empty_like(q))
@@ -75,10 +78,14 @@ for d in float16 bfloat16; do
   warm_decode $d >>"$OUT/fi_warm.log" 2>&1 &
   pids+=($!)
 done
+if [ "$what" = all ] || [ "$what" = decode ]; then  # gpu_decode.py's Llama-3-8B geometry (head dim 128)
+  warm_decode bfloat16 128 >>"$OUT/fi_warm.log" 2>&1 &
+  pids+=($!)
+fi
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfEsx --timeout 600 -o addopts="
 FI_TESTS="flashinfer or loopserve or request_lists"
-if [ "$what" = all ] || [ "$what" = tests ]; then
+if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = decode ]; then
   $PYTEST tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
   stamp "triton/dense tests done"
 fi
@@ -90,7 +97,11 @@ if [ "$what" != bench ]; then
   $PYTEST tests/unit/test_sparse_kernels.py -k "not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -3
   stamp "flashinfer tests done"
 fi
-if [ "$what" != tests ]; then
+if [ "$what" = all ] || [ "$what" = decode ]; then
+  timeout ${DECODE_TIMEOUT:-240} python3 -m benchmarks.gpu_decode --out "$OUT" ${DECODE_ARGS:-} 2>&1 | tee "$OUT/decode.log" | grep -v '^{' | tail -40
+  stamp "decode benchmark done"
+fi
+if [ "$what" = all ] || [ "$what" = bench ] || [ "$what" = fi ]; then
   python3 -m benchmarks.gpu_sparse --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | grep -v '^{' | tail -60
   stamp "benchmark done"
 fi
