@@ -496,6 +496,7 @@ class LoopKVRadixCache(RadixCache):
         """Slots for the stored history and a :class:`PrunedRestore` that fills them during the new
         turn's prefill. A waiting request matched again gets the restore it already has."""
         total = sum(len(nd.key) for nd in stored)
+        t0 = time.perf_counter()
         job = self.pruned.get(req.rid)
         if job is not None:
             if job.start == device_len and job.tokens == total and req.rid not in self.pruned_adopted:
@@ -577,13 +578,14 @@ class LoopKVRadixCache(RadixCache):
         self.pruned[req.rid] = job
         logger.info(
             "loopkv: resuming %d tokens chunk-pruned (budget %.2f: %d of %d chunks per period, every %d layers, "
-            "in a page cache of %d device slots), read during the prefill",
+            "in a page cache of %d device slots), read during the prefill; admitted in %.1f ms",
             n,
             cfg.budget,
             job.keep,
             job.n_chunks,
             cfg.period,
             job.cache_tokens,
+            (time.perf_counter() - t0) * 1e3,
         )
         return job
 
