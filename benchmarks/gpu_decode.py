@@ -115,6 +115,14 @@ def run_case(geometry: str, B: int, L: int, budget: int, dtype, rep_ms: float, f
         ref_q, k[: nb * L].double(), v[: nb * L].double(), d_indptr[: nb * H + 1], d_slots[:n_ref], scale, ref_q.clone()
     )
     row["err_triton"] = rel(out[:nb], ref)
+    if dtype != torch.float32:  # the kernel's tensor-core path (half K/V straight into tl.dot)
+        row["triton_tc"] = bench(
+            lambda: sparse_decode_triton(q, k, v, d_indptr, d_slots, scale, out, tensor_cores=True), rep_ms
+        )
+        row["err_triton_tc"] = rel(out[:nb], ref)
+        row["triton_tc_dense"] = bench(
+            lambda: sparse_decode_triton(q, k, v, d_all_indptr, d_all_slots, scale, out, tensor_cores=True), rep_ms
+        )
     if dtype != torch.float32:
         fi_sparse.plan(indptr, d_slots, H, G, D, scale, dtype)
         row["fi_sparse"] = bench(lambda: fi_sparse.run(q, k, v, out), rep_ms)
@@ -122,6 +130,8 @@ def run_case(geometry: str, B: int, L: int, budget: int, dtype, rep_ms: float, f
         row["fi_sparse_plan"] = bench(lambda: fi_sparse(q, k, v, indptr, d_slots, scale, out), rep_ms)
     fastest_dense = min(row["fi_dense"], row["triton_dense"])
     row["speedup_triton"] = fastest_dense / row["triton"]
+    if "triton_tc" in row:
+        row["speedup_triton_tc"] = fastest_dense / row["triton_tc"]
     if "fi_sparse" in row:
         row["speedup_fi_sparse"] = fastest_dense / row["fi_sparse"]
         row["speedup_fi_sparse_plan"] = fastest_dense / row["fi_sparse_plan"]
@@ -135,10 +145,17 @@ def summarize(rows: list[dict]) -> dict:
 
     return {
         "median_speedup_triton": med("speedup_triton"),
+        "median_speedup_triton_tc": med("speedup_triton_tc"),
+        "median_triton_over_triton_tc": statistics.median(
+            r["triton"] / r["triton_tc"] for r in rows if "triton_tc" in r
+        )
+        if any("triton_tc" in r for r in rows)
+        else None,
         "median_speedup_fi_sparse": med("speedup_fi_sparse"),
         "median_speedup_fi_sparse_plan": med("speedup_fi_sparse_plan"),
         "median_speedup_triton_32k_budget_1024": med("speedup_triton", tokens=32768, budget=1024),
         "max_err_triton": max(r["err_triton"] for r in rows),
+        "max_err_triton_tc": max((r["err_triton_tc"] for r in rows if "err_triton_tc" in r), default=None),
         "max_err_fi_sparse": max((r["err_fi_sparse"] for r in rows if "err_fi_sparse" in r), default=None),
         "max_err_triton_dense_vs_fi_dense": max(r["err_triton_dense_vs_fi_dense"] for r in rows),
     }
@@ -154,23 +171,27 @@ def markdown(payload: dict) -> str:
         f"list per (sequence, KV head) of `budget` tokens (sink {SINK}, local {LOCAL}, random middle pages of "
         f"{PAGE}); median ms of `triton.testing.do_bench` (L2 flushed). `fi_dense` = FlashInfer batch paged "
         "decode over every token (pages of one token, SGLang's FlashInfer layout); `triton_dense` = the sparse "
-        "Triton kernel with every slot listed; `triton` = the kernel over the lists; `fi_sparse` = "
+        "Triton kernel with every slot listed (`tc`: on its tensor-core path); `triton` = the kernel over the "
+        "lists (fp32 products), `triton_tc` = the same on its tensor-core path; `fi_sparse` = "
         "FlashInferSparseDecode.run after plan(), `+plan` = plan() + run per layer (the lists differ per layer). "
         "Speedup = fastest dense / sparse. Errors: relative to the float64 reference.",
         "",
-        "| geometry (Hq/Hkv/D) | B | tokens | budget | dtype | fi_dense | triton_dense | triton | fi_sparse (+plan) "
-        "| speedup triton | speedup fi_sparse (+plan) | err triton | err fi_sparse |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| geometry (Hq/Hkv/D) | B | tokens | budget | dtype | fi_dense | triton_dense (tc) | triton | triton_tc "
+        "| fi_sparse (+plan) | speedup triton | speedup triton_tc | speedup fi_sparse (+plan) | err triton | "
+        "err triton_tc | err fi_sparse |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["rows"]:
         hq, h, d = GEOMETRIES[r["geometry"]]
         fi = f"{fmt(r.get('fi_sparse'))} ({fmt(r.get('fi_sparse_plan'))})"
         sp = f"{fmt(r.get('speedup_fi_sparse'))} ({fmt(r.get('speedup_fi_sparse_plan'))})"
-        err_fi = "-" if r.get("err_fi_sparse") is None else f"{r['err_fi_sparse']:.1e}"
+        err = lambda key, r=r: "-" if r.get(key) is None else f"{r[key]:.1e}"  # noqa: E731
         lines.append(
             f"| {r['geometry']} ({hq}/{h}/{d}) | {r['batch']} | {r['tokens']} | {r['budget']} | {r['dtype']} | "
-            f"{fmt(r['fi_dense'])} | {fmt(r['triton_dense'])} | {fmt(r['triton'])} | {fi} | "
-            f"{r['speedup_triton']:.2f} | {sp} | {r['err_triton']:.1e} | {err_fi} |"
+            f"{fmt(r['fi_dense'])} | {fmt(r['triton_dense'])} ({fmt(r.get('triton_tc_dense'))}) | "
+            f"{fmt(r['triton'])} | {fmt(r.get('triton_tc'))} | {fi} | {r['speedup_triton']:.2f} | "
+            f"{fmt(r.get('speedup_triton_tc'))} | {sp} | {err('err_triton')} | {err('err_triton_tc')} | "
+            f"{err('err_fi_sparse')} |"
         )
     s = payload["summary"]
     lines += ["", "Summary: " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in s.items())]

@@ -7,7 +7,7 @@
 #   benchmarks/gpu_sparse.py, DECODE_ARGS=... for benchmarks/gpu_decode.py)
 #   fi: all but the Triton/dense GPU tests (~2 min of Triton compiles), for changes to the FlashInfer path
 #   decode: every GPU test, then benchmarks/gpu_decode.py (sparse decode) instead of gpu_sparse.py;
-#   all runs both benchmarks
+#   all runs both benchmarks; GPU_TESTS=... narrows the GPU test files
 # Making .whl here (ignored via .git/info/exclude): the flashinfer-python 0.7.2 wheel is 62 MiB, over
 # what a call may carry, so it travels stripped: unzip it, delete data/csrc/*/ (other kernels' sources)
 # and every non-.py file outside data/, tar.xz flashinfer/ + its dist-info (13 MB). Its other
@@ -84,15 +84,16 @@ if [ "$what" = all ] || [ "$what" = decode ]; then  # gpu_decode.py's Llama-3-8B
 fi
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfEsx --timeout 600 -o addopts="
+GPU_TESTS=${GPU_TESTS:-tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py}  # narrower: less compile time
 FI_TESTS="flashinfer or loopserve or request_lists"
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = decode ]; then
-  $PYTEST tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
+  $PYTEST $GPU_TESTS -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25
   stamp "triton/dense tests done"
 fi
 wait "${pids[@]}"
 stamp "flashinfer warm-up finished"; grep -E "ready|Error|error" "$OUT/fi_warm.log" | tail -8
 if [ "$what" != bench ]; then
-  $PYTEST tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py -k "($FI_TESTS) and not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
+  $PYTEST $GPU_TESTS -k "($FI_TESTS) and not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -25
   # the interpreter tests need Triton >= 3.8's interpreter (3.6's cannot loop over loaded bounds)
   $PYTEST tests/unit/test_sparse_kernels.py -k "not interpreter" 2>&1 | tee -a "$OUT/pytest.log" | tail -3
   stamp "flashinfer tests done"

@@ -19,11 +19,16 @@ and a second kernel merges a row's splits (one program per row, splits in order)
 by default comes from the shapes alone (rows and total keys: no host sync): enough programs for
 twice the SMs, at least :data:`MIN_KEYS_PER_SPLIT` keys per split on average.
 
-The g x D by D x BLOCK products use broadcast-multiply-sum (g is small, 3 for SmolLM2: ``tl.dot``
-would pad g to 16); groups of 16 or more use ``tl.dot`` (IEEE fp32 for fp32 inputs; tf32 for
-fp16/bf16 inputs, whose values tf32 holds exactly). Tested on CPU under ``TRITON_INTERPRET=1``
-(tests/e2e/test_triton_interpreter.py, fp32: the 3.8 interpreter's bf16 dots are wrong) and, when a
-GPU is present, tests/unit/test_sparse_decode_gpu.py.
+Products: fp16/bf16 K/V go unconverted into ``tl.dot`` on tensor cores (the default,
+``tensor_cores``): the group padded to 16 rows (decode is memory-bound, so the padding costs
+nothing measurable), fp32 accumulation, scores scaled after the dot, p rounded to the half type for
+the PV product as FlashInfer does. Otherwise (fp32, or ``tensor_cores=False``) the g x D by D x
+BLOCK products are broadcast-multiply-sum in fp32 for small groups and ``tl.dot`` (IEEE fp32; tf32
+for half inputs) from 16. The fp32-product path converts every K/V row and keeps blocks of 16-32
+keys to bound registers: 3x slower on an H200 (``benchmarks/gpu_decode.py``). Tested on CPU under
+``TRITON_INTERPRET=1`` (tests/e2e/test_triton_interpreter.py: fp32, and fp16 on the tensor-core
+path; the 3.8 interpreter's bf16 dots are wrong) and, when a GPU is present,
+tests/unit/test_sparse_decode_gpu.py (both paths, fp16 and bf16).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) dominates
+# fp16/bf16 through tensor cores by default: on an H200 (benchmarks/results/gpu_decode.md) 1.3-7x
+# faster than the fp32 products over the same lists (median 3x), errors 2.3e-3 vs 1.7e-3 relative
+TENSOR_CORES_DEFAULT = True
 _PRODUCT_ELEMS = 8192  # g_pad * BLOCK * d_pad of the broadcast products: ~64 fp32 registers a thread
 
 
@@ -68,6 +76,7 @@ def _sparse_decode_kernel(
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    TC: tl.constexpr,  # half inputs straight into tensor-core dots (G padded to 16), scores scaled in fp32
 ):
     r = tl.program_id(0)  # row = b * num_kv_heads + h
     s = tl.program_id(1)
@@ -87,7 +96,8 @@ def _sparse_decode_kernel(
     q = tl.load(
         Q + b * stride_qb + qh[:, None] * stride_qh + dims[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0
     )
-    q = q.to(tl.float32) * qk_scale
+    if not TC:
+        q = q.to(tl.float32) * qk_scale
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -100,18 +110,23 @@ def _sparse_decode_kernel(
         ld = ok[:, None] & d_ok[None, :]
         k = tl.load(K + slot[:, None] * stride_kn + h * stride_kh + dims[None, :], mask=ld, other=0.0)
         v = tl.load(V + slot[:, None] * stride_vn + h * stride_vh + dims[None, :], mask=ld, other=0.0)
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        if USE_DOT:
-            sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if TC:
+            sc = tl.dot(q, tl.trans(k)) * qk_scale  # fp32 accumulation of exact half products
         else:
-            sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G_PAD, BLOCK]
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            if USE_DOT:
+                sc = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            else:
+                sc = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G_PAD, BLOCK]
         sc = tl.where(ok[None, :], sc, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 1))  # finite: every block holds a listed key
         p = tl.math.exp2(sc - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if USE_DOT:
+        if TC:
+            pv = tl.dot(p.to(v.dtype), v)  # p rounded to the pool's half type, as FlashInfer does
+        elif USE_DOT:
             pv = tl.dot(p, v, input_precision=PRECISION)
         else:
             pv = tl.sum(p[:, :, None] * v[None, :, :], axis=1)  # [G_PAD, D_PAD]
@@ -194,10 +209,15 @@ def sparse_decode_triton(
     scale: float,
     out: torch.Tensor,
     num_splits: int | None = None,
+    tensor_cores: bool | None = None,
+    block: int | None = None,
 ) -> torch.Tensor:
     """See the module docstring for the contract; returns ``out`` (written in place). q, out, and
     the pool need unit stride in the last dim (rows and heads may be strided views).
-    ``num_splits``: splits per (sequence, KV head) (default: :func:`default_num_splits`)."""
+    ``num_splits``: splits per (sequence, KV head) (default: :func:`default_num_splits`).
+    ``tensor_cores``: fp16/bf16 K/V go into ``tl.dot`` unconverted (the group padded to 16 rows,
+    p rounded to the half type for the PV product); None = :data:`TENSOR_CORES_DEFAULT`; ignored
+    for fp32. ``block``: keys per loop step (default from the shapes)."""
     B, Hq, D = q.shape
     H = k_cache.shape[1]
     assert Hq % H == 0, f"{Hq} query heads are no multiple of {H} KV heads"
@@ -210,10 +230,12 @@ def sparse_decode_triton(
     G, rows = Hq // H, B * H
     if rows == 0:
         return out
-    g_pad = max(2, triton.next_power_of_2(G))
+    tc = (TENSOR_CORES_DEFAULT if tensor_cores is None else tensor_cores) and q.dtype != torch.float32
+    g_pad = max(16 if tc else 2, triton.next_power_of_2(G))
     d_pad = max(16, triton.next_power_of_2(D))
     use_dot = g_pad >= 16
-    block = 64 if use_dot else max(16, min(64, _PRODUCT_ELEMS // (g_pad * d_pad)))
+    if block is None:
+        block = 64 if use_dot else max(16, min(64, _PRODUCT_ELEMS // (g_pad * d_pad)))
     if num_splits is None:
         programs = 2 * _sm_count(q.device.index or 0) if q.is_cuda else 1
         num_splits = default_num_splits(rows, head_slots.numel(), programs)
@@ -228,7 +250,7 @@ def sparse_decode_triton(
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         out.stride(0), out.stride(1), H, num_splits, scale * _LOG2E,
         **consts, BLOCK=block, SPLIT=split, USE_DOT=use_dot,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", TC=tc,
         num_warps=4,
     )  # fmt: skip
     if split:

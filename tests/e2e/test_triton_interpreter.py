@@ -72,12 +72,25 @@ for B, H, G, D, lens, splits in [
     ref = sparse_decode_reference(q.double(), k.double(), v.double(), indptr, slots, 0.3, q.double())
     out = sparse_decode_triton(q, k, v, indptr, slots, 0.3, torch.full_like(q, float("nan")), num_splits=splits)
     errs.append(float((out.double() - ref).abs().max()))
-print(json.dumps({"errs": errs}))
+# the tensor-core path (fp16 K/V straight into tl.dot, the group padded to 16; the interpreter's
+# bf16 dots are wrong, so bf16 is checked on a GPU only), unsplit and split
+errs16 = []
+for B, H, G, D, lens, splits in [(2, 2, 3, 16, [1, 17, 64, 65], None), (1, 2, 3, 32, [300, 150], 3)]:
+    q, k, v, indptr, slots = random_case(g, B, H, G, D, lens, pool=400)
+    q, k, v = q.half(), k.half(), v.half()
+    ref = sparse_decode_reference(q.double(), k.double(), v.double(), indptr, slots, 0.3, q.double())
+    out = sparse_decode_triton(
+        q, k, v, indptr, slots, 0.3, torch.full_like(q, float("nan")), num_splits=splits, tensor_cores=True
+    )
+    errs16.append(float((out.double() - ref).norm() / ref.norm()))
+print(json.dumps({"errs": errs, "errs16": errs16}))
 """
 
 
 def test_sparse_decode_kernel_equals_reference_in_the_interpreter():
-    """The Triton sparse-decode kernel (fp32) == the torch reference: GQA and MHA, per-head lists
-    of different lengths, the split-K merge."""
-    errs = run_fresh(SPARSE_DECODE_CHECK, env={"TRITON_INTERPRET": "1"})["errs"]
+    """The Triton sparse-decode kernel (fp32, and fp16 on its tensor-core path) == the torch
+    reference: GQA and MHA, per-head lists of different lengths, the split-K merge."""
+    res = run_fresh(SPARSE_DECODE_CHECK, env={"TRITON_INTERPRET": "1"})
+    errs, errs16 = res["errs"], res["errs16"]
     assert len(errs) == 6 and max(errs) < 1e-5, errs
+    assert len(errs16) == 2 and max(errs16) < 3e-3, errs16  # fp16 rounding of p (test_sparse_decode_gpu's TOL)

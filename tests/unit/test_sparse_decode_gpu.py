@@ -175,14 +175,19 @@ def to_cuda(dtype, q, k, v, indptr, slots):
 
 @gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_triton_matches_reference(dtype):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["fp32-products", "tensor-cores"])
+def test_triton_matches_reference(dtype, tensor_cores):
     from sgl_loopkv.kernels.sparse_decode_triton import sparse_decode_triton
 
+    if tensor_cores and dtype == torch.float32:
+        pytest.skip("fp32 has no tensor-core path")
     g = torch.Generator().manual_seed(1)
     for B, H, G, D, lens in gpu_cases(g):
         q, k, v, indptr, slots = to_cuda(dtype, *random_case(g, B, H, G, D, lens, pool=12000))
         ref = sparse_decode_reference(q.double(), k.double(), v.double(), indptr, slots, 0.125, q.double())
-        out = sparse_decode_triton(q, k, v, indptr, slots, 0.125, torch.full_like(q, math.nan))
+        out = sparse_decode_triton(
+            q, k, v, indptr, slots, 0.125, torch.full_like(q, math.nan), tensor_cores=tensor_cores
+        )
         assert rel_err(out, ref) < TOL[dtype], (B, H, G, D, dtype)
 
 
@@ -200,7 +205,8 @@ def test_triton_splits_agree(splits):
 
 
 @gpu
-def test_triton_reads_strided_views():
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["fp32-products", "tensor-cores"])
+def test_triton_reads_strided_views(tensor_cores):
     """q/out as head slices of wider buffers, the pool as one layer of a [P, layers, Hkv, D] buffer."""
     from sgl_loopkv.kernels.sparse_decode_triton import sparse_decode_triton
 
@@ -211,7 +217,9 @@ def test_triton_reads_strided_views():
     kv = torch.randn(k.shape[0], 2, 3, 64, device="cuda", dtype=q.dtype)
     kv[:, 1] = k
     out_wide = torch.full((2, 12, 64), math.nan, device="cuda", dtype=q.dtype)
-    out = sparse_decode_triton(q_wide[:, 5:14], kv[:, 1], v, indptr, slots, 0.125, out_wide[:, 2:11])
+    out = sparse_decode_triton(
+        q_wide[:, 5:14], kv[:, 1], v, indptr, slots, 0.125, out_wide[:, 2:11], tensor_cores=tensor_cores
+    )
     ref = sparse_decode_reference(q.double(), k.double(), v.double(), indptr, slots, 0.125, q.double())
     assert rel_err(out, ref) < TOL[torch.bfloat16]
     assert out_wide[:, :2].isnan().all() and out_wide[:, 11:].isnan().all()  # nothing written outside
