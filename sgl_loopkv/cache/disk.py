@@ -387,11 +387,6 @@ class DiskSegmentStore:
         that failed their checksum). Thread-safe (``pread``)."""
         return self.codec.read_chunks(fd, seg_id, header, layer, chunks)
 
-    def advise_chunks(self, fd: int, header: dict, reads: list[tuple[int, list[int]]]) -> None:
-        """Start reading (layer, chunks) extents of a segment opened by :meth:`open_for_chunks`
-        asynchronously (a hint: :meth:`read_chunks` still reads and verifies them)."""
-        self.codec.advise_chunks(fd, header, reads)
-
     def read_summaries(self, seg_id: str) -> torch.Tensor:
         """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment."""
         fd = self._open(seg_id)

@@ -393,13 +393,10 @@ class PrunedRestore:
 
     # --- reads -----------------------------------------------------------------------------------
     def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
-        reads = [(layer, todo) for layer in layers if len(todo := chunks[~self.asked[layer, chunks]])]
-        # scattered reads (not every chunk) from disk: the reader hints the whole period before its first
-        # read; whole layers stay unhinted (large runs gain nothing, and the gate's layers would queue
-        # behind the period's later ones)
-        if len(reads) > 1 and len(chunks) < self.n_chunks and any(src.fd is not None for src in self.sources):
-            self.reader.submit_hint(self, reads)
-        for layer, todo in reads:
+        for layer in layers:
+            todo = chunks[~self.asked[layer, chunks]]
+            if len(todo) == 0:
+                continue
             self.asked[layer, todo] = True
             self.prefetched[layer, todo] = prefetch
             self.n_prefetched += len(todo) if prefetch else 0
@@ -409,23 +406,6 @@ class PrunedRestore:
                 self._idle_since = None
                 self._pending[layer] += 1
             self.reader.submit(self, layer, todo, self._slots_of(self.period_of(layer), todo))
-
-    def advise(self, reads: list[tuple[int, torch.Tensor]]) -> None:
-        """Reader thread: hint the disk sources' extents of these (layer, chunks) reads to the kernel
-        (:meth:`DiskSegmentStore.advise_chunks`); a failed hint only costs the speed-up."""
-        try:
-            for src in self.sources:
-                if src.fd is None:
-                    continue
-                mine = []
-                for layer, chunks in reads:
-                    local = chunks[(chunks >= src.first) & (chunks < src.first + src.n_chunks)] - src.first
-                    if len(local):
-                        mine.append((layer, (local + src.lo).tolist()))
-                if mine:
-                    self.disk.advise_chunks(src.fd, src.header, mine)
-        except OSError as e:
-            logger.debug("loopkv: read-ahead hint failed: %s", e)
 
     def load(self, layer: int, chunks: torch.Tensor, dst: torch.Tensor) -> None:
         """Reader thread: copy ``chunks`` of ``layer`` into the slots ``dst`` (``chunk`` per chunk, in
@@ -540,10 +520,6 @@ class ChunkReader:
             self._thread.start()
         self._queue.put((job, layer, chunks, dst))
 
-    def submit_hint(self, job: PrunedRestore, reads: list[tuple[int, torch.Tensor]]) -> None:
-        """Queue :meth:`PrunedRestore.advise` for reads about to be submitted (same order as them)."""
-        self.submit(job, -1, reads, None)
-
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
         while True:
@@ -551,10 +527,7 @@ class ChunkReader:
             if item is None:
                 return
             job, layer, chunks, dst = item
-            if layer < 0:
-                job.advise(chunks)
-            else:
-                job.load(layer, chunks, dst)
+            job.load(layer, chunks, dst)
 
     def close(self) -> None:
         if self._thread is not None:

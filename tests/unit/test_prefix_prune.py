@@ -262,39 +262,6 @@ def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path):
     job.close()
 
 
-def test_disk_reads_of_a_period_are_hinted_to_the_kernel_before_any_is_read(tmp_path, monkeypatch):
-    """Every extent run a pruned restore reads from disk was first handed to posix_fadvise(WILLNEED)
-    (the whole period at once, before its first read); host sources are never hinted."""
-    store, rec, kv_disk = stored_segment(tmp_path, seed=5, chunks=8)
-    kv_host = kv_of(6, 4)
-    kv = torch.cat([kv_disk[:, :, C:], kv_host], dim=2)  # disk chunks 1..7, then host 0..3
-    src = disk_source(store, rec, lo=1, hi=8, first=0)
-    job, pk, pv = restore([src, Source("h", 0, 4, 7, host_kv=kv_host)], kv, budget=0.5, period=3, disk=store)
-    events, real_pread = [], os.pread
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: events.append(("hint", fd, off, n, advice)))
-
-    def pread(fd, n, off):
-        events.append(("read", fd, off, n, None))
-        return real_pread(fd, n, off)
-
-    monkeypatch.setattr(os, "pread", pread)
-    run_prefill(job)
-    job.settle()
-    for layer in range(L):
-        check_layer(job, pk, pv, kv, layer)
-    reads = [e for e in events if e[0] == "read"]
-    assert reads and all(e[1] == src.fd for e in events)
-    hinted = set()
-    for kind, _, off, n, advice in events:
-        if kind == "hint":
-            assert advice == os.POSIX_FADV_WILLNEED
-            hinted.add((off, n))
-        else:
-            assert (off, n) in hinted, "a run read before it was hinted"
-    assert len(hinted) == len(reads)  # nothing hinted that was not read (prefetched reads included)
-    job.close()
-
-
 def test_admission_reads_only_the_scored_layers_summaries_each_verified(tmp_path):
     """A restore scores chunks at each period's first layer only: admission reads those layers'
     summaries (a fraction of the block), each layer checked by its own crc32; a file written before
