@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
+
+from benchmarks.gpu_sparse import bench, rel, run_header
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PAGE, SINK, LOCAL = 64, 64, 128  # the server's --loopkv-decode-page-size / -sink / -local defaults
@@ -49,16 +50,6 @@ def head_lists(g: torch.Generator, B: int, H: int, L: int, budget: int) -> tuple
             lens.append(s.numel())
             slots.append(s)
     return torch.tensor([0, *lens]).cumsum(0), torch.cat(slots)
-
-
-def bench(fn, rep_ms: float) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 4), rep=rep_ms, return_mode="median"))
-
-
-def rel(a, b) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 def run_case(geometry: str, B: int, L: int, budget: int, dtype, rep_ms: float, fi_sparse, fi_dense) -> dict:
@@ -104,10 +95,13 @@ def run_case(geometry: str, B: int, L: int, budget: int, dtype, rep_ms: float, f
     kv_pages = (k.view(-1, 1, H, D), v.view(-1, 1, H, D))
     row["fi_dense"] = bench(lambda: fi_dense.run(q, kv_pages, out=out), rep_ms)
     dense_out = out.clone()
-    row["triton_dense"] = bench(lambda: sparse_decode_triton(q, k, v, d_all_indptr, d_all_slots, scale, out), rep_ms)
+    fp32 = dict(tensor_cores=False)  # the kernel's fp32-product path ("triton"; the tensor-core one: "triton_tc")
+    row["triton_dense"] = bench(
+        lambda: sparse_decode_triton(q, k, v, d_all_indptr, d_all_slots, scale, out, **fp32), rep_ms
+    )
     row["err_triton_dense_vs_fi_dense"] = rel(out, dense_out)
     # sparse
-    row["triton"] = bench(lambda: sparse_decode_triton(q, k, v, d_indptr, d_slots, scale, out), rep_ms)
+    row["triton"] = bench(lambda: sparse_decode_triton(q, k, v, d_indptr, d_slots, scale, out, **fp32), rep_ms)
     nb = min(B, 2)  # the float64 reference over the first sequences (their slots are < nb * L)
     n_ref = int(indptr[nb * H])
     ref_q = q[:nb].double()
@@ -123,7 +117,6 @@ def run_case(geometry: str, B: int, L: int, budget: int, dtype, rep_ms: float, f
         row["triton_tc_dense"] = bench(
             lambda: sparse_decode_triton(q, k, v, d_all_indptr, d_all_slots, scale, out, tensor_cores=True), rep_ms
         )
-    if dtype != torch.float32:
         fi_sparse.plan(indptr, d_slots, H, G, D, scale, dtype)
         row["fi_sparse"] = bench(lambda: fi_sparse.run(q, k, v, out), rep_ms)
         row["err_fi_sparse"] = rel(out[:nb], ref)
@@ -199,19 +192,7 @@ def markdown(payload: dict) -> str:
 
 
 def save(args, rows: list[dict]) -> str:
-    import flashinfer
-    import triton
-
-    payload = {
-        "summary": summarize(rows),
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "flashinfer": flashinfer.__version__,
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "rows": rows,
-    }
+    payload = {"summary": summarize(rows), **run_header(args), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_decode.json").write_text(json.dumps(payload, indent=2) + "\n")
     md = markdown(payload)

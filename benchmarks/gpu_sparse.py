@@ -75,6 +75,21 @@ def rel(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+def run_header(args) -> dict:
+    """When, where and with what a GPU benchmark ran (its results files' common keys)."""
+    import flashinfer
+    import triton
+
+    return {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "flashinfer": flashinfer.__version__,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
+
+
 def two_plan_probe(mask, q, k, v, ref, backend: str, ws, rep_ms: float) -> dict:
     """Kernel times (ms) of the design FlashInfer's one-page-size-per-plan leaves for pages of a
     whole block: plan A = every (head, query block)'s blocks (diagonal last, causal) as pages of B
@@ -439,20 +454,9 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_sparse needs CUDA")
-    import flashinfer
-    import triton
 
     def save(res: dict) -> str:
-        payload = {
-            "summary": summarize(res["rows"]),
-            "when": datetime.now(UTC).isoformat(timespec="seconds"),
-            "device": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "triton": triton.__version__,
-            "flashinfer": flashinfer.__version__,
-            "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            **res,
-        }
+        payload = {"summary": summarize(res["rows"]), **run_header(args), **res}
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gpu_sparse.json").write_text(json.dumps(payload, indent=2) + "\n")
         (args.out / "gpu_sparse.md").write_text(markdown(payload))

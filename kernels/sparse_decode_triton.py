@@ -41,7 +41,7 @@ import triton.language as tl
 
 _LOG2E = 1.4426950408889634
 MIN_KEYS_PER_SPLIT = 128  # below this a split's fixed cost (q load, partial write, merge) dominates
-# fp16/bf16 through tensor cores by default: on an H200 (benchmarks/results/gpu_decode.md) 1.3-7x
+# fp16/bf16 through tensor cores by default: on an H200 (benchmarks/results/gpu_decode.md) 1.5-7x
 # faster than the fp32 products over the same lists (median 3x), errors 2.3e-3 vs 1.7e-3 relative
 TENSOR_CORES_DEFAULT = True
 _PRODUCT_ELEMS = 8192  # g_pad * BLOCK * d_pad of the broadcast products: ~64 fp32 registers a thread
@@ -210,14 +210,13 @@ def sparse_decode_triton(
     out: torch.Tensor,
     num_splits: int | None = None,
     tensor_cores: bool | None = None,
-    block: int | None = None,
 ) -> torch.Tensor:
     """See the module docstring for the contract; returns ``out`` (written in place). q, out, and
     the pool need unit stride in the last dim (rows and heads may be strided views).
     ``num_splits``: splits per (sequence, KV head) (default: :func:`default_num_splits`).
     ``tensor_cores``: fp16/bf16 K/V go into ``tl.dot`` unconverted (the group padded to 16 rows,
     p rounded to the half type for the PV product); None = :data:`TENSOR_CORES_DEFAULT`; ignored
-    for fp32. ``block``: keys per loop step (default from the shapes)."""
+    for fp32."""
     B, Hq, D = q.shape
     H = k_cache.shape[1]
     assert Hq % H == 0, f"{Hq} query heads are no multiple of {H} KV heads"
@@ -234,8 +233,7 @@ def sparse_decode_triton(
     g_pad = max(16 if tc else 2, triton.next_power_of_2(G))
     d_pad = max(16, triton.next_power_of_2(D))
     use_dot = g_pad >= 16
-    if block is None:
-        block = 64 if use_dot else max(16, min(64, _PRODUCT_ELEMS // (g_pad * d_pad)))
+    block = 64 if use_dot else max(16, min(64, _PRODUCT_ELEMS // (g_pad * d_pad)))
     if num_splits is None:
         programs = 2 * _sm_count(q.device.index or 0) if q.is_cuda else 1
         num_splits = default_num_splits(rows, head_slots.numel(), programs)
