@@ -26,7 +26,11 @@ Histories: 2048, 4096 and 8000 tokens, the prefixes of one synthetic text (so on
 history serves every length). Tiers: ``host`` (the history prefilled on the server, then evicted
 from the device pool to the host arena) and ``disk`` (``--loopkv-host-bytes 0``; the history
 stored once by a writer server, each disk server resuming it from its own hard-linked copy of that
-directory, the segment files dropped from the OS page cache before every resume).
+directory, the segment files dropped from the OS page cache before every resume). Disk files: the
+default period-major grouping (a chunk's extents of one 8-layer period adjacent) for load_all,
+stream and loopkv; the impress servers resume a copy stored layer-major (``--loopkv-prefix-layer-group
+1``: its probe reads one layer's whole history, one contiguous read there, 8x the requests from a
+period-major file).
 
 Per configuration and length: one untimed resume (warm-up) and ``--repeats`` timed ones, each with
 a different one-sentence turn (so every resume restores exactly the history and prefills the turn):
@@ -244,7 +248,7 @@ class Bench:
         self.args, self.tok, self.model, self.bar = args, tok, model, bar
         self.token_bytes, self.root = token_bytes, root
         self.hist_all = synthetic_ids(tok, max(LENGTHS), seed=HIST_SEED)
-        self.seed: Path | None = None
+        self.seeds: dict[str, Path] = {}  # file grouping -> the directory of the stored history
         self.ref: dict[int, dict] = {}
         tiers = lambda: {"host": {}, "disk": {}}  # noqa: E731
         self.res: dict = {"load_all": tiers(), "loopkv": tiers(), "stream": tiers(), "impress": tiers()}
@@ -258,18 +262,22 @@ class Bench:
         )
         return srv.start()
 
-    def tier_flags(self, tier: str, name: str) -> tuple[list[str], Path | None]:
+    def tier_flags(self, tier: str, name: str, layout: str = "period") -> tuple[list[str], Path | None]:
         if tier == "host":
             return [], None  # the default host arena (2 GiB), a private disk dir (ServerProcess)
-        d = clone_dir(self.seed, self.root / name)
+        d = clone_dir(self.seeds[layout], self.root / name)
         return ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(d)], d
 
-    def write_seed(self, lengths: list[int]) -> None:
-        """The history stored on disk once (a full prefill): every disk server resumes a copy of it."""
-        self.bar.set_postfix_str("disk seed")
-        self.seed = self.root / "seed"
+    def write_seed(self, lengths: list[int], layout: str = "period") -> None:
+        """The history stored on disk once (a full prefill): every disk server resumes a copy of it.
+        ``layout``: period-major (the default grouping) or ``layer`` (layer-major: the impress servers')."""
+        self.bar.set_postfix_str(f"disk seed ({layout}-major)")
+        seed = self.seeds[layout] = self.root / f"seed_{layout}"
+        group = ["--loopkv-prefix-layer-group", "1"] if layout == "layer" else []
         srv = self.server(
-            "seed", ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(self.seed)], max(lengths) + 1024
+            f"seed_{layout}",
+            ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(seed), *group],
+            max(lengths) + 1024,
         )
         try:
             timed_generate(srv.url, self.hist_all[: max(lengths)], 1)
@@ -326,7 +334,7 @@ class Bench:
         tok, reps, stream = self.tok, self.args.repeats, budget >= 1.0
         name = f"stream_{tier}" if stream else f"{system}_{tier}_b{budget:g}"
         self.bar.set_postfix_str(name)
-        flags, disk = self.tier_flags(tier, name)
+        flags, disk = self.tier_flags(tier, name, "layer" if system == "impress" else "period")
         flags += ["--loopkv-prefix-stream"] if stream else ["--loopkv-prefix-budget", str(budget)]
         if system == "impress":
             flags += ["--loopkv-prefix-selection", "impress"]
@@ -982,6 +990,8 @@ def main() -> None:
             for tier in args.tiers:
                 for budget in [1.0, *budgets]:  # 1.0: streamed
                     b.pruned(tier, budget, lengths)
+                if impress and tier == "disk" and "layer" not in b.seeds:
+                    b.write_seed(lengths, "layer")
                 for budget in impress:
                     b.pruned(tier, budget, lengths, system="impress")
             payload["reference"] = {

@@ -384,7 +384,9 @@ class PrefixConfig:
     period: int = field(
         default=8,
         metadata={
-            "help": "Layers one chunk selection is reused for (selected at the period's first layer).",
+            "help": "Layers one chunk selection is reused for (selected at the period's first layer); also the "
+            "layer grouping of the disk segments this server writes unless --loopkv-prefix-layer-group says "
+            "otherwise.",
             "type": int,
         },
     )
@@ -436,10 +438,24 @@ class PrefixConfig:
             "choices": ["chunks", "impress"],
         },
     )
+    layer_group: int = field(
+        default=0,
+        metadata={
+            "help": "Layers grouped together in the disk segments this server writes (0: --loopkv-prefix-period): a "
+            "chunk's extents of a group's layers are adjacent, so a chunk-pruned restore reads a run of selected "
+            "chunks for a whole period at once. 1: layer-major (one layer's whole history contiguous: what "
+            "--loopkv-prefix-selection impress probes). Any server reads any grouping.",
+            "type": int,
+        },
+    )
 
     @property
     def enabled(self) -> bool:
         return self.budget < 1.0 or self.stream
+
+    @property
+    def file_layer_group(self) -> int:
+        return self.layer_group or self.period
 
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:
@@ -448,8 +464,8 @@ class PrefixConfig:
             raise ValueError(f"--loopkv-prefix-prefetch must be in [0, 1], not {self.prefetch}")
         if self.selection not in ("chunks", "impress"):
             raise ValueError(f"--loopkv-prefix-selection must be chunks or impress, not {self.selection!r}")
-        if self.period < 1 or self.gate < 1 or self.local < 1 or self.min_tokens < 0:
-            raise ValueError("--loopkv-prefix-period, -gate and -local must be >= 1, -min-tokens >= 0")
+        if self.period < 1 or self.gate < 1 or self.local < 1 or self.min_tokens < 0 or self.layer_group < 0:
+            raise ValueError("--loopkv-prefix-period, -gate and -local must be >= 1, -min-tokens and -layer-group >= 0")
 
 
 @dataclass(slots=True)

@@ -77,6 +77,7 @@ def create_loopkv_radix_cache(ctx):
             disk_quota_bytes=quota,
             on_lost=on_lost,
             dir_lock=lock,
+            layer_group=config.prefix.file_layer_group,  # a pruned restore reads a period's layers together
         )
 
     from sgl_loopkv import restore

@@ -59,6 +59,7 @@ from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayou
 from sgl_loopkv.cache.packed import PackedKV
 from sgl_loopkv.cache.segment_file import (  # noqa: F401 (re-exported: the disk tier's record and errors)
     FORMAT_VERSION,
+    LAYER_GROUP,
     CorruptSegment,
     SegmentCodec,
     SegmentGone,
@@ -101,13 +102,13 @@ class DiskSegmentStore:
     """Segment files in ``root``, shared with other workers; never more than ``quota_bytes`` of
     them in all (published and being written, whoever writes)."""
 
-    def __init__(self, root: Path, quota_bytes: int, geometry: KVGeometry):
+    def __init__(self, root: Path, quota_bytes: int, geometry: KVGeometry, layer_group: int = LAYER_GROUP):
         self.root, self.quota_bytes, self.geometry = Path(root), quota_bytes, geometry
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / CHUNKS).mkdir(mode=0o700, exist_ok=True)
         self.dir = SharedDirectory(self.root)
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
-        self.codec = SegmentCodec(geometry)
+        self.codec = SegmentCodec(geometry, layer_group)  # files grouped by the writer's prefix period
         self.bytes_written = 0
         with self.dir.eviction_lock():
             self._drop_legacy()
@@ -382,10 +383,10 @@ class DiskSegmentStore:
             os.close(fd)
             raise
 
-    def read_chunks(self, fd: int, seg_id: str, header: dict, layer: int, chunks: list[int]):
-        """One layer's chunks of a segment opened by :meth:`open_for_chunks`: (KV [2, T, H, D], chunks
-        that failed their checksum). Thread-safe (``pread``)."""
-        return self.codec.read_chunks(fd, seg_id, header, layer, chunks)
+    def read_chunks(self, fd: int, seg_id: str, header: dict, layers: range, chunks: list[int]):
+        """Chunks of a segment opened by :meth:`open_for_chunks`, for ``layers`` (a period's): (KV
+        [len(layers), 2, T, H, D], per layer the chunks that failed their checksum). Thread-safe (``pread``)."""
+        return self.codec.read_chunks(fd, seg_id, header, layers, chunks)
 
     def read_summaries(self, seg_id: str) -> torch.Tensor:
         """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment."""

@@ -6,20 +6,25 @@ was stored). Segment file::
     offset 0        preamble   b"LOOPKV01" | u32 header_len | u32 crc32(header)        (16 B)
     offset 16       header     JSON: geometry, token ids, parent link, per-extent crc32s, and for
                                a packed segment its layer -> row map, pairs, codec, side tensors
-    kv_offset       KV         row-major:  for row r, for chunk j:  extent(r, j)
+    kv_offset       KV         period-major: rows in groups of G (header "layer_group"), and
+                               for group [g0, g1), for chunk j, for row r in it: extent(r, j)
                                extent(r, j) = K[c, H, D] | V[c, H, D], zero-padded to 512 B
                                (int8 tiers: | K scales[c, H] | V scales[c, H], float32)
-                               at kv_offset + (r * n_chunks + j) * extent_bytes
-                               (row = layer, unless layer pairs share rows: sgl_loopkv.cache.packed)
+                               at kv_offset + (g0 * n_chunks + j * (g1 - g0) + r - g0) * extent_bytes
+                               (row = layer, unless layer pairs share rows: sgl_loopkv.cache.packed;
+                               G = 1 is plain layer-major order)
     summary_offset  summaries  for layer l, chunk j: per KV head min and max of the keys
                                [H, 2, D] float32 (float16 for narrower tiers; the selection step scores chunks on these
                                without reading full keys)
     side_offset     side data  packed segments only: the codec's tensors, one crc32
 
 Why this shape: a chunk is the unit of selection, storage, I/O and caching (ContiguousKV), so
-reading any chunk set of one layer is a set of aligned extents; layer-major order makes all chunks
-of a layer (and of a period of consecutive layers) one contiguous run, so a selected set coalesces
-into one read per run of adjacent chunk indices. ``kv_offset`` is a multiple of 4 KiB and
+reading any chunk set is a set of aligned extents. A chunk-pruned restore reads one selected set
+for every layer of a period (G = the writer's ``--loopkv-prefix-period``), so a chunk's extents of
+one period are adjacent and a run of adjacent selected chunks is one read for the whole period;
+a group's chunks are contiguous too (a whole-history load: one read per group). Period-major
+because cold reads on a virtio disk cost per request, not per byte (layer-major order took 8x the
+reads: ``benchmarks/results/NOTES.md``, 2026-11-26). ``kv_offset`` is a multiple of 4 KiB and
 ``extent_bytes`` of 512 B (a sector: O_DIRECT-compatible on 512-byte-sector devices); fp32 and
 bf16 extents of the served models are whole 4 KiB pages anyway, while an int8 chunk (6.4 KB for
 SmolLM2) would waste a fifth of its bytes if padded to two pages.
@@ -35,6 +40,9 @@ from sgl_loopkv.selection.pages import chunk_minmax
 
 ALIGN = 4096
 SECTOR = 512
+# A read's largest size: bigger ones cost CPU here (their buffer falls out of the cache between the
+# read, the crc32 and the copy: a 4K history's whole load took +30% in 50 MB reads vs 6 MB ones)
+MAX_READ_BYTES = 4 << 20
 MAGIC = b"LOOPKV01"
 PREAMBLE_BYTES = 16
 
@@ -116,17 +124,28 @@ class SegmentFileLayout:
     kv_offset: int
     n_rows: int | None = None  # stored KV rows: num_layers, fewer when layer pairs share a row
     side_bytes: int = 0  # layer-sharing side data after the summaries
+    group: int = 1  # rows per period-major group (1: layer-major)
 
     @property
     def rows(self) -> int:
         return self.geometry.num_layers if self.n_rows is None else self.n_rows
 
+    def group_of(self, row: int) -> tuple[int, int]:
+        """The rows [g0, g1) of ``row``'s group."""
+        g0 = row - row % self.group
+        return g0, min(g0 + self.group, self.rows)
+
+    def extent_index(self, row: int, chunk: int) -> int:
+        """Position of extent (row, chunk) in file order (its crc32's index in the header)."""
+        g0, g1 = self.group_of(row)
+        return g0 * self.n_chunks + chunk * (g1 - g0) + row - g0
+
     def extent_offset(self, row: int, chunk: int) -> int:
-        return self.kv_offset + (row * self.n_chunks + chunk) * self.geometry.extent_bytes
+        return self.kv_offset + self.extent_index(row, chunk) * self.geometry.extent_bytes
 
     @property
     def summary_offset(self) -> int:
-        return self.extent_offset(self.rows, 0)
+        return self.kv_offset + self.rows * self.n_chunks * self.geometry.extent_bytes
 
     @property
     def side_offset(self) -> int:
@@ -137,16 +156,46 @@ class SegmentFileLayout:
     def file_bytes(self) -> int:
         return self.side_offset + self.side_bytes
 
-    def runs(self, layer: int, chunks: list[int]) -> list[tuple[int, int]]:
-        """Coalesce sorted chunk indices of one layer into (byte offset, byte length) reads."""
-        out: list[tuple[int, int]] = []
-        for j in chunks:
-            off = self.extent_offset(layer, j)
-            if out and out[-1][0] + out[-1][1] == off:
-                out[-1] = (out[-1][0], out[-1][1] + self.geometry.extent_bytes)
-            else:
-                out.append((off, self.geometry.extent_bytes))
+    def blocks(self, rows: range, chunks: list[int]) -> list[Block]:
+        """Contiguous reads covering extents ``rows x chunks`` (chunks ascending): adjacent chunks
+        coalesce (up to ``MAX_READ_BYTES`` a read) when ``rows`` spans whole groups (a period's
+        layers), else each chunk of each group is one read of the rows asked."""
+        out: list[Block] = []
+        r = rows.start
+        while r < rows.stop:
+            g0, g1 = self.group_of(r)
+            r1 = min(rows.stop, g1)
+            whole = r == g0 and r1 == g1
+            most = max(1, MAX_READ_BYTES // ((r1 - r) * self.geometry.extent_bytes))  # chunks a read
+            for j in chunks:
+                last = out[-1] if out else None
+                if (
+                    whole
+                    and last is not None
+                    and last.row0 == r
+                    and last.chunk0 + last.n_chunks == j
+                    and last.n_chunks < most
+                ):
+                    last.n_chunks += 1
+                else:
+                    out.append(Block(self.extent_offset(r, j), r, r1, j, 1))
+            r = r1
         return out
+
+
+@dataclass(slots=True)
+class Block:
+    """One read: extents of chunks ``[chunk0, chunk0 + n_chunks)`` x rows ``[row0, row1)``, contiguous
+    from ``offset`` in (chunk, row) order."""
+
+    offset: int
+    row0: int
+    row1: int
+    chunk0: int
+    n_chunks: int
+
+    def length(self, extent_bytes: int) -> int:
+        return self.n_chunks * (self.row1 - self.row0) * extent_bytes
 
 
 def key_summaries(k: torch.Tensor, chunk_tokens: int) -> torch.Tensor:

@@ -393,77 +393,107 @@ class PrunedRestore:
 
     # --- reads -----------------------------------------------------------------------------------
     def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
-        for layer in layers:
-            todo = chunks[~self.asked[layer, chunks]]
-            if len(todo) == 0:
-                continue
-            self.asked[layer, todo] = True
-            self.prefetched[layer, todo] = prefetch
-            self.n_prefetched += len(todo) if prefetch else 0
-            with self._cond:
-                if self._idle_since is not None and self._in_prefill and not any(self._pending):
-                    self.stats.compute_wait_s += time.perf_counter() - self._idle_since
-                self._idle_since = None
-                self._pending[layer] += 1
-            self.reader.submit(self, layer, todo, self._slots_of(self.period_of(layer), todo))
+        """Queue the reads of ``chunks`` not yet asked for, for ``layers`` (one period's): one job for
+        each run of layers that miss the same chunks (a disk job reads them for all its layers at once)."""
+        todo = [chunks[~self.asked[layer, chunks]] for layer in layers]
+        i = 0
+        while i < len(todo):
+            j = i + 1
+            while j < len(todo) and torch.equal(todo[j], todo[i]):
+                j += 1
+            if len(todo[i]):
+                self._submit(range(layers[i], layers[i] + j - i), todo[i], prefetch)
+            i = j
 
-    def load(self, layer: int, chunks: torch.Tensor, dst: torch.Tensor) -> None:
-        """Reader thread: copy ``chunks`` of ``layer`` into the slots ``dst`` (``chunk`` per chunk, in
-        order), disk extents verified first."""
+    def _submit(self, layers: range, todo: torch.Tensor, prefetch: bool) -> None:
+        self.asked[layers.start : layers.stop, todo] = True
+        self.prefetched[layers.start : layers.stop, todo] = prefetch
+        self.n_prefetched += len(todo) * len(layers) if prefetch else 0
+        with self._cond:
+            if self._idle_since is not None and self._in_prefill and not any(self._pending):
+                self.stats.compute_wait_s += time.perf_counter() - self._idle_since
+            self._idle_since = None
+            for layer in layers:
+                self._pending[layer] += 1
+        self.reader.submit(self, layers, todo, self._slots_of(self.period_of(layers.start), todo))
+
+    def load(self, layers: range, chunks: torch.Tensor, dst: torch.Tensor) -> None:
+        """Reader thread: copy ``chunks`` of ``layers`` into the slots ``dst`` (``chunk`` per chunk, in
+        order), disk extents verified first (one read per run of chunks for all the layers); each
+        layer is released to the forward as soon as it is copied."""
         t0 = time.perf_counter()
+        released = 0
         try:  # tensor ops, no Python loop per chunk: this thread shares the GIL with the forward
-            c, k_buf, v_buf = self.chunk, self.k_buffers[layer], self.v_buffers[layer]
-            tok = torch.arange(c)
+            c = self.chunk
+            parts = []  # per source: (its chunks' places in ``chunks``, history ids, per layer (kv, bad) or None)
             for src in self.sources:
                 at = torch.nonzero((chunks >= src.first) & (chunks < src.first + src.n_chunks)).flatten()
                 if len(at) == 0:
                     continue
-                mine = chunks[at]  # history chunk ids, ascending; ``at``: their places in ``chunks``
-                local = mine - src.first
-                if src.host_kv is not None:
-                    kv, lo, hi = src.host_kv[layer], int(local[0]), int(local[-1])
-                    # one run (budget 1.0: all of them): a view, else a gather
-                    kv = (
-                        kv[:, lo * c : (hi + 1) * c]
-                        if hi - lo == len(local) - 1
-                        else kv[:, (local[:, None] * c + tok).flatten()]
-                    )
-                    bad: list[int] = []
-                else:
+                mine = chunks[at]  # history chunk ids, ascending
+                read = None
+                if src.host_kv is None:
                     before = self.disk.codec.bytes_read
-                    kv, bad = self.disk.read_chunks(src.fd, src.seg_id, src.header, layer, (local + src.lo).tolist())
-                    self.stats.disk_bytes_read += self.disk.codec.bytes_read - before
-                if bad:
-                    failed = torch.tensor(bad) - src.lo + src.first
-                    self.bad_segments.add(src.seg_id)
-                    self.bad[layer, failed] = True
-                    self.stats.bad_extents += len(bad)
-                    logger.warning(
-                        "loopkv: %d chunk extent(s) of segment %s layer %d failed their checksum: left out of the "
-                        "new turn's attention",
-                        len(bad),
-                        src.seg_id,
-                        layer,
+                    kvs, bads = self.disk.read_chunks(
+                        src.fd, src.seg_id, src.header, layers, (mine - src.first + src.lo).tolist()
                     )
-                    good = torch.nonzero(~torch.isin(mine, failed)).flatten()
-                    if len(good) == 0:
-                        continue
-                    kv, at, mine = kv[:, (good[:, None] * c + tok).flatten()], at[good], mine[good]
-                to = dst.view(-1, c)[at].flatten()
-                k_buf.index_copy_(0, to, kv[0].to(k_buf.device, k_buf.dtype))
-                v_buf.index_copy_(0, to, kv[1].to(v_buf.device, v_buf.dtype))
-                self.loaded[layer, mine] = True
-                self.stats.bytes_loaded += len(mine) * self.layer_bytes
+                    self.stats.disk_bytes_read += self.disk.codec.bytes_read - before
+                    read = list(zip(kvs, bads))
+                parts.append((src, at, mine, read))
+            for i, layer in enumerate(layers):
+                for src, at, mine, read in parts:
+                    kv, bad = read[i] if read is not None else (self._host_chunks(src, layer, mine - src.first), [])
+                    if bad:
+                        kv, at, mine = self._drop_bad(src, layer, kv, at, mine, bad)
+                        if len(mine) == 0:
+                            continue
+                    to = dst.view(-1, c)[at].flatten()
+                    k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+                    k_buf.index_copy_(0, to, kv[0].to(k_buf.device, k_buf.dtype))
+                    v_buf.index_copy_(0, to, kv[1].to(v_buf.device, v_buf.dtype))
+                    self.loaded[layer, mine] = True
+                    self.stats.bytes_loaded += len(mine) * self.layer_bytes
+                self._release(layer)
+                released += 1
         except Exception:  # never leave the forward waiting; what did not load is not attended
-            logger.exception("loopkv: reading chunks of layer %d failed", layer)
+            logger.exception("loopkv: reading chunks of layers %d-%d failed", layers.start, layers.stop - 1)
         finally:
             self.stats.reader_busy_s += time.perf_counter() - t0
-            self._bump((layer,))
-            with self._cond:
-                self._pending[layer] -= 1
-                if not any(self._pending):
-                    self._idle_since = time.perf_counter()
-                self._cond.notify_all()
+            for layer in layers[released:]:
+                self._release(layer)
+
+    def _host_chunks(self, src: Source, layer: int, local: torch.Tensor) -> torch.Tensor:
+        """The host tier's copy of a source's chunks ``local`` (ascending) at one layer: [2, n * c, H, D]."""
+        c, kv = self.chunk, src.host_kv[layer]
+        lo, hi = int(local[0]), int(local[-1])
+        if hi - lo == len(local) - 1:  # one run (budget 1.0: all of them): a view
+            return kv[:, lo * c : (hi + 1) * c]
+        return kv[:, (local[:, None] * c + torch.arange(c)).flatten()]
+
+    def _drop_bad(self, src: Source, layer: int, kv, at, mine, bad: list[int]):
+        """Leave a layer's chunks whose extent failed its checksum out (counted, logged, never attended)."""
+        failed = torch.tensor(bad) - src.lo + src.first
+        self.bad_segments.add(src.seg_id)
+        self.bad[layer, failed] = True
+        self.stats.bad_extents += len(bad)
+        logger.warning(
+            "loopkv: %d chunk extent(s) of segment %s layer %d failed their checksum: left out of the new turn's "
+            "attention",
+            len(bad),
+            src.seg_id,
+            layer,
+        )
+        good = torch.nonzero(~torch.isin(mine, failed)).flatten()
+        tok = torch.arange(self.chunk)
+        return kv[:, (good[:, None] * self.chunk + tok).flatten()], at[good], mine[good]
+
+    def _release(self, layer: int) -> None:
+        self._bump((layer,))
+        with self._cond:
+            self._pending[layer] -= 1
+            if not any(self._pending):
+                self._idle_since = time.perf_counter()
+            self._cond.notify_all()
 
     def settle(self) -> None:
         """Wait for every queued read (before the slots are freed or the files closed)."""
@@ -514,11 +544,11 @@ class ChunkReader:
     _queue: queue.Queue = field(default_factory=queue.Queue)
     _thread: threading.Thread | None = None
 
-    def submit(self, job: PrunedRestore, layer: int, chunks: torch.Tensor, dst: torch.Tensor) -> None:
+    def submit(self, job: PrunedRestore, layers: range, chunks: torch.Tensor, dst: torch.Tensor) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="loopkv-chunk-reader", daemon=True)
             self._thread.start()
-        self._queue.put((job, layer, chunks, dst))
+        self._queue.put((job, layers, chunks, dst))
 
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
@@ -526,8 +556,8 @@ class ChunkReader:
             item = self._queue.get()
             if item is None:
                 return
-            job, layer, chunks, dst = item
-            job.load(layer, chunks, dst)
+            job, layers, chunks, dst = item
+            job.load(layers, chunks, dst)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -8,22 +8,26 @@ import json
 import os
 import struct
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
+from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, Block, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
 
-READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one layer issued together
+READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one period issued together
 _READERS = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="loopkv-pread")
+LAYER_GROUP = 8  # rows per period-major group when the writer names none (the default prefix period)
 
+# 4: period-major extents (rows in groups of "layer_group"). Format 3 files are never found by a
+#    format 4 worker (the version is part of every name, cache.address) and age out under the quota.
 # 3: content-addressed names, per-chunk links, no index (shared by several workers).
 # 2: extents padded to 512-byte sectors, float16 summaries next to narrower tiers, int8 tiers.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 class CorruptSegment(Exception):
@@ -60,10 +64,13 @@ def _to_bytes(t: torch.Tensor) -> np.ndarray:
 
 @dataclass(slots=True)
 class SegmentCodec:
-    """Encodes and decodes segment files of one KV geometry; counts the bytes it reads."""
+    """Encodes and decodes segment files of one KV geometry; counts the bytes it reads. Files it
+    writes group rows by ``layer_group`` (the writer's period); it reads any grouping."""
 
     geometry: KVGeometry
+    layer_group: int = LAYER_GROUP
     bytes_read: int = field(default=0)
+    reads: int = field(default=0)  # extent reads issued (cold reads cost per request here, not per byte)
 
     def encode(
         self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor, writer: str
@@ -87,6 +94,9 @@ class SegmentCodec:
         pad = g.extent_bytes - raw.shape[1]
         if pad:
             raw = np.concatenate([raw, np.zeros((R * m, pad), np.uint8)], axis=1)
+        G = max(1, min(self.layer_group, R))
+        raw = raw.reshape(R, m, -1)  # -> file order: per group of G rows, per chunk, its rows
+        raw = np.concatenate([raw[g0 : g0 + G].transpose(1, 0, 2).reshape(-1, raw.shape[2]) for g0 in range(0, R, G)])
         crcs = [zlib.crc32(row) for row in raw]
         summary_raw = _to_bytes(summaries.to(g.summary_dtype))
         per_layer = summary_raw.reshape(g.num_layers, -1)  # layer-major: a restore reads only the layers it scores
@@ -113,6 +123,7 @@ class SegmentCodec:
             "token_ids": record.token_ids,
             "chunk_hashes": record.chunk_hashes,
             "writer": writer,
+            "layer_group": G,
             "extent_crc32": crcs,
             "summary_crc32": zlib.crc32(summary_raw),
             "summary_layer_crc32": [zlib.crc32(row) for row in per_layer],
@@ -147,16 +158,47 @@ class SegmentCodec:
 
     def layout(self, header: dict) -> SegmentFileLayout:
         return SegmentFileLayout(
-            self.geometry, header["n_chunks"], header["kv_offset"], header.get("rows"), header.get("side_bytes", 0)
+            self.geometry,
+            header["n_chunks"],
+            header["kv_offset"],
+            header.get("rows"),
+            header.get("side_bytes", 0),
+            header["layer_group"],
         )
+
+    def _fetch(
+        self, fd: int, layout: SegmentFileLayout, crcs: list[int], blocks: list[Block], parallel: bool
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Each block's extents -> ([n_chunks, rows, extent bytes], ok [n_chunks, rows]: read whole and
+        crc32 verified), one block at a time (used while its buffer is still in the CPU cache).
+        ``parallel``: the reads in flight together (scattered runs are latency-bound on a cold
+        file; pread drops the GIL)."""
+        eb = self.geometry.extent_bytes
+
+        def pread(b: Block) -> bytes:
+            return os.pread(fd, b.length(eb), b.offset)
+
+        bufs = _READERS.map(pread, blocks) if parallel and len(blocks) > 1 else map(pread, blocks)
+        for b, buf in zip(blocks, bufs):
+            self.bytes_read += len(buf)
+            self.reads += 1
+            n = b.n_chunks * (b.row1 - b.row0)
+            got, mv, k0 = len(buf) // eb, memoryview(buf), (b.offset - layout.kv_offset) // eb
+            ok = np.array([i < got and zlib.crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
+            arr = np.frombuffer(buf, np.uint8, got * eb).reshape(got, eb)  # a view: no copy of a whole read
+            if got < n:  # cut short: the missing extents zero (and not ok)
+                arr = np.concatenate([arr, np.zeros((n - got, eb), np.uint8)])
+            shape = (b.n_chunks, b.row1 - b.row0)
+            yield arr.reshape(*shape, eb), ok.reshape(shape)
 
     def read(
         self, fd: int, seg_id: str, chunk_lo: int, chunk_hi: int, first_chunk: list[int] | None = None
     ) -> torch.Tensor | PackedKV:
         """KV of chunks [chunk_lo, chunk_hi) for all layers -> [L, 2, T, H, D], every extent
-        verified. One coalesced read per layer; layer l starts at chunk ``first_chunk[l]`` when given (the
-        chunks before it are left zero: the restorer recomputes them). A packed segment comes back as a
-        PackedKV (one read per stored row, its side data verified too). Raises CorruptSegment."""
+        verified. One read per group of rows (from the earliest chunk any of its rows needs); layer l
+        starts at chunk ``first_chunk[l]`` when given (the chunks before it are left zero: the restorer
+        recomputes them). A packed segment comes back as a PackedKV (its side data verified too).
+        Raises CorruptSegment."""
         g = self.geometry
         header = self.header(fd, seg_id)
         layout = self.layout(header)
@@ -166,22 +208,22 @@ class SegmentCodec:
             for layer, row in enumerate(layer_rows):
                 row_first[row] = min(row_first[row], first_chunk[layer])
             first_chunk = row_first
-        crcs = header["extent_crc32"]
         n, used = chunk_hi - chunk_lo, g.chunk_tokens * g.token_bytes_per_layer
         out = (np.zeros if first_chunk else np.empty)((layout.rows, n, used), np.uint8)
-        for row in range(layout.rows):
-            lo = max(chunk_lo, first_chunk[row]) if first_chunk else chunk_lo
-            for off, length in layout.runs(row, list(range(lo, chunk_hi))):
-                buf = os.pread(fd, length, off)
-                self.bytes_read += len(buf)
-                if len(buf) != length:
-                    raise CorruptSegment(f"segment {seg_id}: truncated at row {row}")
-                arr = np.frombuffer(buf, np.uint8).reshape(-1, g.extent_bytes)
-                first = (off - layout.extent_offset(row, 0)) // g.extent_bytes
-                for i, extent in enumerate(arr):
-                    if zlib.crc32(extent) != crcs[row * layout.n_chunks + first + i]:
-                        raise CorruptSegment(f"segment {seg_id}: checksum mismatch at row {row} chunk {first + i}")
-                out[row, first - chunk_lo : first - chunk_lo + len(arr)] = arr[:, :used]
+        lo = [max(chunk_lo, first_chunk[row]) if first_chunk else chunk_lo for row in range(layout.rows)]
+        for g0 in range(0, layout.rows, layout.group):  # one read per group: from its rows' earliest chunk
+            g1 = layout.group_of(g0)[1]
+            start = min(lo[g0:g1])
+            if start >= chunk_hi:
+                continue
+            blocks = layout.blocks(range(g0, g1), list(range(start, chunk_hi)))
+            for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, header["extent_crc32"], blocks, parallel=False)):
+                for r in range(b.row0, b.row1):
+                    need = max(lo[r] - b.chunk0, 0)  # a row's chunks before its first are not used
+                    if not ok[need:, r - b.row0].all():
+                        raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {r}")
+                    at = b.chunk0 + need - chunk_lo
+                    out[r, at : at + b.n_chunks - need] = arr[need:, r - b.row0, :used]
         side = self._read_side(fd, seg_id, header, layout) if "side" in header else None
         rows = self._rows_of_extents(torch.from_numpy(out))
         if side is None:
@@ -196,37 +238,28 @@ class SegmentCodec:
         )
 
     def read_chunks(
-        self, fd: int, seg_id: str, header: dict, layer: int, chunks: list[int]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """One layer's KV of the given ascending chunks -> ([2, len(chunks) * c, H, D], the chunks whose
-        extent failed its checksum or was cut short: their rows are zero and must not be used). One
-        read per run of adjacent chunks. Unpacked segments only (``"side" not in header``)."""
+        self, fd: int, seg_id: str, header: dict, rows: range, chunks: list[int]
+    ) -> tuple[torch.Tensor, list[list[int]]]:
+        """KV of the given ascending chunks for ``rows`` (a period's layers) -> ([len(rows), 2,
+        len(chunks) * c, H, D], per row the chunks whose extent failed its checksum or was cut short:
+        their rows are zero and must not be used). One read per run of adjacent chunks and group
+        (:meth:`SegmentFileLayout.blocks`). Unpacked segments only (``"side" not in header``)."""
         g = self.geometry
         layout = self.layout(header)
-        crcs, used, eb = header["extent_crc32"], g.chunk_tokens * g.token_bytes_per_layer, g.extent_bytes
-        out = np.empty((len(chunks), used), np.uint8)
+        used = g.chunk_tokens * g.token_bytes_per_layer
+        out = np.empty((len(rows), len(chunks), used), np.uint8)
         where = {j: i for i, j in enumerate(chunks)}
-        bad: list[int] = []
-        base = layout.extent_offset(layer, 0)
-        runs = layout.runs(layer, chunks)
-        # Scattered runs are latency-bound on a cold file: several in flight (pread drops the GIL)
-        bufs = (
-            _READERS.map(lambda r: os.pread(fd, r[1], r[0]), runs)
-            if len(runs) > 1
-            else [os.pread(fd, length, off) for off, length in runs]
-        )
-        for (off, length), buf in zip(runs, bufs):
-            self.bytes_read += len(buf)
-            first, got, mv = (off - base) // eb, len(buf) // eb, memoryview(buf)  # views: no copy per extent
-            crc0 = layer * layout.n_chunks + first
-            ok = [zlib.crc32(mv[i * eb : (i + 1) * eb]) == crcs[crc0 + i] for i in range(got)]
-            at = where[first]  # a run's chunks are adjacent in ``chunks`` too (both ascending)
-            out[at : at + got] = np.frombuffer(buf, np.uint8, got * eb).reshape(got, eb)[:, :used]
-            bad += [first + i for i in range(length // eb) if i >= got or not ok[i]]
-        if bad:  # cut short or damaged: zeroed, and the caller leaves them out
-            out[[where[j] for j in bad]] = 0
-        rows = self._rows_of_extents(torch.from_numpy(out)[None])
-        return rows[0], bad
+        bad: list[list[int]] = [[] for _ in rows]
+        blocks = layout.blocks(rows, chunks)
+        for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, header["extent_crc32"], blocks, parallel=True)):
+            at, r0 = where[b.chunk0], b.row0 - rows.start  # a block's chunks are adjacent in ``chunks`` too
+            out[r0 : r0 + b.row1 - b.row0, at : at + b.n_chunks] = arr[:, :, :used].transpose(1, 0, 2)
+            for i, r in zip(*np.nonzero(~ok)):
+                bad[r0 + r].append(b.chunk0 + int(i))
+        for r, chunks_bad in enumerate(bad):
+            if chunks_bad:  # cut short or damaged: zeroed, and the caller leaves them out
+                out[r, [where[j] for j in chunks_bad]] = 0
+        return self._rows_of_extents(torch.from_numpy(out)), bad
 
     def _rows_of_extents(self, raw: torch.Tensor) -> torch.Tensor | QuantKV:
         """[R, n, used bytes] of verified extents -> rows [R, 2, n * c, H, D] (a QuantKV for int8)."""

@@ -32,7 +32,7 @@ from shutil import disk_usage
 
 import torch
 
-from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, NoRoom, SegmentGone, SegmentRecord
+from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore, NoRoom, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.disk_dir import DirectoryLock
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
@@ -90,6 +90,7 @@ class TieredKVStore:
         disk_quota_bytes: int = 0,
         on_lost: Callable[[str], None] = lambda seg_id: None,
         dir_lock: DirectoryLock | None = None,
+        layer_group: int = LAYER_GROUP,
     ):
         self.geometry, self.policy = geometry, policy
         self.dir_lock = dir_lock  # a shared hold while the store lives (keeps format-2 servers out)
@@ -98,7 +99,7 @@ class TieredKVStore:
         self.segments: dict[str, StoredSegment] = {}
         self.stats = TierStats()
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
-        self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry) if disk_dir else None
+        self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry, layer_group) if disk_dir else None
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._evicted: deque[str] = deque()  # disk segments the writer thread evicted, for sync()
         self._writer = None

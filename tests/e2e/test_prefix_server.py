@@ -116,7 +116,10 @@ def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server,
         hlen = int.from_bytes(raw[8:12], "little")
         header = json.loads(raw[PREAMBLE_BYTES : PREAMBLE_BYTES + hlen])
         layout = SegmentFileLayout(
-            KVGeometry.from_json(header["geometry"]), header["n_chunks"], align_up(PREAMBLE_BYTES + hlen)
+            KVGeometry.from_json(header["geometry"]),
+            header["n_chunks"],
+            align_up(PREAMBLE_BYTES + hlen),
+            group=header["layer_group"],
         )
         for j in range(header["n_chunks"]):
             raw[layout.extent_offset(0, j) + 5] ^= 0x5A

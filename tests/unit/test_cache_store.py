@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout, baseline_block_read_bytes, key_summaries
@@ -27,16 +29,103 @@ def segment(n_chunks: int, seed: int, geo: KVGeometry = GEO, parent=None, start=
     return rec, kv, key_summaries(kv[:, 0], geo.chunk_tokens)
 
 
-def test_layout_extents_are_aligned_and_layer_major():
+def test_layout_extents_are_aligned_and_layer_major_with_group_1():
     lay = SegmentFileLayout(GEO, n_chunks=5, kv_offset=4096)
     assert GEO.extent_bytes % 512 == 0 and lay.kv_offset % 4096 == 0
     smollm2 = KVGeometry(30, 3, 64, torch.float32, 16)  # fp32 / bf16 chunks are whole 4 KiB pages
     assert smollm2.extent_bytes == 6 * 4096 and KVGeometry(30, 3, 64, torch.bfloat16, 16).extent_bytes == 3 * 4096
     assert lay.extent_offset(1, 0) == lay.extent_offset(0, 4) + GEO.extent_bytes  # layer-major, contiguous
-    assert lay.runs(2, [0, 1, 2, 4]) == [
-        (lay.extent_offset(2, 0), 3 * GEO.extent_bytes),
-        (lay.extent_offset(2, 4), GEO.extent_bytes),
+    eb = GEO.extent_bytes
+    assert [(b.offset, b.length(eb)) for b in lay.blocks(range(2, 3), [0, 1, 2, 4])] == [
+        (lay.extent_offset(2, 0), 3 * eb),
+        (lay.extent_offset(2, 4), eb),
     ]
+
+
+def test_period_major_layout_reads_a_chunk_run_for_a_whole_period_at_once():
+    geo = KVGeometry(num_layers=5, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_tokens=16)
+    lay, eb = SegmentFileLayout(geo, n_chunks=6, kv_offset=4096, group=2), geo.extent_bytes
+    # groups [0, 2), [2, 4), [4, 5): a chunk's rows of one group adjacent, then the next chunk
+    assert lay.extent_offset(1, 0) == lay.extent_offset(0, 0) + eb
+    assert lay.extent_offset(0, 1) == lay.extent_offset(1, 0) + eb
+    assert lay.extent_offset(2, 0) == lay.extent_offset(1, 5) + eb
+    assert (
+        lay.extent_offset(4, 0) == lay.extent_offset(3, 5) + eb and lay.extent_offset(4, 5) + eb == lay.summary_offset
+    )
+    whole = lay.blocks(range(2, 4), [0, 1, 2, 5])  # a whole group: adjacent chunks coalesce
+    assert [(b.offset, b.length(eb)) for b in whole] == [
+        (lay.extent_offset(2, 0), 6 * eb),
+        (lay.extent_offset(2, 5), 2 * eb),
+    ]
+    part = lay.blocks(range(1, 3), [0, 1])  # half of two groups: a read per chunk and group
+    assert [(b.row0, b.row1, b.chunk0, b.n_chunks) for b in part] == [
+        (1, 2, 0, 1),
+        (1, 2, 1, 1),
+        (2, 3, 0, 1),
+        (2, 3, 1, 1),
+    ]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(1, 7),  # layers
+    st.integers(1, 8),  # group
+    st.integers(1, 9),  # chunks
+    st.data(),
+)
+def test_layout_blocks_cover_each_asked_extent_once_and_nothing_else(layers, group, n_chunks, data):
+    geo = KVGeometry(layers, 1, 8, torch.float32, 16)
+    lay, eb = SegmentFileLayout(geo, n_chunks, 4096, group=group), geo.extent_bytes
+    r0 = data.draw(st.integers(0, layers - 1))
+    rows = range(r0, data.draw(st.integers(r0 + 1, layers)))
+    chunks = sorted(data.draw(st.sets(st.integers(0, n_chunks - 1), min_size=1)))
+    seen = []
+    for b in lay.blocks(rows, chunks):
+        offs = [b.offset + i * eb for i in range(b.length(eb) // eb)]
+        assert offs == [
+            lay.extent_offset(r, j) for j in range(b.chunk0, b.chunk0 + b.n_chunks) for r in range(b.row0, b.row1)
+        ]
+        seen += [(r, j) for j in range(b.chunk0, b.chunk0 + b.n_chunks) for r in range(b.row0, b.row1)]
+    assert sorted(seen) == sorted((r, j) for r in rows for j in chunks)
+    every = sorted(lay.extent_offset(r, j) for r in range(layers) for j in range(n_chunks))
+    assert every == [4096 + i * eb for i in range(layers * n_chunks)]  # a permutation of the extents
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+def test_every_grouping_reads_back_bit_identical_and_each_bad_extent_is_its_own(tmp_path, group):
+    geo = KVGeometry(5, 2, 8, torch.float32, 16)
+    store = DiskSegmentStore(tmp_path, 1 << 30, geo, layer_group=group)
+    rec, kv, summ = segment(6, 3, geo)
+    store.write(rec, kv, summ)
+    assert store.read_header(rec.seg_id)["layer_group"] == min(group, 5)
+    assert torch.equal(store.read(rec.seg_id, 0, 6), kv)
+    first = [0, 2, 6, 1, 3]  # the restorer's recompute split: layer l from chunk first[l] (before it: zero)
+    got = store.read(rec.seg_id, 1, 5, first)
+    for layer, f in enumerate(first):
+        lo = max(f, 1)
+        assert torch.equal(got[layer, :, (lo - 1) * 16 :], kv[layer, :, lo * 16 : 5 * 16])
+        assert not got[layer, :, : max(lo - 1, 0) * 16].any()
+    fd, header = store.open_for_chunks(rec.seg_id)
+    try:
+        chunks = [0, 2, 3, 5]
+        tok = torch.tensor([j * 16 + t for j in chunks for t in range(16)])
+        for rows in (range(0, 5), range(1, 3), range(4, 5)):
+            rkv, bad = store.read_chunks(fd, rec.seg_id, header, rows, chunks)
+            assert torch.equal(rkv, kv[rows.start : rows.stop][:, :, tok]) and bad == [[] for _ in rows]
+        off = store.codec.layout(header).extent_offset(3, 2)
+        with open(store.path(rec.seg_id), "r+b") as f:  # one bit of (layer 3, chunk 2)
+            f.seek(off + 7)
+            b = f.read(1)
+            f.seek(off + 7)
+            f.write(bytes([b[0] ^ 1]))
+        rkv, bad = store.read_chunks(fd, rec.seg_id, header, range(2, 5), chunks)
+        assert bad == [[], [2], []]
+        assert not rkv[1, :, 16:32].any() and torch.equal(rkv[1, :, 32:], kv[3][:, tok[32:]])
+        assert torch.equal(rkv[0], kv[2][:, tok]) and torch.equal(rkv[2], kv[4][:, tok])
+    finally:
+        os.close(fd)
+    with pytest.raises(CorruptSegment):
+        store.read(rec.seg_id, 0, 6)
 
 
 def test_key_summaries_are_per_chunk_per_head_min_max():
