@@ -27,10 +27,9 @@ history serves every length). Tiers: ``host`` (the history prefilled on the serv
 from the device pool to the host arena) and ``disk`` (``--loopkv-host-bytes 0``; the history
 stored once by a writer server, each disk server resuming it from its own hard-linked copy of that
 directory, the segment files dropped from the OS page cache before every resume). Disk files: the
-default period-major grouping (a chunk's extents of one 8-layer period adjacent) for load_all,
-stream and loopkv; the impress servers resume a copy stored layer-major (``--loopkv-prefix-layer-group
-1``: its probe reads one layer's whole history, one contiguous read there, 8x the requests from a
-period-major file).
+default grouping (a chunk's extents of one 4-layer gate adjacent) for load_all, stream and loopkv;
+the impress servers resume a copy stored layer-major (``--loopkv-prefix-layer-group 1``: its probe
+reads one layer's whole history, one contiguous read there, one read per chunk from a grouped file).
 
 Per configuration and length: one untimed resume (warm-up) and ``--repeats`` timed ones, each with
 a different one-sentence turn (so every resume restores exactly the history and prefills the turn):
@@ -270,7 +269,7 @@ class Bench:
 
     def write_seed(self, lengths: list[int], layout: str = "period") -> None:
         """The history stored on disk once (a full prefill): every disk server resumes a copy of it.
-        ``layout``: period-major (the default grouping) or ``layer`` (layer-major: the impress servers')."""
+        ``layout``: ``period`` (the default grouping) or ``layer`` (layer-major: the impress servers')."""
         self.bar.set_postfix_str(f"disk seed ({layout}-major)")
         seed = self.seeds[layout] = self.root / f"seed_{layout}"
         group = ["--loopkv-prefix-layer-group", "1"] if layout == "layer" else []

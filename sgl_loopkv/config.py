@@ -384,16 +384,16 @@ class PrefixConfig:
     period: int = field(
         default=8,
         metadata={
-            "help": "Layers one chunk selection is reused for (selected at the period's first layer); also the "
-            "layer grouping of the disk segments this server writes unless --loopkv-prefix-layer-group says "
-            "otherwise.",
+            "help": "Layers one chunk selection is reused for (selected at the period's first layer).",
             "type": int,
         },
     )
     gate: int = field(
         default=4,
         metadata={
-            "help": "Layers of a period whose reads a layer's compute waits for together (sub-period gate).",
+            "help": "Layers of a period whose reads a layer's compute waits for together (sub-period gate); also "
+            "the layer grouping of the disk segments this server writes unless --loopkv-prefix-layer-group says "
+            "otherwise.",
             "type": int,
         },
     )
@@ -441,9 +441,9 @@ class PrefixConfig:
     layer_group: int = field(
         default=0,
         metadata={
-            "help": "Layers grouped together in the disk segments this server writes (0: --loopkv-prefix-period): a "
+            "help": "Layers grouped together in the disk segments this server writes (0: --loopkv-prefix-gate): a "
             "chunk's extents of a group's layers are adjacent, so a chunk-pruned restore reads a run of selected "
-            "chunks for a whole period at once. 1: layer-major (one layer's whole history contiguous: what "
+            "chunks for a whole gate at once. 1: layer-major (one layer's whole history contiguous: what "
             "--loopkv-prefix-selection impress probes). Any server reads any grouping.",
             "type": int,
         },
@@ -455,7 +455,7 @@ class PrefixConfig:
 
     @property
     def file_layer_group(self) -> int:
-        return self.layer_group or self.period
+        return self.layer_group or self.gate
 
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:

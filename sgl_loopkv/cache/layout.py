@@ -6,7 +6,7 @@ was stored). Segment file::
     offset 0        preamble   b"LOOPKV01" | u32 header_len | u32 crc32(header)        (16 B)
     offset 16       header     JSON: geometry, token ids, parent link, per-extent crc32s, and for
                                a packed segment its layer -> row map, pairs, codec, side tensors
-    kv_offset       KV         period-major: rows in groups of G (header "layer_group"), and
+    kv_offset       KV         grouped: rows in groups of G (header "layer_group"), and
                                for group [g0, g1), for chunk j, for row r in it: extent(r, j)
                                extent(r, j) = K[c, H, D] | V[c, H, D], zero-padded to 512 B
                                (int8 tiers: | K scales[c, H] | V scales[c, H], float32)
@@ -20,11 +20,13 @@ was stored). Segment file::
 
 Why this shape: a chunk is the unit of selection, storage, I/O and caching (ContiguousKV), so
 reading any chunk set is a set of aligned extents. A chunk-pruned restore reads one selected set
-for every layer of a period (G = the writer's ``--loopkv-prefix-period``), so a chunk's extents of
-one period are adjacent and a run of adjacent selected chunks is one read for the whole period;
-a group's chunks are contiguous too (a whole-history load: one read per group). Period-major
-because cold reads on a virtio disk cost per request, not per byte (layer-major order took 8x the
-reads: ``benchmarks/results/NOTES.md``, 2026-11-26). ``kv_offset`` is a multiple of 4 KiB and
+for every layer of a period, and a layer's compute waits for the reads of its sub-period gate (G =
+the writer's ``--loopkv-prefix-gate``, 4), so a chunk's extents of one gate's layers are adjacent
+and a run of adjacent selected chunks is one read for the whole gate; a group's chunks are
+contiguous too (a whole-history load: a few reads per group). Grouped because cold reads on a
+virtio disk cost per request more than per byte (layer-major order takes G times the reads:
+``benchmarks/results/NOTES.md``, 2026-11-26); by the gate, not the period, because a read of a
+whole period would hold every layer of it until the last byte (a streamed full history: slower). ``kv_offset`` is a multiple of 4 KiB and
 ``extent_bytes`` of 512 B (a sector: O_DIRECT-compatible on 512-byte-sector devices); fp32 and
 bf16 extents of the served models are whole 4 KiB pages anyway, while an int8 chunk (6.4 KB for
 SmolLM2) would waste a fifth of its bytes if padded to two pages.
@@ -124,7 +126,7 @@ class SegmentFileLayout:
     kv_offset: int
     n_rows: int | None = None  # stored KV rows: num_layers, fewer when layer pairs share a row
     side_bytes: int = 0  # layer-sharing side data after the summaries
-    group: int = 1  # rows per period-major group (1: layer-major)
+    group: int = 1  # rows per group (1: layer-major)
 
     @property
     def rows(self) -> int:

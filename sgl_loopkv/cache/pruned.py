@@ -394,12 +394,13 @@ class PrunedRestore:
     # --- reads -----------------------------------------------------------------------------------
     def _queue(self, layers: range, chunks: torch.Tensor, prefetch: bool) -> None:
         """Queue the reads of ``chunks`` not yet asked for, for ``layers`` (one period's): one job for
-        each run of layers that miss the same chunks (a disk job reads them for all its layers at once)."""
+        each run of layers of one gate that miss the same chunks (a disk job reads them for all its
+        layers at once, so a job spans no more than what a layer's compute waits for anyway)."""
         todo = [chunks[~self.asked[layer, chunks]] for layer in layers]
         i = 0
         while i < len(todo):
             j = i + 1
-            while j < len(todo) and torch.equal(todo[j], todo[i]):
+            while j < len(todo) and layers[j] % self.gate and torch.equal(todo[j], todo[i]):
                 j += 1
             if len(todo[i]):
                 self._submit(range(layers[i], layers[i] + j - i), todo[i], prefetch)

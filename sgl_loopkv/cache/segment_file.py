@@ -21,9 +21,9 @@ from sgl_loopkv.cache.quant import QuantKV
 
 READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one period issued together
 _READERS = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="loopkv-pread")
-LAYER_GROUP = 8  # rows per period-major group when the writer names none (the default prefix period)
+LAYER_GROUP = 4  # rows per group when the writer names none (the default prefix gate)
 
-# 4: period-major extents (rows in groups of "layer_group"). Format 3 files are never found by a
+# 4: grouped extents (rows in groups of "layer_group", a chunk's extents of a group adjacent). Format 3 files are never found by a
 #    format 4 worker (the version is part of every name, cache.address) and age out under the quota.
 # 3: content-addressed names, per-chunk links, no index (shared by several workers).
 # 2: extents padded to 512-byte sectors, float16 summaries next to narrower tiers, int8 tiers.

@@ -42,7 +42,7 @@ def test_layout_extents_are_aligned_and_layer_major_with_group_1():
     ]
 
 
-def test_period_major_layout_reads_a_chunk_run_for_a_whole_period_at_once():
+def test_grouped_layout_reads_a_chunk_run_for_a_whole_group_at_once():
     geo = KVGeometry(num_layers=5, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_tokens=16)
     lay, eb = SegmentFileLayout(geo, n_chunks=6, kv_offset=4096, group=2), geo.extent_bytes
     # groups [0, 2), [2, 4), [4, 5): a chunk's rows of one group adjacent, then the next chunk

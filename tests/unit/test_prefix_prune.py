@@ -251,10 +251,10 @@ def disk_source(store, rec, lo=0, hi=None, first=0):
 
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path, group):
-    """Any file grouping gives the same KV; a file grouped by the restore's period reads each run of
-    selected chunks once per period (layer-major: once per layer)."""
+    """Any file grouping gives the same KV; a file grouped by the restore's gate reads each run of
+    selected chunks once per gate (layer-major: once per layer)."""
     store, rec, kv = stored_segment(tmp_path, group=group)
-    job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=2, disk=store, prefetch=0.0)
+    job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=4, gate=2, disk=store, prefetch=0.0)
     run_prefill(job)
     for layer in range(L):
         check_layer(job, pk, pv, kv, layer)
@@ -266,7 +266,7 @@ def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path, gro
     per_layer_runs = sum(int((asked[x, 1:] > asked[x, :-1]).sum()) + int(asked[x, 0]) for x in range(L))
     if group == 1:
         assert store.codec.reads == per_layer_runs
-    elif group == 2:  # the restore's period: every layer pair's runs in one read each
+    elif group == 2:  # the restore's gate: every layer pair's runs in one read each
         assert store.codec.reads == per_layer_runs // 2
     job.close()
 
