@@ -261,15 +261,15 @@ class Bench:
         )
         return srv.start()
 
-    def tier_flags(self, tier: str, name: str, layout: str = "period") -> tuple[list[str], Path | None]:
+    def tier_flags(self, tier: str, name: str, layout: str = "grouped") -> tuple[list[str], Path | None]:
         if tier == "host":
             return [], None  # the default host arena (2 GiB), a private disk dir (ServerProcess)
         d = clone_dir(self.seeds[layout], self.root / name)
         return ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(d)], d
 
-    def write_seed(self, lengths: list[int], layout: str = "period") -> None:
+    def write_seed(self, lengths: list[int], layout: str = "grouped") -> None:
         """The history stored on disk once (a full prefill): every disk server resumes a copy of it.
-        ``layout``: ``period`` (the default grouping) or ``layer`` (layer-major: the impress servers')."""
+        ``layout``: ``grouped`` (the default grouping) or ``layer`` (layer-major: the impress servers')."""
         self.bar.set_postfix_str(f"disk seed ({layout}-major)")
         seed = self.seeds[layout] = self.root / f"seed_{layout}"
         group = ["--loopkv-prefix-layer-group", "1"] if layout == "layer" else []
@@ -333,7 +333,7 @@ class Bench:
         tok, reps, stream = self.tok, self.args.repeats, budget >= 1.0
         name = f"stream_{tier}" if stream else f"{system}_{tier}_b{budget:g}"
         self.bar.set_postfix_str(name)
-        flags, disk = self.tier_flags(tier, name, "layer" if system == "impress" else "period")
+        flags, disk = self.tier_flags(tier, name, "layer" if system == "impress" else "grouped")
         flags += ["--loopkv-prefix-stream"] if stream else ["--loopkv-prefix-budget", str(budget)]
         if system == "impress":
             flags += ["--loopkv-prefix-selection", "impress"]

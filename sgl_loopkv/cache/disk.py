@@ -384,7 +384,7 @@ class DiskSegmentStore:
             raise
 
     def read_chunks(self, fd: int, seg_id: str, header: dict, layers: range, chunks: list[int]):
-        """Chunks of a segment opened by :meth:`open_for_chunks`, for ``layers`` (a period's): (KV
+        """Chunks of a segment opened by :meth:`open_for_chunks`, for ``layers`` (a gate's): (KV
         [len(layers), 2, T, H, D], per layer the chunks that failed their checksum). Thread-safe (``pread``)."""
         return self.codec.read_chunks(fd, seg_id, header, layers, chunks)
 

@@ -26,8 +26,8 @@ and a run of adjacent selected chunks is one read for the whole gate; a group's 
 contiguous too (a whole-history load: a few reads per group). Grouped because cold reads on a
 virtio disk cost per request more than per byte (layer-major order takes G times the reads:
 ``benchmarks/results/NOTES.md``, 2026-11-26); by the gate, not the period, because a read of a
-whole period would hold every layer of it until the last byte (a streamed full history: slower). ``kv_offset`` is a multiple of 4 KiB and
-``extent_bytes`` of 512 B (a sector: O_DIRECT-compatible on 512-byte-sector devices); fp32 and
+whole period would hold every layer of it until the last byte (a streamed full history: slower).
+``kv_offset`` is a multiple of 4 KiB and ``extent_bytes`` of 512 B (a sector: O_DIRECT-compatible on 512-byte-sector devices); fp32 and
 bf16 extents of the served models are whole 4 KiB pages anyway, while an int8 chunk (6.4 KB for
 SmolLM2) would waste a fifth of its bytes if padded to two pages.
 """
@@ -160,7 +160,7 @@ class SegmentFileLayout:
 
     def blocks(self, rows: range, chunks: list[int]) -> list[Block]:
         """Contiguous reads covering extents ``rows x chunks`` (chunks ascending): adjacent chunks
-        coalesce (up to ``MAX_READ_BYTES`` a read) when ``rows`` spans whole groups (a period's
+        coalesce (up to ``MAX_READ_BYTES`` a read) when ``rows`` spans whole groups (a gate's
         layers), else each chunk of each group is one read of the rows asked."""
         out: list[Block] = []
         r = rows.start

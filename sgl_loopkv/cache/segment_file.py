@@ -19,12 +19,13 @@ from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, Block, KVGeometry, Se
 from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
 
-READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one period issued together
+READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one gate issued together
 _READERS = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="loopkv-pread")
 LAYER_GROUP = 4  # rows per group when the writer names none (the default prefix gate)
 
-# 4: grouped extents (rows in groups of "layer_group", a chunk's extents of a group adjacent). Format 3 files are never found by a
-#    format 4 worker (the version is part of every name, cache.address) and age out under the quota.
+# 4: grouped extents (rows in groups of "layer_group", a chunk's extents of a group adjacent).
+#    Format 3 files are never found by a format 4 worker (the version is part of every name,
+#    cache.address) and age out under the quota.
 # 3: content-addressed names, per-chunk links, no index (shared by several workers).
 # 2: extents padded to 512-byte sectors, float16 summaries next to narrower tiers, int8 tiers.
 FORMAT_VERSION = 4
@@ -65,7 +66,7 @@ def _to_bytes(t: torch.Tensor) -> np.ndarray:
 @dataclass(slots=True)
 class SegmentCodec:
     """Encodes and decodes segment files of one KV geometry; counts the bytes it reads. Files it
-    writes group rows by ``layer_group`` (the writer's period); it reads any grouping."""
+    writes group rows by ``layer_group`` (the writer's gate); it reads any grouping."""
 
     geometry: KVGeometry
     layer_group: int = LAYER_GROUP
@@ -195,7 +196,7 @@ class SegmentCodec:
         self, fd: int, seg_id: str, chunk_lo: int, chunk_hi: int, first_chunk: list[int] | None = None
     ) -> torch.Tensor | PackedKV:
         """KV of chunks [chunk_lo, chunk_hi) for all layers -> [L, 2, T, H, D], every extent
-        verified. One read per group of rows (from the earliest chunk any of its rows needs); layer l
+        verified. Each group of rows read from the earliest chunk any of its rows needs; layer l
         starts at chunk ``first_chunk[l]`` when given (the chunks before it are left zero: the restorer
         recomputes them). A packed segment comes back as a PackedKV (its side data verified too).
         Raises CorruptSegment."""
@@ -240,7 +241,7 @@ class SegmentCodec:
     def read_chunks(
         self, fd: int, seg_id: str, header: dict, rows: range, chunks: list[int]
     ) -> tuple[torch.Tensor, list[list[int]]]:
-        """KV of the given ascending chunks for ``rows`` (a period's layers) -> ([len(rows), 2,
+        """KV of the given ascending chunks for ``rows`` (a gate's layers) -> ([len(rows), 2,
         len(chunks) * c, H, D], per row the chunks whose extent failed its checksum or was cut short:
         their rows are zero and must not be used). One read per run of adjacent chunks and group
         (:meth:`SegmentFileLayout.blocks`). Unpacked segments only (``"side" not in header``)."""
