@@ -87,6 +87,12 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "relied on: a node without a device copy is one whose value is None",
     ),
     PrivateUse(
+        "sglang.srt.managers.scheduler:Scheduler.process_batch_result",
+        "726305f46a979a47a7bc334d9d8b98122943adf36da5a977ce2292c21ff7a8e2",
+        "relied on (cache/radix.py flush_pending_backups): called once per batch, after the result processor "
+        "has streamed the batch's outputs; a finished turn is stored to the tiers there, not before its last token",
+    ),
+    PrivateUse(
         f"{POOL}:MHATokenToKVPool.get_key_buffer",
         "ab5fc2d68e854c1d8c0f34ae5d0ed0d79072df1d95b06ca56198a542046c9919",
         "relied on (cache/loader.py): waits on the registered layer transfer counter before handing out a layer",

@@ -164,6 +164,8 @@ class LoopKVRadixCache(RadixCache):
             self._update_leaf_status(node.parent)
 
     def reset(self):
+        # finished turns not stored yet: (tree lock on the turn's last node, layer pairs, chunk mass)
+        self._backups: list[tuple] = []
         super().reset()
         if self.store is not None:  # /flush_cache: every tier
             for seg_id in list(self.store.segments):
@@ -176,34 +178,69 @@ class LoopKVRadixCache(RadixCache):
     def checkpoint(self, req, *, up_to: int):
         job = self.pruned.get(req.rid)
         if job is not None:  # its history's slots hold only the chunks some period kept: not the tree's
-            if not self.disable and req.finished():
+            if not self.disable and req.finished():  # now, not deferred: on_release frees its page cache
                 self._store_pruned_turn(req, job, up_to)
                 self.importance.pop(req.kv.req_pool_idx)
                 self.metrics.publish(self.store.count_tokens())
             return
         super().checkpoint(req, up_to=up_to)
-        # Store when the turn ends, not at every prefill chunk: the copy then costs the last
-        # token's latency instead of the first token's (the running request locks its nodes on
-        # the device meanwhile, so nothing it computed can be evicted before it is stored).
+        # Store when the turn ends, not at every prefill chunk (the copy would cost the first
+        # token's latency), and after its last token is out: queued here under a tree lock (nothing
+        # it computed can be evicted before it is stored), stored by flush_pending_backups, which
+        # SGLang calls once the batch's outputs are streamed. An int8 or layer-shared store encodes
+        # for 0.2-0.8 s at 2K new tokens, which the last token used to wait for. What needs the
+        # request's row (its layer pairs, its chunk importance) is taken now.
         if not self.disable and req.finished() and req.last_node is not None:
             pairs = self.sharing.turn_end(req.kv.req_pool_idx, req.last_node, self.root_node) if self.sharing else []
-            self._store_path(req.last_node, pairs)
-            self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
-            self._touch_path(req.last_node, self.importance.pop(req.kv.req_pool_idx))
-            self.metrics.publish(self.store.count_tokens())
-            self.metrics.publish_restore(self.restorer.stats)  # the bubbles of this turn's forward
-            if time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # the tiers' freed tensors leave the RSS
-                release_free_heap()
-                self._trimmed_at = time.monotonic()
+            self.queue_backup(req.last_node, pairs, self.importance.pop(req.kv.req_pool_idx))
+
+    def queue_backup(self, node: TreeNode, pairs: list[tuple[int, int]], mass: torch.Tensor | None) -> None:
+        """Store the path to ``node`` at the next :meth:`flush_pending_backups`; locked until then.
+        Its segments are announced on the shared disk tier now, before the last token goes out: the
+        conversation's next turn may reach another worker first, whose lookup then waits for them."""
+        announced = []
+        if self.store.disk is not None:
+            for n in self._unstored_path(node):
+                record = self._record_of(n)
+                self.store.disk.announce(record)
+                announced.append((n, record))
+        self._backups.append((self.lock(node), pairs, mass, announced))
+
+    def flush_pending_backups(self) -> None:
+        """SGLang's seam for deferred host backups (called after a batch's outputs are streamed, and
+        by :meth:`evict` first): the finished turns go to the tiers now."""
+        if not self._backups:
+            return
+        backups, self._backups = self._backups, []
+        for lock, pairs, mass, announced in backups:
+            try:
+                self._store_path(lock.node, pairs)
+                self._touch_path(lock.node, mass)
+            finally:
+                self.unlock(lock)
+                for n, record in announced:  # not stored after all: lookups stop waiting for it
+                    if (_ref(n) or (None,))[0] != record.seg_id:
+                        self.store.disk.unannounce(record)
+        self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
+        self.metrics.publish(self.store.count_tokens())
+        self.metrics.publish_restore(self.restorer.stats)  # the bubbles of these turns' forwards
+        if time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # the tiers' freed tensors leave the RSS
+            release_free_heap()
+            self._trimmed_at = time.monotonic()
 
     def _store_path(self, node: TreeNode, pairs: list[tuple[int, int]]) -> None:
+        for n in self._unstored_path(node):
+            if not self._store_node(n, pairs):
+                return
+
+    def _unstored_path(self, node: TreeNode) -> list[TreeNode]:
+        """The device nodes above ``node`` (itself included) not stored yet, root first (a segment's
+        parent must be stored before it)."""
         path = []
         while node is not self.root_node and _ref(node) is None and not node.evicted:
             path.append(node)
             node = node.parent
-        for n in reversed(path):  # root first: a segment's parent must be stored before it
-            if not self._store_node(n, pairs):
-                return
+        return path[::-1]
 
     def _touch_path(self, node: TreeNode, mass: torch.Tensor | None) -> None:
         """A turn used its whole history: one access for every stored segment on the path, weighted
@@ -276,11 +313,19 @@ class LoopKVRadixCache(RadixCache):
         slots = node.value
         k = torch.stack([self.kv_pool.k_buffer[layer][slots] for layer in range(self.geometry.num_layers)]).cpu()
         v = torch.stack([self.kv_pool.v_buffer[layer][slots] for layer in range(self.geometry.num_layers)]).cpu()
-        n_chunks = len(slots) // self.page_size
+        record = self._record_of(node)
+        codec = self.sharing.codec if pairs else None
+        if not self.store.put(record, torch.stack([k, v], dim=1), key_summaries(k, self.page_size), pairs, codec):
+            return False
+        self.set_ref(node, (record.seg_id, 0, record.n_chunks))
+        return True
+
+    def _record_of(self, node: TreeNode) -> SegmentRecord:
+        n_chunks = len(node.key) // self.page_size
         start = self._position(node)
         chain = self._chain(self._history(node), node.key)
         first = start // self.page_size
-        record = SegmentRecord(  # named by content: the same history stored by another worker is this file
+        return SegmentRecord(  # named by content: the same history stored by another worker is this file
             seg_id=segment_id(first, chain[-1]),
             parent=chain[first - 1] if first else None,
             start=start,
@@ -291,11 +336,6 @@ class LoopKVRadixCache(RadixCache):
             token_ids=list(node.key.raw_token_ids()),
             chunk_hashes=chain[first:],
         )
-        codec = self.sharing.codec if pairs else None
-        if not self.store.put(record, torch.stack([k, v], dim=1), key_summaries(k, self.page_size), pairs, codec):
-            return False
-        self.set_ref(node, (record.seg_id, 0, n_chunks))
-        return True
 
     # --- device eviction keeps stored nodes -------------------------------------------------------
     def evict(self, params: EvictParams) -> EvictResult:
@@ -304,6 +344,7 @@ class LoopKVRadixCache(RadixCache):
         child, so its parent becomes evictable for the next pass: passes repeat until enough."""
         if self.disable:
             return EvictResult()
+        self.flush_pending_backups()  # a finished turn is stored before its nodes can be evicted
         if self.loader.pending:
             self.loader.wait_all()
         evicted = 0

@@ -16,7 +16,8 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_loopkv.cache.radix import LoopKVRadixCache
+from sgl_loopkv.cache.disk import PENDING
+from sgl_loopkv.cache.radix import LoopKVRadixCache, _ref
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 
@@ -165,3 +166,36 @@ def test_a_failing_chunk_pruned_admission_loads_the_history_instead(tmp_path, mo
     for fd in opened:
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_eviction(tmp_path):
+    """A turn's store waits for SGLang's flush_pending_backups (called once the batch's outputs are
+    streamed: the last token does not wait for the copy and its encoding); until then its nodes stay
+    locked on the device, and an eviction stores them first instead of dropping them unstored."""
+    cache, allocator = make_cache(tmp_path, host_bytes=1 << 20)
+    tokens = list(range(300, 364))
+    key = RadixKey(tokens, None)
+    cache.insert(InsertParams(key=key, value=allocator.alloc(len(tokens))))
+    node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
+    evictable = cache.evictable_size()
+    cache.queue_backup(node, [], None)
+    assert _ref(node) is None and not cache.store.segments  # nothing stored yet
+    # ... but announced on the disk tier: another worker's lookup waits for it rather than recomputing
+    pending = cache.store.disk._chunk_path(cache._record_of(node).chunk_hashes[0], PENDING)
+    assert pending.exists()
+    assert cache.evictable_size() == evictable - len(tokens) and cache.protected_size() == len(tokens)
+    cache.evict(EvictParams(num_tokens=len(tokens)))  # stores first, then evicts the device copy
+    assert _ref(node) is not None and cache.store.segments
+    cache.store.flush()
+    assert not pending.exists()  # published
+    assert cache.protected_size() == 0 and node.evicted and attached(cache, node)  # kept as a stored node
+
+    tokens2 = list(range(400, 432))
+    key2 = RadixKey(tokens2, None)
+    cache.insert(InsertParams(key=key2, value=allocator.alloc(len(tokens2))))
+    node2 = cache.match_prefix(MatchPrefixParams(key=key2)).last_device_node
+    cache.queue_backup(node2, [], None)
+    cache.flush_pending_backups()  # what SGLang calls after streaming the batch's outputs
+    assert _ref(node2) is not None and cache.protected_size() == 0 and not node2.evicted
+    cache.flush_pending_backups()  # nothing left: a no-op
+    cache.store.flush()
