@@ -187,8 +187,8 @@ class LoopKVRadixCache(RadixCache):
         # Store when the turn ends, not at every prefill chunk (the copy would cost the first
         # token's latency), and after its last token is out: queued here under a tree lock (nothing
         # it computed can be evicted before it is stored), stored by flush_pending_backups, which
-        # SGLang calls once the batch's outputs are streamed. An int8 or layer-shared store encodes
-        # for 0.2-0.8 s at 2K new tokens, which the last token used to wait for. What needs the
+        # SGLang calls once the batch's outputs are streamed (the store held the last token 0.2-0.5 s
+        # at 2K new tokens, most with int8 tiers: benchmarks/results/NOTES.md). What needs the
         # request's row (its layer pairs, its chunk importance) is taken now.
         if not self.disable and req.finished() and req.last_node is not None:
             pairs = self.sharing.turn_end(req.kv.req_pool_idx, req.last_node, self.root_node) if self.sharing else []
@@ -198,7 +198,8 @@ class LoopKVRadixCache(RadixCache):
         """Store the path to ``node`` at the next :meth:`flush_pending_backups`; locked until then.
         Its segments are announced on the shared disk tier now, before the last token goes out: the
         conversation's next turn may reach another worker first, whose lookup then waits for them."""
-        announced = []
+        announced = []  # only announced: the flush derives the records again, since another turn
+        # of the same batch may split these nodes before it (their records would change)
         if self.store.disk is not None:
             for n in self._unstored_path(node):
                 record = self._record_of(n)
@@ -218,8 +219,9 @@ class LoopKVRadixCache(RadixCache):
                 self._touch_path(lock.node, mass)
             finally:
                 self.unlock(lock)
-                for n, record in announced:  # not stored after all: lookups stop waiting for it
-                    if (_ref(n) or (None,))[0] != record.seg_id:
+                for n, record in announced:  # not stored under that name: lookups stop waiting for it
+                    ref = _ref(n)
+                    if ref is None or ref[0] != record.seg_id:
                         self.store.disk.unannounce(record)
         self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
         self.metrics.publish(self.store.count_tokens())
