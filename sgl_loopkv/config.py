@@ -448,10 +448,23 @@ class PrefixConfig:
             "type": int,
         },
     )
+    no_host_cache: bool = field(
+        default=False,
+        metadata={
+            "help": "Do not keep the chunks that chunk-pruned restores read from disk in the host arena's free room "
+            "(default: kept, the least valuable by attention importance x accesses evicted first, so the next "
+            "restore of that history reads only what it did not select before).",
+            "action": "store_true",
+        },
+    )
 
     @property
     def enabled(self) -> bool:
         return self.budget < 1.0 or self.stream
+
+    @property
+    def host_cache(self) -> bool:
+        return not self.no_host_cache
 
     @property
     def file_layer_group(self) -> int:

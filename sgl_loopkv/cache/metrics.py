@@ -51,7 +51,8 @@ class TierMetrics:
         self._last_restore = None
         self.pruned = Counter(
             "loopkv_prefix_bytes",
-            "Chunk-pruned restores: KV bytes loaded into the pool, used by attention, read from disk, prefetched "
+            "Chunk-pruned restores: KV bytes loaded into the pool (of which taken from the host chunk cache), used by "
+            "attention, read from disk, prefetched "
             "for the next period, prefetched and then not selected, recalled during decode (freekv)",
             ["part"],
         )
@@ -107,6 +108,7 @@ class TierMetrics:
         last = self._last_pruned or type(stats)()
         for part, name in (
             ("loaded", "bytes_loaded"),
+            ("cached", "cached_bytes"),
             ("used", "bytes_used"),
             ("disk_read", "disk_bytes_read"),
             ("summary_read", "summary_bytes_read"),
@@ -130,6 +132,7 @@ class TierMetrics:
             return
         self.bytes.labels(tier="host").set(stats.host_bytes)
         self.bytes.labels(tier="disk").set(stats.disk_bytes)
+        self.bytes.labels(tier="host_chunks").set(stats.host_chunk_bytes)
         self.tokens.labels(tier="host").set(stats.host_tokens)
         self.tokens.labels(tier="disk").set(stats.disk_tokens)
         last = self._last

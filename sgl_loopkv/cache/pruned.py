@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.platform import keep_torch_on_this_thread
 from sgl_loopkv.selection.chunks import (
     always_kept,
@@ -59,7 +60,8 @@ class Source:
     """One stored node's part of the history: chunks ``[lo, hi)`` of segment ``seg_id`` are the
     history's chunks ``[first, first + hi - lo)``. Its KV comes from ``host_kv`` (the host tier's
     copy of exactly those chunks, ``host_kv[layer]`` -> [2, T, H, D]) or from the open segment file
-    ``fd`` (``header`` verified), read a few chunks at a time."""
+    ``fd`` (``header`` verified), read a few chunks at a time; a disk source's chunks that the host
+    chunk ``cache`` holds come from there, and what is read from disk is offered to it."""
 
     seg_id: str
     lo: int
@@ -68,6 +70,7 @@ class Source:
     host_kv: object | None = None
     fd: int | None = None
     header: dict | None = None
+    cache: HostChunkCache | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -80,6 +83,7 @@ class PrunedStats:
     ``disk_bytes_read`` what the disk reads returned (extent padding included)."""
 
     bytes_loaded: int = 0  # copied into the pool (host or disk)
+    cached_bytes: int = 0  # of those, disk chunks taken from the host chunk cache instead of read
     bytes_used: int = 0  # of those, the chunks attention read in the period they were loaded for
     disk_bytes_read: int = 0  # all of it, admission's key summaries included
     summary_bytes_read: int = 0  # of those, admission's: the key summaries of the layers it scores at
@@ -174,6 +178,7 @@ class PrunedRestore:
         self.stats = PrunedStats()
         self.mass = torch.zeros(self.n_chunks)  # the selections' estimated attention mass per chunk, summed
         self.bad_segments: set[str] = set()  # segments with an extent that failed its checksum
+        self._offers: list = []  # disk reads for the host chunk cache: (source, layers, chunks, rows per layer)
         self._decode_q: dict[int, torch.Tensor] = {}  # period -> the decode query it last chose with
         self._recalls: dict[int, torch.Tensor] = {}  # period -> chunks chosen, recalled at the next period
         # per layer, bumped by its period's selections and its own reads: kept_slots' cache key (a
@@ -427,20 +432,32 @@ class PrunedRestore:
         try:  # tensor ops, no Python loop per chunk: this thread shares the GIL with the forward
             c = self.chunk
             parts = []  # per source: (its chunks' places in ``chunks``, history ids, per layer (kv, bad) or None)
+            offers = []  # disk reads for the host chunk cache (kept for :meth:`offer_reads`)
             for src in self.sources:
                 at = torch.nonzero((chunks >= src.first) & (chunks < src.first + src.n_chunks)).flatten()
                 if len(at) == 0:
                     continue
                 mine = chunks[at]  # history chunk ids, ascending
-                read = None
-                if src.host_kv is None:
-                    before = self.disk.codec.bytes_read
-                    kvs, bads = self.disk.read_chunks(
-                        src.fd, src.seg_id, src.header, layers, (mine - src.first + src.lo).tolist()
-                    )
-                    self.stats.disk_bytes_read += self.disk.codec.bytes_read - before
-                    read = list(zip(kvs, bads))
+                if src.host_kv is not None:
+                    parts.append((src, at, mine, None))
+                    continue
+                if src.cache is not None:
+                    hit, rows = src.cache.take(src.seg_id, layers, (mine - src.first + src.lo).tolist())
+                    if hit:
+                        cached = torch.isin(mine, torch.tensor(hit) - src.lo + src.first)
+                        parts.append((src, at[cached], mine[cached], [(r, []) for r in rows]))
+                        self.stats.cached_bytes += int(cached.sum()) * len(layers) * self.layer_bytes
+                        at, mine = at[~cached], mine[~cached]
+                        if len(mine) == 0:
+                            continue
+                local = (mine - src.first + src.lo).tolist()
+                before = self.disk.codec.bytes_read
+                kvs, bads = self.disk.read_chunks(src.fd, src.seg_id, src.header, layers, local)
+                self.stats.disk_bytes_read += self.disk.codec.bytes_read - before
+                read = [(kvs[i], bads[i]) for i in range(len(layers))]
                 parts.append((src, at, mine, read))
+                if src.cache is not None and not any(bads):
+                    offers.append((src, local, read))
             for i, layer in enumerate(layers):
                 for src, at, mine, read in parts:
                     kv, bad = read[i] if read is not None else (self._host_chunks(src, layer, mine - src.first), [])
@@ -456,6 +473,11 @@ class PrunedRestore:
                     self.stats.bytes_loaded += len(mine) * self.layer_bytes
                 self._release(layer)
                 released += 1
+            # offered once the request's output is out (:meth:`offer_reads`), not here: this thread's
+            # Python work would hold the GIL against the forward; a decode-time recall's reads are not
+            # offered (held until then, a long decode's would add up)
+            if self._in_prefill:
+                self._offers += [(src, layers, local, [kv for kv, _ in read]) for src, local, read in offers]
         except Exception:  # never leave the forward waiting; what did not load is not attended
             logger.exception("loopkv: reading chunks of layers %d-%d failed", layers.start, layers.stop - 1)
         finally:
@@ -536,6 +558,14 @@ class PrunedRestore:
             if src.fd is not None:
                 os.close(src.fd)
                 src.fd = None
+
+    def offer_reads(self) -> None:
+        """After :meth:`close`: offer what the prefill read from disk to the host chunk cache (the
+        scheduler calls this once the batch's outputs are streamed)."""
+        offers, self._offers = self._offers, []
+        for src, *rest in offers:
+            if src.seg_id not in self.bad_segments:
+                src.cache.offer(src.seg_id, *rest)
 
 
 @dataclass

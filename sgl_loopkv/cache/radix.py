@@ -166,6 +166,7 @@ class LoopKVRadixCache(RadixCache):
     def reset(self):
         # finished turns not stored yet: (tree lock on the turn's last node, layer pairs, chunk mass)
         self._backups: list[tuple] = []
+        self._offering: list[PrunedRestore] = []  # done restores whose disk reads go to the chunk cache
         super().reset()
         if self.store is not None:  # /flush_cache: every tier
             for seg_id in list(self.store.segments):
@@ -209,7 +210,11 @@ class LoopKVRadixCache(RadixCache):
 
     def flush_pending_backups(self) -> None:
         """SGLang's seam for deferred host backups (called after a batch's outputs are streamed, and
-        by :meth:`evict` first): the finished turns go to the tiers now."""
+        by :meth:`evict` first): the finished turns go to the tiers now, and what their chunk-pruned
+        restores read from disk to the host chunk cache."""
+        offering, self._offering = self._offering, []
+        for job in offering:
+            job.offer_reads()
         if not self._backups:
             return
         backups, self._backups = self._backups, []
@@ -566,11 +571,14 @@ class LoopKVRadixCache(RadixCache):
             for node in stored:
                 seg, lo, hi = _ref(node)
                 try:
-                    host_kv, fd, header, summ, tier = self.store.chunk_source(seg, lo, hi, scored, restoring)
+                    host_kv, fd, header, summ, tier = self.store.chunk_source(
+                        seg, lo, hi, scored, restoring, cache_summaries=self._caches_chunks()
+                    )
                 except CorruptSegment as e:
                     logger.warning("loopkv: %s; recomputing that part of the history", e)
                     break  # the node and its subtree went with the segment
-                sources.append(Source(seg, lo, hi, first, host_kv, fd, header))
+                cache = self.store.chunk_cache if fd is not None and self._caches_chunks() else None
+                sources.append(Source(seg, lo, hi, first, host_kv, fd, header, cache))
                 summaries.append(summ)
                 first += hi - lo
                 tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0, "shared": 0})
@@ -632,6 +640,12 @@ class LoopKVRadixCache(RadixCache):
         )
         return job
 
+    def _caches_chunks(self) -> bool:
+        """Whether disk chunks a restore reads are offered to the host chunk cache: under a budget, with
+        chunk selection (the IMPRESS-style baseline reads whole layers for its probe: not a working set)."""
+        cfg = self.prefix
+        return cfg.budget < 1 and cfg.selection == "chunks" and cfg.host_cache
+
     def _cache_chunks(self, n_chunks: int) -> int:
         return PrunedRestore.capacity_for(n_chunks, self.prefix.budget, self.prefix.selection)
 
@@ -685,6 +699,7 @@ class LoopKVRadixCache(RadixCache):
             self.store.touch(src.seg_id, rec.record.n_chunks, vec)
             touched.append(src.seg_id)
         self.store.touch_disk(touched)
+        self._offering.append(job)  # ranked by values that include this turn's attention
         self.metrics.publish(self.store.count_tokens())
         self.metrics.publish_pruned(self.pruned_stats)
 
@@ -852,6 +867,7 @@ class LoopKVRadixCache(RadixCache):
             out["pruned"] = {
                 "kept_fraction": stats.kept_chunks / stats.scored_chunks if stats.scored_chunks else 1.0,
                 "bytes_loaded": stats.bytes_loaded,
+                "cached_bytes": stats.cached_bytes,
                 "bytes_used": stats.bytes_used,
                 "disk_bytes_read": stats.disk_bytes_read,
                 "summary_bytes_read": stats.summary_bytes_read,

@@ -32,6 +32,7 @@ from shutil import disk_usage
 
 import torch
 
+from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore, NoRoom, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.disk_dir import DirectoryLock
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -72,6 +73,7 @@ class TierStats:
     disk_write_errors: int = 0  # segment writes the disk refused (full, I/O error): not stored on disk
     host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
     disk_tokens: int = 0
+    host_chunk_bytes: int = 0  # the host chunk cache's (chunks of disk-only segments, in the arena's free room)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -98,6 +100,11 @@ class TieredKVStore:
         self.on_lost = on_lost
         self.segments: dict[str, StoredSegment] = {}
         self.stats = TierStats()
+        # Chunks that pruned restores read from disk, in the arena's room that segments leave free;
+        # its lock also covers the arena's bookkeeping (the chunk reader offers from its own thread).
+        self.chunk_cache = HostChunkCache(
+            lambda: self.host_quota - self.stats.host_bytes, policy.chunk_values, self._disk_only
+        )
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
         self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry, layer_group) if disk_dir else None
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -153,7 +160,7 @@ class TieredKVStore:
         to_disk = self.disk is not None and self.disk.file_bytes(record.n_chunks, len(record.token_ids)) <= (
             self.disk.quota_bytes
         )
-        in_host = self._make_host_room(nbytes)
+        in_host = self._reserve_host(nbytes)
         if not (in_host or to_disk):
             return False
         seg = StoredSegment(record, kv, summaries, pending_disk=to_disk)
@@ -162,7 +169,6 @@ class TieredKVStore:
         if to_disk:
             self.disk.announce(record)  # another worker's lookup of it waits for the write, not recomputes
         if in_host:
-            self.stats.host_bytes += nbytes
             if to_disk:
                 self._queue.put(record.seg_id)
         else:  # too big for the arena: write from this copy now, keep it on disk only
@@ -241,20 +247,26 @@ class TieredKVStore:
     def _host_bytes(self, seg: StoredSegment) -> int:
         return kv_nbytes(seg.host_kv) + seg.host_summaries.numel() * seg.host_summaries.element_size()
 
-    def _make_host_room(self, nbytes: int, keep: Collection[str] = ()) -> bool:
+    def _reserve_host(self, nbytes: int, keep: Collection[str] = ()) -> bool:
+        """Room for a segment of ``nbytes`` in the arena, counted as held (the caller puts it there):
+        the chunk cache gives its room first (copies of disk extents), then the least valuable
+        segments but ``keep`` go."""
         if nbytes > self.host_quota:
             return False
-        while self.stats.host_bytes + nbytes > self.host_quota:
-            victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id not in keep]
-            if not victims:
-                return False
-            victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
-            if victim.pending_disk:
-                self.flush()  # never drop the only copy while its disk write is queued
-            self.stats.host_bytes -= self._host_bytes(victim)
-            victim.host_kv = victim.host_summaries = None
-            if not victim.on_disk:
-                self._lose(victim.record.seg_id)
+        with self.chunk_cache.lock:
+            self.chunk_cache.shrink(max(self.host_quota - self.stats.host_bytes - nbytes, 0))
+            while self.stats.host_bytes + nbytes > self.host_quota:
+                victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id not in keep]
+                if not victims:
+                    return False
+                victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
+                if victim.pending_disk:
+                    self.flush()  # never drop the only copy while its disk write is queued
+                self.stats.host_bytes -= self._host_bytes(victim)
+                victim.host_kv = victim.host_summaries = None
+                if not victim.on_disk:
+                    self._lose(victim.record.seg_id)
+            self.stats.host_bytes += nbytes
         return True
 
     def sync(self) -> None:
@@ -279,6 +291,11 @@ class TieredKVStore:
         seg = self.segments.get(seg_id)
         return seg is not None and self.disk is not None and seg.record.writer not in ("", self.disk.writer)
 
+    def _disk_only(self, seg_id: str) -> bool:
+        """Whether the host chunk cache should keep chunks of this segment: the tiers hold it, on disk only."""
+        seg = self.segments.get(seg_id)
+        return seg is not None and not seg.in_host
+
     def _lose(self, seg_id: str) -> None:
         seg = self.segments.pop(seg_id, None)
         if seg is None:
@@ -289,6 +306,7 @@ class TieredKVStore:
         if seg.in_host:
             self.stats.host_bytes -= self._host_bytes(seg)
         self.policy.forget(seg_id)
+        self.chunk_cache.drop(seg_id)
         self.stats.lost_segments += 1
         self.on_lost(seg_id)
 
@@ -311,6 +329,7 @@ class TieredKVStore:
         c = self.geometry.chunk_tokens
         self.stats.host_tokens = sum(s.record.n_chunks * c for s in self.segments.values() if s.in_host)
         self.stats.disk_tokens = sum(s.record.n_chunks * c for s in self.segments.values() if s.on_disk)
+        self.stats.host_chunk_bytes = self.chunk_cache.stats.bytes
         return self.stats
 
     # --- out -----------------------------------------------------------------------------------
@@ -360,13 +379,13 @@ class TieredKVStore:
         self.stats.disk_bytes_used += kv_nbytes(kv)
         g = self.geometry
         nbytes = kv_nbytes(kv) + g.num_layers * seg.record.n_chunks * g.summary_bytes_per_chunk_layer
-        if self._make_host_room(nbytes, keep={seg_id, *keep}):  # promote (the summaries only once it fits)
+        if self._reserve_host(nbytes, keep={seg_id, *keep}):  # promote (the summaries only once it fits)
             if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
                 summaries = self.disk.read_summaries(seg_id)
             else:  # the verified keys give the summaries back without another read
                 summaries = key_summaries(stored_keys(kv), g.chunk_tokens).to(g.summary_dtype)
             seg.host_kv, seg.host_summaries = kv, summaries
-            self.stats.host_bytes += nbytes
+            self.chunk_cache.drop(seg_id)  # the whole copy is in the arena now
         return slice_tokens(kv, chunk_lo * c, chunk_hi * c), "disk"
 
     @contextlib.contextmanager
@@ -386,14 +405,21 @@ class TieredKVStore:
             raise
 
     def chunk_source(
-        self, seg_id: str, chunk_lo: int, chunk_hi: int, layers: list[int], keep: Collection[str] = ()
+        self,
+        seg_id: str,
+        chunk_lo: int,
+        chunk_hi: int,
+        layers: list[int],
+        keep: Collection[str] = (),
+        cache_summaries: bool = False,
     ) -> tuple[object | None, int | None, dict | None, torch.Tensor, str]:
         """What a chunk-pruned restore reads chunks ``[chunk_lo, chunk_hi)`` from, without reading any KV
         yet: (host KV of the range or None, an open segment file and its verified header or None,
         the range's key summaries of ``layers`` only [len(layers), m, H, 2, D] float32 (the layers the
         restore scores at: a disk admission reads just those), the tier). A disk segment whose rows are
         packed (layer sharing) is fetched whole (:meth:`fetch`) and served as host KV. Raises
-        CorruptSegment (and forgets the segment) like :meth:`fetch`; the caller closes the file."""
+        CorruptSegment (and forgets the segment) like :meth:`fetch`; the caller closes the file.
+        ``cache_summaries``: a disk admission's summaries come from, and go to, the host chunk cache."""
         seg = self.segments.get(seg_id)
         if seg is None:
             raise CorruptSegment(f"segment {seg_id} is gone")
@@ -402,9 +428,13 @@ class TieredKVStore:
             with self._disk_read(seg):
                 fd, header = self.disk.open_for_chunks(seg_id)
             if "side" not in header:
+                summaries = self.chunk_cache.summaries_of(seg_id, layers) if cache_summaries else None
                 try:
-                    with self._disk_read(seg):
-                        summaries = self.disk.codec.read_summaries(fd, seg_id, layers, header)
+                    if summaries is None:
+                        with self._disk_read(seg):
+                            summaries = self.disk.codec.read_summaries(fd, seg_id, layers, header)
+                        if cache_summaries:
+                            self.chunk_cache.keep_summaries(seg_id, layers, summaries)
                 except BaseException:
                     os.close(fd)
                     raise

@@ -7,7 +7,8 @@ caller over the whole history a turn attended to (mean 1 per chunk), so a segmen
 that the turn barely looked at scores below one it relied on; without a measurement it is 1. A
 segment's value is the mean S_j of its chunks (a density: bytes are what eviction frees). While
 eviction works on whole segments, a single-segment history's value reduces to its decayed access
-count; the per-chunk scores are kept for chunk-level pruning.
+count; the per-chunk scores rank the chunks the host chunk cache keeps
+(:mod:`sgl_loopkv.cache.chunk_cache`).
 ``lru``: the time of the last access. Time is logical (one tick per access) so runs replay.
 """
 
@@ -35,6 +36,11 @@ class ValuePolicy(ABC):
 
     @abstractmethod
     def forget(self, seg_id: str) -> None: ...
+
+    def chunk_values(self, seg_id: str, chunks: torch.Tensor) -> torch.Tensor:
+        """Value of each of a segment's ``chunks`` (the host chunk cache evicts the lowest first);
+        by default the segment's own value for every chunk."""
+        return torch.full((len(chunks),), self.value(seg_id))
 
 
 VALUE_POLICIES: Registry[ValuePolicy] = Registry("value policy")
@@ -75,6 +81,14 @@ class AttentionValuePolicy(ValuePolicy):
             return 0.0
         d = self._decayed(s)
         return float((s.importance * d * s.frequency * d).mean())
+
+    def chunk_values(self, seg_id, chunks):
+        s = self.scores.get(seg_id)  # read from the chunk reader's thread: one snapshot of the tensors
+        if s is None:
+            return torch.zeros(len(chunks))
+        d = self._decayed(s)
+        importance, frequency = s.importance, s.frequency
+        return importance[chunks] * d * frequency[chunks] * d
 
     def forget(self, seg_id):
         self.scores.pop(seg_id, None)

@@ -21,7 +21,7 @@ prefill-policy alpha block-size sparse-min-len sparse-dense-tail sparse-tail-sam
 streaming-fraction streaming-sink streaming-local streaming-calibration sparse-executor
 decode-policy decode-budget decode-page-size decode-logical-page decode-sink decode-local decode-reuse decode-tau
 decode-n-d decode-dense-steps decode-min-context decode-executor
-prefix-budget prefix-period prefix-gate prefix-local prefix-prefetch prefix-min-tokens prefix-stream prefix-selection prefix-layer-group
+prefix-budget prefix-period prefix-gate prefix-local prefix-prefetch prefix-min-tokens prefix-stream prefix-selection prefix-layer-group prefix-no-host-cache
 max-n default-max-tokens max-client-requests shutdown-grace-s
 """.split()
 
