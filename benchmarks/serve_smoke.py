@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -123,6 +124,12 @@ def main() -> None:
     model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     results = {}
+    # The weights in the page cache before the first server: the system started first would otherwise
+    # pay their cold read in its start-up (loopkv's start-up read ~1-3 s slower than stock's for that
+    # alone; started alternately they are at par, benchmarks/results/NOTES.md 2026-11-26).
+    for f in Path(model_dir).rglob("*"):
+        if f.is_file():
+            f.read_bytes()
     with tqdm(total=len(SYSTEMS) * (len(lengths) + 1) + 1, desc="serve_smoke") as bar:
         for name, flags in SYSTEMS.items():
             bar.set_postfix_str(name)

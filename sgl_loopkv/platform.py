@@ -6,10 +6,12 @@ Everything here must run before SGLang's ``srt`` modules are imported: many of t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from functools import lru_cache
 
 logger = logging.getLogger(__name__)
@@ -113,17 +115,68 @@ def keep_torch_on_this_thread() -> bool:
     ``torch.set_num_threads(1)`` would also lower the default of every thread started later (it is
     process-wide), so only this thread's OpenMP setting is changed. False where the OpenMP runtime
     is not libgomp (torch's threads are then left alone)."""
+    import torch
+
+    torch.get_num_threads()  # this thread's lazy init first: it would overwrite the setting below
+    gomp = _gomp()
+    if gomp is None:
+        return False
+    gomp.omp_set_num_threads(1)
+    return torch.get_num_threads() == 1
+
+
+@contextlib.contextmanager
+def torch_single_threaded() -> Iterator[None]:
+    """Run the block's torch ops on the calling thread alone (libgomp's per-thread setting, put back
+    after). For bulk copies between forwards on the scheduler thread (a finished turn's store): there
+    the tokenizer and HTTP processes are busy with the next request, and a parallel op whose second
+    OpenMP thread is preempted waits a scheduler slice at its barrier. A 2K-token turn's gather (60
+    per-layer copies) took 285-312 ms so in the server against 24 ms alone; one thread, with a busy
+    process beside it, 39 ms (benchmarks/results/NOTES.md, 2026-11-26)."""
+    gomp = _gomp()
+    if gomp is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    gomp.omp_set_num_threads(1)
+    try:
+        yield
+    finally:
+        gomp.omp_set_num_threads(before)
+
+
+@lru_cache(maxsize=1)
+def _gomp():
     import ctypes
 
     import torch
 
-    torch.get_num_threads()  # torch's per-thread lazy init first: it would overwrite the setting below
+    torch.get_num_threads()  # torch's per-thread lazy init first: it would overwrite a setting made before
     try:
-        gomp = ctypes.CDLL("libgomp.so.1")  # the copy torch loaded (same soname): its runtime
+        return ctypes.CDLL("libgomp.so.1")  # the copy torch loaded (same soname): its runtime
     except OSError:
+        return None
+
+
+#: Nice value of threads whose work can wait for the forward (the disk writer).
+BACKGROUND_NICE = 10
+
+
+def yield_cpu_to_the_forward() -> bool:
+    """Lower the calling thread's scheduling priority (Linux: nice is per thread) so that, on a
+    machine whose cores the forward's threads use, this thread runs when they leave a core free
+    instead of taking it from them. Why: the disk writer's crc32 and writes of a 2K-token turn (~94 MB
+    in float32) ran during the next request's prefill and slowed it (benchmarks/results/NOTES.md,
+    2026-11-26). False where the priority cannot be set."""
+    import threading
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):
         return False
-    gomp.omp_set_num_threads(1)
-    return torch.get_num_threads() == 1
+    return True
 
 
 def release_free_heap() -> bool:

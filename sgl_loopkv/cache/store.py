@@ -39,7 +39,7 @@ from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.value import ValuePolicy
-from sgl_loopkv.platform import keep_torch_on_this_thread
+from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +219,7 @@ class TieredKVStore:
 
     def _write_loop(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
+        yield_cpu_to_the_forward()  # a write can wait; the next request's prefill should not
         while True:
             seg_id = self._queue.get()
             if seg_id is None:

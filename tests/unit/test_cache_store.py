@@ -380,3 +380,21 @@ def test_queued_disk_writes_are_flushed_when_the_process_exits(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.glob("seg_*.kv")) == [f"seg_seg{i}.kv" for i in range(8)]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_file_order_copy_equals_the_extent_by_extent_layout(group, dtype):
+    """The one-copy file order of float rows is byte for byte the general path's (transpose each
+    row's chunks into extents, then regroup: per group of rows, per chunk, its rows)."""
+    import numpy as np
+
+    from sgl_loopkv.cache.segment_file import _file_order, _to_bytes
+
+    R, m, c, H, D = 5, 7, 16, 2, 8
+    rows = torch.randn(R, 2, m * c, H, D).to(dtype)
+    ext = _to_bytes(rows.reshape(R, 2, m, c, H, D).transpose(1, 2).contiguous()).reshape(R, m, -1)
+    want = np.concatenate(
+        [ext[g0 : g0 + group].transpose(1, 0, 2).reshape(-1, ext.shape[2]) for g0 in range(0, R, group)]
+    )
+    assert np.array_equal(_file_order(rows, m, c, group), want)

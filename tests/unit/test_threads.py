@@ -95,3 +95,37 @@ def test_helper_threads_start_no_team_and_leave_the_default_alone(counts):
 def test_loader_and_disk_writer_threads_start_no_team(counts):
     assert counts["loader"] == 0
     assert counts["writer"] == 0
+
+
+def test_a_block_runs_single_threaded_and_the_setting_comes_back():
+    """The scheduler thread's bulk copies between forwards (a stored turn's gather) run on that thread
+    alone, and its torch threads are what they were afterwards, also after an exception."""
+    import os
+    import threading
+
+    import torch
+
+    from sgl_loopkv.platform import _gomp, torch_single_threaded, yield_cpu_to_the_forward
+
+    before = torch.get_num_threads()
+    with torch_single_threaded():
+        inside = torch.get_num_threads()
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), torch_single_threaded():
+        raise RuntimeError("a failed store")
+    assert torch.get_num_threads() == before
+    if _gomp() is not None:
+        assert inside == 1
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    nice = []
+
+    def helper():
+        nice.append(yield_cpu_to_the_forward())
+        nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    t = threading.Thread(target=helper)
+    t.start()
+    t.join()
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main  # that thread only
+    if nice[0]:  # (an already lower priority cannot be raised without privileges: then left as is)
+        assert nice[1] == 10
