@@ -12,8 +12,8 @@ it, never of one worth as much or more.
 
 The cache only lives in room the arena's segments do not use: a segment that needs room takes it
 from the cache first (everything here is a copy of a disk extent, the segments may be the only
-copy). The reader thread offers and takes chunks while the scheduler thread stores segments, so
-every call holds one lock, which the store also takes around its own arena bookkeeping.
+copy). The scheduler thread changes it (offers after a batch's outputs, room for segments); the
+chunk reader thread takes from it during a prefill, so every call holds one lock.
 """
 
 from __future__ import annotations
@@ -37,17 +37,14 @@ class _Segment:
 
 @dataclass(slots=True)
 class ChunkCacheStats:
-    bytes: int = 0  # held now
-    hit_bytes: int = 0  # served to restores instead of a disk read
-    inserted_bytes: int = 0
-    evicted_bytes: int = 0  # pushed out by worthier chunks or by segments needing the room
+    bytes: int = 0  # held now (what restores took from here: their ``PrunedStats.cached_bytes``)
     refused_bytes: int = 0  # offered, not kept: no room among chunks worth less
 
 
 class HostChunkCache:
     """``room()``: bytes the arena can give the cache now (its quota minus its segments' bytes),
-        evaluated under :attr:`lock`. ``value(seg_id, chunks)``: per-chunk value [len(chunks)] (higher
-        stays longer). ``alive(seg_id)``: whether chunks of the segment are still worth keeping (offers
+    evaluated under :attr:`lock`. ``value(seg_id, chunks)``: per-chunk value [len(chunks)] (higher
+    stays longer). ``alive(seg_id)``: whether chunks of the segment are still worth keeping (offers
     arrive after the restore: the tiers may have lost the segment, or hold it whole in the arena now)."""
 
     def __init__(
@@ -76,9 +73,7 @@ class HostChunkCache:
             hit = [j for j in chunks if all(j in d for d in per)]
             if not hit:
                 return [], []
-            rows = [torch.cat([d[j] for j in hit], dim=1) for d in per]
-            self.stats.hit_bytes += sum(r.numel() * r.element_size() for r in rows)
-            return hit, rows
+            return hit, [torch.cat([d[j] for j in hit], dim=1) for d in per]
 
     def offer(self, seg_id: str, layers: range, chunks: list[int], rows: list[torch.Tensor]) -> int:
         """Keep what is worth it of ``chunks`` (ascending segment-local ids) read for ``layers``;
@@ -110,7 +105,6 @@ class HostChunkCache:
                 for layer, r in new:
                     seg.layers.setdefault(layer, {})[j] = r[:, i].clone()
                 self.stats.bytes += nbytes
-                self.stats.inserted_bytes += nbytes
                 kept += nbytes
         return kept
 
@@ -138,11 +132,8 @@ class HostChunkCache:
         """The segment left the tiers, or its whole copy is in the arena now."""
         with self.lock:
             self._drop_summaries(seg_id)
-            seg = self.segments.pop(seg_id, None)
-            if seg is not None:
-                freed = sum(t.numel() * t.element_size() for d in seg.layers.values() for t in d.values())
-                self.stats.bytes -= freed
-                self.stats.evicted_bytes += freed
+            for j in self.cached_chunks(seg_id):
+                self._evict(seg_id, j)
 
     def cached_chunks(self, seg_id: str) -> set[int]:
         with self.lock:
@@ -182,9 +173,7 @@ class HostChunkCache:
         for layer in list(seg.layers):
             t = seg.layers[layer].pop(j, None)
             if t is not None:
-                n = t.numel() * t.element_size()
-                self.stats.bytes -= n
-                self.stats.evicted_bytes += n
+                self.stats.bytes -= t.numel() * t.element_size()
             if not seg.layers[layer]:
                 del seg.layers[layer]
         if not seg.layers:

@@ -213,23 +213,24 @@ class LoopKVRadixCache(RadixCache):
         by :meth:`evict` first): the finished turns go to the tiers now, and what their chunk-pruned
         restores read from disk to the host chunk cache."""
         offering, self._offering = self._offering, []
-        with torch_single_threaded():
+        backups, self._backups = self._backups, []
+        if not (offering or backups):  # most calls (every decode step)
+            return
+        with torch_single_threaded():  # bulk copies while the next request is being tokenized
             for job in offering:
                 job.offer_reads()
-        if not self._backups:
-            return
-        backups, self._backups = self._backups, []
-        for lock, pairs, mass, announced in backups:
-            try:
-                with torch_single_threaded():  # bulk copies while the next request is being tokenized
+            for lock, pairs, mass, announced in backups:
+                try:
                     self._store_path(lock.node, pairs)
-                self._touch_path(lock.node, mass)
-            finally:
-                self.unlock(lock)
-                for n, record in announced:  # not stored under that name: lookups stop waiting for it
-                    ref = _ref(n)
-                    if ref is None or ref[0] != record.seg_id:
-                        self.store.disk.unannounce(record)
+                    self._touch_path(lock.node, mass)
+                finally:
+                    self.unlock(lock)
+                    for n, record in announced:  # not stored under that name: lookups stop waiting for it
+                        ref = _ref(n)
+                        if ref is None or ref[0] != record.seg_id:
+                            self.store.disk.unannounce(record)
+        if not backups:
+            return
         self.restorer.ensure_calibrated(self.geometry.token_bytes_per_layer, self.kv_pool.k_buffer[0].device)
         self.metrics.publish(self.store.count_tokens())
         self.metrics.publish_restore(self.restorer.stats)  # the bubbles of these turns' forwards

@@ -100,8 +100,7 @@ class TieredKVStore:
         self.on_lost = on_lost
         self.segments: dict[str, StoredSegment] = {}
         self.stats = TierStats()
-        # Chunks that pruned restores read from disk, in the arena's room that segments leave free;
-        # its lock also covers the arena's bookkeeping (the chunk reader offers from its own thread).
+        # Chunks that pruned restores read from disk, in the arena's room that segments leave free
         self.chunk_cache = HostChunkCache(
             lambda: self.host_quota - self.stats.host_bytes, policy.chunk_values, self._disk_only
         )
@@ -254,20 +253,20 @@ class TieredKVStore:
         segments but ``keep`` go."""
         if nbytes > self.host_quota:
             return False
-        with self.chunk_cache.lock:
-            self.chunk_cache.shrink(max(self.host_quota - self.stats.host_bytes - nbytes, 0))
-            while self.stats.host_bytes + nbytes > self.host_quota:
-                victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id not in keep]
-                if not victims:
-                    return False
-                victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
-                if victim.pending_disk:
-                    self.flush()  # never drop the only copy while its disk write is queued
-                self.stats.host_bytes -= self._host_bytes(victim)
-                victim.host_kv = victim.host_summaries = None
-                if not victim.on_disk:
-                    self._lose(victim.record.seg_id)
-            self.stats.host_bytes += nbytes
+        # the scheduler thread is the only one that adds to the cache or the arena: no lock across both
+        self.chunk_cache.shrink(max(self.host_quota - self.stats.host_bytes - nbytes, 0))
+        while self.stats.host_bytes + nbytes > self.host_quota:
+            victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id not in keep]
+            if not victims:
+                return False
+            victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
+            if victim.pending_disk:
+                self.flush()  # never drop the only copy while its disk write is queued
+            self.stats.host_bytes -= self._host_bytes(victim)
+            victim.host_kv = victim.host_summaries = None
+            if not victim.on_disk:
+                self._lose(victim.record.seg_id)
+        self.stats.host_bytes += nbytes
         return True
 
     def sync(self) -> None:
