@@ -84,7 +84,7 @@ if [ "$what" = all ] || [ "$what" = decode ]; then  # gpu_decode.py's Llama-3-8B
 fi
 
 PYTEST="python3 -m pytest -p no:cacheprovider -q -rfEsx --timeout 600 -o addopts="
-GPU_TESTS=${GPU_TESTS:-tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py}  # narrower: less compile time
+GPU_TESTS=${GPU_TESTS:-tests/unit/test_sparse_gpu.py tests/unit/test_sparse_decode_gpu.py tests/unit/test_tier_copies_gpu.py}  # narrower: less compile time
 FI_TESTS="flashinfer or loopserve or request_lists"
 if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = decode ]; then
   $PYTEST $GPU_TESTS -k "not ($FI_TESTS) and not interpreter" 2>&1 | tee "$OUT/pytest.log" | tail -25

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_loopkv.cache.copy_stream import CopyStream
 from sgl_loopkv.platform import keep_torch_on_this_thread
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,9 @@ class LayerwiseLoader:
         self._cond = threading.Condition()
         self._submitted = 0
         self._done = [0] * self.num_layers  # jobs that finished layer l
-        self._queue: queue.Queue[list[LoadPart] | None] = queue.Queue()
+        self.copies = CopyStream(k_buffers[0].device)
+        self._copied: list = [None] * self.num_layers  # CUDA: layer l's latest copy event, not yet waited on
+        self._queue: queue.Queue[tuple[list[LoadPart], object] | None] = queue.Queue()
         self._thread = None
         if not synchronous:
             self._thread = threading.Thread(target=self._run, name="loopkv-loader", daemon=True)
@@ -64,10 +67,11 @@ class LayerwiseLoader:
     def submit(self, parts: list[LoadPart]) -> None:
         with self._cond:
             self._submitted += 1
+        after = self.copies.submitted()
         if self.synchronous:
-            self._copy(parts)
+            self._copy(parts, after)
         else:
-            self._queue.put(parts)
+            self._queue.put((parts, after))
 
     @property
     def pending(self) -> bool:
@@ -81,47 +85,57 @@ class LayerwiseLoader:
         self.wait_layer(layer)
 
     def wait_layer(self, layer: int, bubble: bool = True) -> None:
-        if self._done[layer] >= self._submitted:  # fast path: nothing in flight
-            return
-        t0 = time.perf_counter()
-        with self._cond:
-            target = self._submitted
-            while self._done[layer] < target:
-                self._cond.wait()
-        if bubble:  # the forward had to wait for this layer
-            self.on_wait(time.perf_counter() - t0)
+        if self._done[layer] < self._submitted:  # loads in flight
+            t0 = time.perf_counter()
+            with self._cond:
+                target = self._submitted
+                while self._done[layer] < target:
+                    self._cond.wait()
+            if bubble:  # the forward had to wait for this layer
+                self.on_wait(time.perf_counter() - t0)
+        if self.copies.stream is not None:  # the copies are queued; the forward's stream waits for them
+            with self._cond:  # one stream, jobs in order: the latest event covers the earlier ones
+                event, self._copied[layer] = self._copied[layer], None
+            CopyStream.wait(event)
 
     def wait_all(self) -> None:
         self.wait_layer(self.num_layers - 1, bubble=False)
 
-    def _copy(self, parts: list[LoadPart]) -> None:
-        for layer in range(self.num_layers):
-            try:
-                t0, nbytes = time.perf_counter(), 0
-                for p in parts:
-                    skip = p.skip[layer] if p.skip is not None else 0
-                    if skip >= len(p.slots):
-                        continue
-                    kv = p.kv[layer][:, skip:]
-                    k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
-                    k_buf.index_copy_(0, p.slots[skip:], kv[0].to(k_buf.device, k_buf.dtype))
-                    v_buf.index_copy_(0, p.slots[skip:], kv[1].to(v_buf.device, v_buf.dtype))
-                    nbytes += kv.numel() * k_buf.element_size()
-                if nbytes:
-                    self.on_copy(nbytes, time.perf_counter() - t0)
-            except Exception:  # never leave the forward waiting on a layer that will not come
-                logger.exception("loopkv: copying layer %d into the KV pool failed", layer)
-            with self._cond:
-                self._done[layer] += 1
-                self._cond.notify_all()
+    def _copy(self, parts: list[LoadPart], after) -> None:
+        with self.copies.copying(after):
+            for layer in range(self.num_layers):
+                self._copy_layer(parts, layer)
+
+    def _copy_layer(self, parts: list[LoadPart], layer: int) -> None:
+        try:
+            t0, nbytes = time.perf_counter(), 0
+            for p in parts:
+                skip = p.skip[layer] if p.skip is not None else 0
+                if skip >= len(p.slots):
+                    continue
+                kv = p.kv[layer][:, skip:]
+                k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+                k_buf.index_copy_(0, p.slots[skip:], kv[0].to(k_buf.device, k_buf.dtype))
+                v_buf.index_copy_(0, p.slots[skip:], kv[1].to(v_buf.device, v_buf.dtype))
+                nbytes += kv.numel() * k_buf.element_size()
+            if nbytes:
+                self.on_copy(nbytes, time.perf_counter() - t0)
+        except Exception:  # never leave the forward waiting on a layer that will not come
+            logger.exception("loopkv: copying layer %d into the KV pool failed", layer)
+        event = self.copies.copied()
+        with self._cond:
+            if event is not None:
+                self._copied[layer] = event
+            self._done[layer] += 1
+            self._cond.notify_all()
 
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
         while True:
-            parts = self._queue.get()
-            if parts is None:
+            job = self._queue.get()
+            if job is None:
                 return
-            self._copy(parts)
+            self._copy(*job)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sgl_loopkv.cache.chunk_cache import HostChunkCache
+from sgl_loopkv.cache.copy_stream import CopyStream
 from sgl_loopkv.platform import keep_torch_on_this_thread
 from sgl_loopkv.selection.chunks import (
     always_kept,
@@ -147,6 +148,7 @@ class PrunedRestore:
         self.rid, self.sources, self.start = rid, sources, start
         self.summaries = summaries  # [periods, m, H, 2, D]: each period's first layer (none at budget 1.0)
         self.k_buffers, self.v_buffers, self.reader, self.disk = k_buffers, v_buffers, reader, disk
+        self.copies = reader.copies(k_buffers[0].device)  # on a GPU the reader's copies run on its stream
         self.chunk, self.budget, self.period, self.gate, self.local = chunk, budget, period, gate, local
         self.prefetch = prefetch  # share of a period's set read ahead for the next period
         self.num_layers = len(k_buffers)
@@ -172,6 +174,7 @@ class PrunedRestore:
         self.bad = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)
         self.prefetched = torch.zeros(self.num_layers, self.n_chunks, dtype=torch.bool)
         self._pending = [0] * self.num_layers
+        self._copied: list = [None] * self.num_layers  # CUDA: layer's latest copy event (reader.copies' stream)
         self._cond = threading.Condition()
         self._idle_since: float | None = None  # every queued read done (compute wait runs from here)
         self._in_prefill = True  # decode-time recalls are not waiting for a selection
@@ -220,7 +223,7 @@ class PrunedRestore:
         if self.keep >= self.n_chunks:
             chunks = ahead = torch.arange(self.n_chunks)  # every period keeps them all: nothing is wasted
         else:
-            scores = chunk_scores(q, self.summaries[p], scale, self.chunk)
+            scores = chunk_scores(q.to(self.summaries.device), self.summaries[p], scale, self.chunk)
             chunks = select_chunks(scores, self.keep, self.local)
             ahead = self._surest(chunks, scores)
             self.mass += scores
@@ -248,7 +251,7 @@ class PrunedRestore:
         self._wait_for(range(layer, layer + 1))
         valid = (self.loaded[layer] & ~self.bad[layer]).repeat_interleave(self.chunk)
         keys = self.k_buffers[layer][self._slots_of(p, every).to(self.k_buffers[layer].device)]
-        scores = token_scores(q, keys, scale, valid)
+        scores = token_scores(q.to(keys.device), keys, scale, valid)
         mask, chunks = select_tokens(
             scores, math.ceil(self.budget * self.tokens - 1e-9), self.chunk, self.local, self.block
         )
@@ -323,7 +326,8 @@ class PrunedRestore:
         self._decode_q[p] = qv
         if self.keep >= self.n_chunks or self.kept[p] is None:
             return
-        chunks = select_chunks(chunk_scores(q, self.summaries[p], scale, self.chunk), self.keep, self.local)
+        scores = chunk_scores(q.to(self.summaries.device), self.summaries[p], scale, self.chunk)
+        chunks = select_chunks(scores, self.keep, self.local)
         self.stats.decode_selections += 1
         if torch.equal(chunks, self.kept[p]):
             return
@@ -353,15 +357,22 @@ class PrunedRestore:
         last = min(layer - layer % self.gate + self.gate, p_end) - 1
         self._wait_for(range(layer, max(last, layer) + 1))
 
-    def _wait_for(self, layers: range) -> None:
-        """Until every read queued for ``layers`` is done (counted as I/O wait)."""
-        if all(self._pending[x] == 0 for x in layers):
-            return
-        t0 = time.perf_counter()
-        with self._cond:
-            while any(self._pending[x] for x in layers):
-                self._cond.wait()
-        self.stats.io_wait_s += time.perf_counter() - t0
+    def _wait_for(self, layers: range, count: bool = True) -> None:
+        """Until every read queued for ``layers`` is done (``count``: as I/O wait)."""
+        if any(self._pending[x] for x in layers):
+            t0 = time.perf_counter()
+            with self._cond:
+                while any(self._pending[x] for x in layers):
+                    self._cond.wait()
+            if count:
+                self.stats.io_wait_s += time.perf_counter() - t0
+        if self.copies.stream is not None:
+            with self._cond:  # one stream, reads in order: a layer's latest event covers the earlier ones
+                events = [self._copied[x] for x in layers]
+                for x in layers:
+                    self._copied[x] = None
+            for event in events:
+                CopyStream.wait(event)
 
     def kept_chunks(self, layer: int) -> torch.Tensor:
         """History chunks layer ``layer`` attends to: its period's kept chunks that loaded well."""
@@ -421,12 +432,14 @@ class PrunedRestore:
             self._idle_since = None
             for layer in layers:
                 self._pending[layer] += 1
-        self.reader.submit(self, layers, todo, self._slots_of(self.period_of(layers.start), todo))
+        slots = self._slots_of(self.period_of(layers.start), todo)
+        self.reader.submit(self, layers, todo, slots, self.copies.submitted())
 
-    def load(self, layers: range, chunks: torch.Tensor, dst: torch.Tensor) -> None:
+    def load(self, layers: range, chunks: torch.Tensor, dst: torch.Tensor, after=None) -> None:
         """Reader thread: copy ``chunks`` of ``layers`` into the slots ``dst`` (``chunk`` per chunk, in
         order), disk extents verified first (one read per run of chunks for all the layers); each
-        layer is released to the forward as soon as it is copied."""
+        layer is released to the forward as soon as it is copied (on a GPU: its copies queued on the
+        reader's stream, after ``after``, the forward's work when the read was submitted)."""
         t0 = time.perf_counter()
         released = 0
         try:  # tensor ops, no Python loop per chunk: this thread shares the GIL with the forward
@@ -458,21 +471,22 @@ class PrunedRestore:
                 parts.append((src, at, mine, read))
                 if src.cache is not None and not any(bads):
                     offers.append((src, local, read))
-            for i, layer in enumerate(layers):
-                for src, at, mine, read in parts:
-                    kv, bad = read[i] if read is not None else (self._host_chunks(src, layer, mine - src.first), [])
-                    if bad:
-                        kv, at, mine = self._drop_bad(src, layer, kv, at, mine, bad)
-                        if len(mine) == 0:
-                            continue
-                    to = dst.view(-1, c)[at].flatten()
-                    k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
-                    k_buf.index_copy_(0, to, kv[0].to(k_buf.device, k_buf.dtype))
-                    v_buf.index_copy_(0, to, kv[1].to(v_buf.device, v_buf.dtype))
-                    self.loaded[layer, mine] = True
-                    self.stats.bytes_loaded += len(mine) * self.layer_bytes
-                self._release(layer)
-                released += 1
+            with self.copies.copying(after):
+                for i, layer in enumerate(layers):
+                    for src, at, mine, read in parts:
+                        kv, bad = read[i] if read is not None else (self._host_chunks(src, layer, mine - src.first), [])
+                        if bad:
+                            kv, at, mine = self._drop_bad(src, layer, kv, at, mine, bad)
+                            if len(mine) == 0:
+                                continue
+                        to = dst.view(-1, c)[at].flatten()
+                        k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+                        k_buf.index_copy_(0, to, kv[0].to(k_buf.device, k_buf.dtype))
+                        v_buf.index_copy_(0, to, kv[1].to(v_buf.device, v_buf.dtype))
+                        self.loaded[layer, mine] = True
+                        self.stats.bytes_loaded += len(mine) * self.layer_bytes
+                    self._release(layer, self.copies.copied())
+                    released += 1
             # offered once the request's output is out (:meth:`offer_reads`), not here: this thread's
             # Python work would hold the GIL against the forward; a decode-time recall's reads are not
             # offered (held until then, a long decode's would add up)
@@ -510,19 +524,20 @@ class PrunedRestore:
         tok = torch.arange(self.chunk)
         return kv[:, (good[:, None] * self.chunk + tok).flatten()], at[good], mine[good]
 
-    def _release(self, layer: int) -> None:
+    def _release(self, layer: int, copied=None) -> None:
         self._bump((layer,))
         with self._cond:
+            if copied is not None:
+                self._copied[layer] = copied
             self._pending[layer] -= 1
             if not any(self._pending):
                 self._idle_since = time.perf_counter()
             self._cond.notify_all()
 
     def settle(self) -> None:
-        """Wait for every queued read (before the slots are freed or the files closed)."""
-        with self._cond:
-            while any(self._pending):
-                self._cond.wait()
+        """Wait for every queued read (before the slots are freed or the files closed; on a GPU the
+        forward's stream waits for the copies too, so the freed slots' next writes come after them)."""
+        self._wait_for(range(self.num_layers), count=False)
 
     def account(self) -> PrunedStats:
         """Used and wasted bytes as of the latest selections (call once the turn's prefill is over)."""
@@ -570,16 +585,23 @@ class PrunedRestore:
 
 @dataclass
 class ChunkReader:
-    """One thread that runs every restore's reads in the order they were queued."""
+    """One thread that runs every restore's reads in the order they were queued (on a GPU its
+    copies go to one stream per device: :class:`CopyStream`)."""
 
     _queue: queue.Queue = field(default_factory=queue.Queue)
     _thread: threading.Thread | None = None
+    _streams: dict = field(default_factory=dict)
 
-    def submit(self, job: PrunedRestore, layers: range, chunks: torch.Tensor, dst: torch.Tensor) -> None:
+    def copies(self, device: torch.device) -> CopyStream:
+        if device not in self._streams:
+            self._streams[device] = CopyStream(device)
+        return self._streams[device]
+
+    def submit(self, job: PrunedRestore, layers: range, chunks: torch.Tensor, dst: torch.Tensor, after=None) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="loopkv-chunk-reader", daemon=True)
             self._thread.start()
-        self._queue.put((job, layers, chunks, dst))
+        self._queue.put((job, layers, chunks, dst, after))
 
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
@@ -587,8 +609,8 @@ class ChunkReader:
             item = self._queue.get()
             if item is None:
                 return
-            job, layers, chunks, dst = item
-            job.load(layers, chunks, dst)
+            job, layers, chunks, dst, after = item
+            job.load(layers, chunks, dst, after)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -368,8 +368,7 @@ class LoopKVRadixCache(RadixCache):
         if self.disable:
             return EvictResult()
         self.flush_pending_backups()  # a finished turn is stored before its nodes can be evicted
-        if self.loader.pending:
-            self.loader.wait_all()
+        self.loader.wait_all()  # on a GPU also orders the forward's stream after the copies
         evicted = 0
         while evicted < params.num_tokens:
             n = super().evict(replace(params, num_tokens=params.num_tokens - evicted)).num_tokens_evicted

@@ -14,9 +14,9 @@ from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.cache.disk import SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES, AttentionValuePolicy
+from tests.restores import C, L, check_layer, disk_source, restore, run_prefill, stored_segment
 from tests.unit.test_cache_store import GEO as STORE_GEO
 from tests.unit.test_cache_store import segment
-from tests.unit.test_prefix_prune import C, L, check_layer, disk_source, restore, run_prefill, stored_segment
 
 H, D = 2, 8
 UNIT = 2 * C * H * D * 4  # one chunk of one layer, K and V, float32

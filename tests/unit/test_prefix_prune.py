@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
-from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.disk import CorruptSegment
+from sgl_loopkv.cache.layout import key_summaries
 from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, Source
 from sgl_loopkv.selection.chunks import (
     always_kept,
@@ -23,9 +23,20 @@ from sgl_loopkv.selection.chunks import (
     select_tokens,
     token_scores,
 )
-
-C, H, D, L = 16, 2, 8, 6
-GEO = KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, chunk_tokens=C)
+from tests.restores import (
+    GEO,
+    C,
+    D,
+    H,
+    L,
+    check_layer,
+    decode_steps,
+    disk_source,
+    kv_of,
+    restore,
+    run_prefill,
+    stored_segment,
+)
 
 
 # --- selection ----------------------------------------------------------------------------------
@@ -49,39 +60,6 @@ def test_scores_find_the_chunk_that_holds_the_queried_key():
     k[17 * C + 5] = q[:, ::2].mean(0) * 4  # chunk 17 holds a key close to every query head of group 0
     scores = chunk_scores(q, key_summaries(k[None], C)[0], 1.0, C)
     assert torch.isclose(scores.sum(), torch.tensor(1.0)) and int(scores.argmax()) == 17
-
-
-# --- a restore over a fake pool ------------------------------------------------------------------
-def kv_of(seed: int, chunks: int) -> torch.Tensor:
-    return torch.randn(L, 2, chunks * C, H, D, generator=torch.Generator().manual_seed(seed))
-
-
-def restore(sources, kv_total, budget=0.5, period=3, gate=1, disk=None, prefetch=1.0, selection="chunks"):
-    m = kv_total.shape[2] // C
-    pool_k = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
-    pool_v = [torch.full((4096, H, D), float("nan")) for _ in range(L)]
-    summaries = key_summaries(kv_total[:, 0], C)[::period]  # each period's first layer
-    job = PrunedRestore(
-        "r", sources, m, 0, summaries, pool_k, pool_v, ChunkReader(),
-        chunk=C, budget=budget, period=period, gate=gate, local=2, prefetch=prefetch, disk=disk, selection=selection,
-    )  # fmt: skip
-    job.attach(torch.randperm(4000)[: job.cache_tokens] + 10)  # a scattered page cache
-    return job, pool_k, pool_v
-
-
-def check_layer(job, pk, pv, kv, layer):
-    """What layer ``layer`` attends to is exactly the stored KV of its kept chunks."""
-    pos, slots = job.kept_positions(layer), job.kept_slots(layer)
-    assert torch.equal(pk[layer][slots], kv[layer, 0, pos]) and torch.equal(pv[layer][slots], kv[layer, 1, pos])
-    return pos
-
-
-def run_prefill(job, q_seed=1):
-    q = torch.randn(5, 2 * H, D, generator=torch.Generator().manual_seed(q_seed))
-    for layer in range(L):
-        if job.needs_selection(layer):
-            job.select(layer, q, 0.3)
-        job.wait(layer)
 
 
 def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_period():
@@ -236,19 +214,6 @@ def test_budget_one_keeps_every_chunk():
     job.close()
 
 
-def stored_segment(tmp_path, seed=2, chunks=12, group=8):
-    store = DiskSegmentStore(tmp_path, 1 << 30, GEO, layer_group=group)
-    kv = kv_of(seed, chunks)
-    rec = SegmentRecord(f"s{seed}", None, 0, chunks, 0)
-    store.write(rec, kv, key_summaries(kv[:, 0], C))
-    return store, rec, kv
-
-
-def disk_source(store, rec, lo=0, hi=None, first=0):
-    fd, header = store.open_for_chunks(rec.seg_id)
-    return Source(rec.seg_id, lo, hi if hi is not None else rec.n_chunks, first, fd=fd, header=header)
-
-
 @pytest.mark.parametrize("group", [1, 2, 4])
 def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path, group):
     """Any file grouping gives the same KV; a file grouped by the restore's gate reads each run of
@@ -400,17 +365,6 @@ def test_the_page_cache_never_grows_with_the_history_and_reselection_reuses_plac
         st = job.account()
         assert st.wasted_prefetch_bytes <= st.prefetched_bytes
         job.close()
-
-
-def decode_steps(job, steps, serial, seed=20):
-    """Decode steps whose query drifts: every period re-selects (tau 2: always) and recalls."""
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        q = torch.randn(1, 2 * H, D, generator=g)
-        for layer in range(L):
-            if layer % job.period == 0:
-                job.decode_select(layer, q, 0.3, tau=2.0, serial=serial)
-            job.wait(layer)
 
 
 def test_decode_recall_overlapped_equals_serial_and_stays_in_the_cache(tmp_path):
