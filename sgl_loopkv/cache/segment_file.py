@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,6 +17,11 @@ import torch
 from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, Block, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
+
+try:  # the same CRC-32 (zlib's polynomial, same values), folded with PCLMUL: 19 MB 0.7 ms vs 4.7 ms
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # requirements/cpu.txt installs it; without it, zlib's
+    from zlib import crc32
 
 READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one gate issued together
 _READERS = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="loopkv-pread")
@@ -120,7 +124,7 @@ class SegmentCodec:
             raw = np.concatenate(
                 [raw[g0 : g0 + G].transpose(1, 0, 2).reshape(-1, raw.shape[2]) for g0 in range(0, R, G)]
             )
-        crcs = [zlib.crc32(row) for row in raw]
+        crcs = [crc32(row) for row in raw]
         summary_raw = _to_bytes(summaries.to(g.summary_dtype))
         per_layer = summary_raw.reshape(g.num_layers, -1)  # layer-major: a restore reads only the layers it scores
         side_raw, side_meta = np.zeros(0, np.uint8), []
@@ -148,16 +152,16 @@ class SegmentCodec:
             "writer": writer,
             "layer_group": G,
             "extent_crc32": crcs,
-            "summary_crc32": zlib.crc32(summary_raw),
-            "summary_layer_crc32": [zlib.crc32(row) for row in per_layer],
+            "summary_crc32": crc32(summary_raw),
+            "summary_layer_crc32": [crc32(row) for row in per_layer],
         }
         if packed:
-            header |= packed.header() | {"rows": R, "side": side_meta, "side_crc32": zlib.crc32(side_raw)}
+            header |= packed.header() | {"rows": R, "side": side_meta, "side_crc32": crc32(side_raw)}
             header["side_bytes"] = len(side_raw)
         record.writer = writer
         hbytes = json.dumps(header).encode()
         kv_offset = align_up(PREAMBLE_BYTES + len(hbytes))
-        preamble = MAGIC + struct.pack("<II", len(hbytes), zlib.crc32(hbytes))
+        preamble = MAGIC + struct.pack("<II", len(hbytes), crc32(hbytes))
         gap = bytes(kv_offset - PREAMBLE_BYTES - len(hbytes))
         return [preamble, hbytes, gap, raw.reshape(-1).data, summary_raw.tobytes(), side_raw.tobytes()]
 
@@ -171,7 +175,7 @@ class SegmentCodec:
             hbytes = os.pread(fd, hlen, PREAMBLE_BYTES)
         except OSError as e:
             raise CorruptSegment(f"segment {seg_id}: {e}") from e
-        if len(hbytes) != hlen or zlib.crc32(hbytes) != hcrc:
+        if len(hbytes) != hlen or crc32(hbytes) != hcrc:
             raise CorruptSegment(f"segment {seg_id}: header checksum mismatch")
         header = json.loads(hbytes)
         if header.get("format") != FORMAT_VERSION or header.get("geometry") != self.geometry.to_json():
@@ -207,7 +211,7 @@ class SegmentCodec:
             self.reads += 1
             n = b.n_chunks * (b.row1 - b.row0)
             got, mv, k0 = len(buf) // eb, memoryview(buf), (b.offset - layout.kv_offset) // eb
-            ok = np.array([i < got and zlib.crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
+            ok = np.array([i < got and crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
             arr = np.frombuffer(buf, np.uint8, got * eb).reshape(got, eb)  # a view: no copy of a whole read
             if got < n:  # cut short: the missing extents zero (and not ok)
                 arr = np.concatenate([arr, np.zeros((n - got, eb), np.uint8)])
@@ -301,7 +305,7 @@ class SegmentCodec:
     def _read_side(self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout) -> list[dict]:
         buf = os.pread(fd, layout.side_bytes, layout.side_offset)
         self.bytes_read += len(buf)
-        if len(buf) != layout.side_bytes or zlib.crc32(buf) != header["side_crc32"]:
+        if len(buf) != layout.side_bytes or crc32(buf) != header["side_crc32"]:
             raise CorruptSegment(f"segment {seg_id}: side data checksum mismatch")
         raw, out = np.frombuffer(buf, np.uint8), []
         for entry in header["side"]:
@@ -327,7 +331,7 @@ class SegmentCodec:
         if layers is None or crcs is None:
             buf = os.pread(fd, g.num_layers * block, layout.summary_offset)
             self.bytes_read += len(buf)
-            if len(buf) != g.num_layers * block or zlib.crc32(buf) != header["summary_crc32"]:
+            if len(buf) != g.num_layers * block or crc32(buf) != header["summary_crc32"]:
                 raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch")
             out = self._summaries(buf, g.num_layers, layout.n_chunks)
             return out if layers is None else out[layers].clone()
@@ -335,7 +339,7 @@ class SegmentCodec:
         for layer in layers:
             buf = os.pread(fd, block, layout.summary_offset + layer * block)
             self.bytes_read += len(buf)
-            if len(buf) != block or zlib.crc32(buf) != crcs[layer]:
+            if len(buf) != block or crc32(buf) != crcs[layer]:
                 raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch at layer {layer}")
             parts.append(buf)
         return self._summaries(b"".join(parts), len(layers), layout.n_chunks)

@@ -398,3 +398,19 @@ def test_the_file_order_copy_equals_the_extent_by_extent_layout(group, dtype):
         [ext[g0 : g0 + group].transpose(1, 0, 2).reshape(-1, ext.shape[2]) for g0 in range(0, R, group)]
     )
     assert np.array_equal(_file_order(rows, m, c, group), want)
+
+
+def test_checksums_are_zlibs_crc32_from_zlib_ng_when_installed():
+    """Files written with either implementation verify with the other: the same CRC-32 values (zlib's
+    polynomial) over bytes and memoryviews of any length; zlib-ng's is the one used when installed."""
+    import importlib.util
+    import zlib
+
+    from sgl_loopkv.cache.segment_file import crc32
+
+    g = torch.Generator().manual_seed(0)
+    for n in (0, 1, 15, 16, 4095, 24576, 1 << 20):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy().tobytes()
+        assert crc32(data) == zlib.crc32(data) and crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
+    if importlib.util.find_spec("zlib_ng") is not None:
+        assert crc32.__module__ == "zlib_ng.zlib_ng"
