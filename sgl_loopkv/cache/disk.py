@@ -54,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX, SharedDirectory, pid_alive
+from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX, Presence, SharedDirectory, pid_alive
 from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV
 from sgl_loopkv.cache.segment_file import (  # noqa: F401 (re-exported: the disk tier's record and errors)
@@ -71,7 +71,10 @@ logger = logging.getLogger(__name__)
 LEGACY_INDEX = "index.json"
 CHUNKS = "chunks"
 PENDING = ".pending"
-PENDING_WAIT_S = 2.0  # the longest a lookup waits for an announced segment (one turn's write: ~0.1 s)
+PENDING_WAIT_S = 2.0  # a lookup waits at least this long for an announced segment
+# ... and up to this much per token it announces, capped: a 3.5K-token float32 segment (~160 MB) took
+# over 2 s to write with two busy workers on 2 cores, while recomputing it costs ~3-4 ms per token there
+PENDING_WAIT_PER_TOKEN_S, PENDING_WAIT_MAX_S = 1e-3, 10.0
 PENDING_STALE_S = 60.0  # an announcement this old belongs to a writer that died
 
 # Segment ids are minted by the cache (address.segment_id), never taken from a request; path()
@@ -107,6 +110,7 @@ class DiskSegmentStore:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / CHUNKS).mkdir(mode=0o700, exist_ok=True)
         self.dir = SharedDirectory(self.root)
+        self.presence = Presence(self.root)  # other workers on this directory (their lookups may wait for our writes)
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
         self.codec = SegmentCodec(geometry, layer_group)  # files grouped by the writer's prefix period
         self.bytes_written = 0
@@ -145,9 +149,7 @@ class DiskSegmentStore:
                 try:
                     st = e.stat()
                     if e.name.endswith(PENDING):
-                        host, _, pid = Path(e.path).read_text().partition(" ")
-                        dead = host == self.dir.host and pid.isdigit() and not pid_alive(int(pid))
-                        if dead or time.time() - st.st_mtime > PENDING_STALE_S:
+                        if self._writer_gone(Path(e.path).read_text()) or time.time() - st.st_mtime > PENDING_STALE_S:
                             os.unlink(e.path)
                     elif st.st_nlink == 1:
                         os.unlink(e.path)
@@ -171,7 +173,8 @@ class DiskSegmentStore:
             with contextlib.suppress(OSError):  # only an optimisation: a miss recomputes
                 fd = os.open(self._chunk_path(record.chunk_hashes[0], PENDING), os.O_WRONLY | os.O_CREAT, 0o600)
                 try:
-                    os.write(fd, f"{self.dir.host} {os.getpid()}".encode())  # whose: a dead writer's goes at start-up
+                    # whose (a dead writer's goes at start-up) and how many tokens (how long a lookup waits)
+                    os.write(fd, f"{self.dir.host} {os.getpid()} {len(record.token_ids)}".encode())
                 finally:
                     os.close(fd)
 
@@ -295,13 +298,27 @@ class DiskSegmentStore:
                 os.utime(self.path(seg_id))
 
     # --- find ----------------------------------------------------------------------------------
+    def _writer_gone(self, marker: str) -> bool:
+        """An announcement (``host pid [tokens]``) whose writer was a process of this host now gone."""
+        fields = marker.split()
+        return len(fields) >= 2 and fields[0] == self.dir.host and fields[1].isdigit() and not pid_alive(int(fields[1]))
+
+    def _wait_budget(self, marker: str, wait_s: float) -> float:
+        """How long to wait for an announced write: ``wait_s``, or longer for a long segment (its
+        write takes longer, its recompute longer still); nothing when its writer on this host is gone."""
+        if self._writer_gone(marker):
+            return 0.0
+        fields = marker.split()
+        tokens = int(fields[2]) if len(fields) >= 3 and fields[2].isdigit() else 0
+        return max(wait_s, min(PENDING_WAIT_MAX_S, tokens * PENDING_WAIT_PER_TOKEN_S))
+
     def find(self, chain: list[str], first: int, wait_s: float = PENDING_WAIT_S) -> Found | None:
         """The stored segment holding chunk ``first`` of the history whose chain hashes are
         ``chain``, and how many of the following chunks it holds too (one ``open``). None when no
         worker stored that chunk (or its segment was evicted); a chunk announced by a writer is
         waited for, up to ``wait_s``."""
         link = self._chunk_path(chain[first])
-        deadline = time.monotonic() + wait_s
+        start, deadline = time.monotonic(), None
         while True:
             try:
                 fd = os.open(link, os.O_RDONLY)
@@ -310,7 +327,9 @@ class DiskSegmentStore:
                 pending = self._chunk_path(chain[first], PENDING)
                 try:
                     fresh = time.time() - pending.stat().st_mtime < PENDING_STALE_S
-                except FileNotFoundError:
+                    if deadline is None:
+                        deadline = start + self._wait_budget(pending.read_text(), wait_s)
+                except (FileNotFoundError, OSError):
                     fresh = False
                 if not fresh or time.monotonic() > deadline:
                     return None

@@ -26,6 +26,7 @@ import fcntl
 import os
 import shutil
 import socket
+import struct
 import time
 import uuid
 from collections.abc import Iterator
@@ -158,6 +159,40 @@ class SharedDirectory:
             except FileNotFoundError:
                 continue
         return removed
+
+
+class Presence:
+    """Whether another process uses the directory now. Every store holds a POSIX read lock on
+    ``workers`` while it lives; ``F_GETLK`` asks the kernel (or the NFS lock manager) for a lock that
+    would conflict with a write lock, and POSIX locks never conflict with the asking process's own.
+    Why: a write that another worker may be waiting for (its lookup found the announcement) must
+    not run at background priority (benchmarks/results/NOTES.md, 2026-11-26 afternoon)."""
+
+    # struct flock on Linux, 64-bit off_t: l_type, l_whence, l_start, l_len, l_pid (+ padding)
+    _FLOCK = "hhqqi4x"
+
+    def __init__(self, root: Path):
+        self._fd: int | None = os.open(root / "workers", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.lockf(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:  # no POSIX locks here (or a writer holds one): others() says "maybe"
+            pass
+
+    def others(self) -> bool:
+        """True when another process holds the directory, or when this cannot be told."""
+        if self._fd is None:
+            return True
+        try:
+            ask = struct.pack(self._FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+            got = struct.unpack(self._FLOCK, fcntl.fcntl(self._fd, fcntl.F_GETLK, ask))
+        except (OSError, struct.error):
+            return True
+        return got[0] != fcntl.F_UNLCK
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # drops this process's locks on the file
+            self._fd = None
 
 
 def pid_alive(pid: int) -> bool:

@@ -106,13 +106,21 @@ class TieredKVStore:
         )
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
         self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry, layer_group) if disk_dir else None
+        # Two writers: one at background priority (nobody waits for its writes: the forward should
+        # not lose a core to them) and one at normal priority for writes another worker sharing the
+        # directory may be waiting for (its lookup found the announcement; it recomputes if the write
+        # takes over PENDING_WAIT_S, which a niced writer did on 2 busy cores)
         self._queue: queue.Queue[str | None] = queue.Queue()
-        self._evicted: deque[str] = deque()  # disk segments the writer thread evicted, for sync()
-        self._writer = None
+        self._shared_queue: queue.Queue[str | None] = queue.Queue()
+        self._evicted: deque[str] = deque()  # disk segments the writer threads evicted, for sync()
+        self._writers: list[threading.Thread] = []
         if self.disk is not None:
             self.stats.disk_bytes = self.disk.used_bytes
-            self._writer = threading.Thread(target=self._write_loop, name="loopkv-disk-writer", daemon=True)
-            self._writer.start()
+            for q, background, name in ((self._queue, True, "loopkv-disk-writer"),
+                                        (self._shared_queue, False, "loopkv-disk-writer-shared")):  # fmt: skip
+                t = threading.Thread(target=self._write_loop, args=(q, background), name=name, daemon=True)
+                t.start()
+                self._writers.append(t)
             # Queued stores reach the disk when the process exits normally (SGLang's scheduler on
             # shutdown); a weak reference, so a store dropped earlier is not kept alive by this.
             atexit.register(_close_at_exit, weakref.ref(self))
@@ -169,7 +177,7 @@ class TieredKVStore:
             self.disk.announce(record)  # another worker's lookup of it waits for the write, not recomputes
         if in_host:
             if to_disk:
-                self._queue.put(record.seg_id)
+                (self._shared_queue if self.disk.presence.others() else self._queue).put(record.seg_id)
         else:  # too big for the arena: write from this copy now, keep it on disk only
             self._write(record.seg_id)
             self.sync()
@@ -216,30 +224,35 @@ class TieredKVStore:
                 seg.pending_disk = False
             self.stats.disk_bytes = self.disk.used_bytes
 
-    def _write_loop(self) -> None:
+    def _write_loop(self, q: queue.Queue, background: bool) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
-        yield_cpu_to_the_forward()  # a write can wait; the next request's prefill should not
+        if background:
+            yield_cpu_to_the_forward()  # a write nobody waits for can wait; the next request's prefill should not
         while True:
-            seg_id = self._queue.get()
+            seg_id = q.get()
             if seg_id is None:
-                self._queue.task_done()
+                q.task_done()
                 return
             try:
                 self._write(seg_id)
             finally:
-                self._queue.task_done()
+                q.task_done()
 
     def flush(self) -> None:
         """Wait until every queued disk write is done."""
         if self.disk is not None:
             self._queue.join()
+            self._shared_queue.join()
 
     def close(self) -> None:
-        if self._writer is not None:
+        if self._writers:
             self.flush()
-            self._queue.put(None)
-            self._writer.join(timeout=30)
-            self._writer = None
+            for q in (self._queue, self._shared_queue):
+                q.put(None)
+            for t in self._writers:
+                t.join(timeout=30)
+            self._writers = []
+            self.disk.presence.close()
         if self.dir_lock is not None:
             self.dir_lock.release()
 

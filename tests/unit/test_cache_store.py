@@ -414,3 +414,36 @@ def test_checksums_are_zlibs_crc32_from_zlib_ng_when_installed():
         assert crc32(data) == zlib.crc32(data) and crc32(memoryview(data)[1:]) == zlib.crc32(data[1:])
     if importlib.util.find_spec("zlib_ng") is not None:
         assert crc32.__module__ == "zlib_ng.zlib_ng"
+
+
+def test_writes_another_worker_may_wait_for_run_at_normal_priority(tmp_path):
+    """Alone on its directory a store writes from its background-priority thread; while another
+    process holds the directory (its lookups wait for announced writes, 2 s at most), from the
+    normal-priority one. Presence is the kernel's view of POSIX locks: a worker killed with -9
+    drops out at once."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    store = TieredKVStore(GEO, VALUE_POLICIES.create("lru"), GEO.segment_host_bytes(4) * 4, tmp_path, 1 << 30)
+    root = store.disk.root
+    threads = []
+    write = store._write
+    store._write = lambda seg_id: (threads.append(threading.current_thread().name), write(seg_id))
+    assert not store.disk.presence.others()
+    store.put(*segment(4, 300))
+    store.flush()
+    code = f"from pathlib import Path; from sgl_loopkv.cache.disk_dir import Presence; p = Presence(Path({str(root)!r})); print('in', flush=True); import time; time.sleep(60)"
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "in"
+        assert store.disk.presence.others()
+        store.put(*segment(4, 301))
+        store.flush()
+    finally:
+        other.send_signal(signal.SIGKILL)
+        other.wait()
+    assert not store.disk.presence.others()
+    assert threads == ["loopkv-disk-writer", "loopkv-disk-writer-shared"]
+    store.close()

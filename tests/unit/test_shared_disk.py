@@ -261,3 +261,29 @@ def test_a_lookup_waits_for_an_announced_write_and_not_otherwise(tmp_path):
     marker.write_text(f"{writer.dir.host} {int(dead.stdout)}")
     DiskSegmentStore(tmp_path, 1 << 30, GEO)  # a worker starting: the dead writer's announcement goes
     assert not marker.exists()
+
+
+def test_a_lookup_waits_longer_for_a_longer_announced_segment_and_not_for_a_dead_writer(tmp_path):
+    """The wait scales with the tokens the announcement names (a long segment takes longer to
+    write, and longer still to recompute), capped; a dead writer on this host is not waited for."""
+    from sgl_loopkv.cache import disk as disk_mod
+
+    store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+    me, host = os.getpid(), store.dir.host
+    assert store._wait_budget(f"{host} {me} 0", 0.5) == 0.5
+    assert store._wait_budget(f"{host} {me} 4000", 0.5) == 4000 * disk_mod.PENDING_WAIT_PER_TOKEN_S
+    assert store._wait_budget(f"{host} {me} 10000000", 0.5) == disk_mod.PENDING_WAIT_MAX_S
+    assert store._wait_budget(f"{host} {me}", 0.5) == 0.5  # an older worker's marker: no token count
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    assert store._wait_budget(f"{host} {int(dead.stdout)} 4000", 0.5) == 0.0
+    assert store._wait_budget(f"another-host {int(dead.stdout)} 4000", 0.5) == 4.0  # not ours to judge
+    rec, _, _, chain = _segment(9)
+    store.announce(rec)
+    marker = next((tmp_path / "chunks").glob("*.pending")).read_text().split()
+    assert marker == [host, str(me), str(len(rec.token_ids))]
+    marker_path = next((tmp_path / "chunks").glob("*.pending"))
+    marker_path.write_text(f"{host} {int(dead.stdout)} 4000")
+    t0 = time.monotonic()
+    assert store.find(chain, 0) is None and time.monotonic() - t0 < 0.5  # its writer is gone: no wait
+    DiskSegmentStore(tmp_path, 1 << 30, GEO)  # a worker starting removes that announcement
+    assert not marker_path.exists()
