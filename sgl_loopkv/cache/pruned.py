@@ -158,6 +158,7 @@ class PrunedRestore:
         self.impress, self.block = selection == "impress", block
         self.capacity = self.capacity_for(n_chunks, budget, selection)
         self.slots: torch.Tensor | None = None  # the device page cache: keep chunks of slots (see attach)
+        self.paged = False  # its places are aligned pool pages (see attach)
         n_periods = -(-self.num_layers // period)
         self.kept: list[torch.Tensor | None] = [None] * n_periods  # latest selection of each period
         # per period, chunk -> its chunk place in the page cache (-1: none); a place holds, at each
@@ -208,6 +209,11 @@ class PrunedRestore:
         """The page cache's pool slots (``cache_tokens`` of them)."""
         assert len(slots) == self.cache_tokens, (len(slots), self.cache_tokens)
         self.slots = slots
+        rows, c = slots.view(-1, self.chunk).cpu(), self.chunk
+        # each place one aligned pool page (the paged allocator's): reads are copied in page by page
+        self.paged = self.k_buffers[0].shape[0] % c == 0 and bool(
+            ((rows[:, :1] % c == 0) & (rows == rows[:, :1] + torch.arange(c))).all()
+        )
         self.stats.cache_tokens = len(slots)
 
     # --- the forward's side ----------------------------------------------------------------------
@@ -475,14 +481,12 @@ class PrunedRestore:
                 for i, layer in enumerate(layers):
                     for src, at, mine, read in parts:
                         kv, bad = read[i] if read is not None else (self._host_chunks(src, layer, mine - src.first), [])
+                        kv = kv.reshape(2, len(mine), c, *kv.shape[-2:])  # per chunk (a view: no copy)
                         if bad:
                             kv, at, mine = self._drop_bad(src, layer, kv, at, mine, bad)
                             if len(mine) == 0:
                                 continue
-                        to = dst.view(-1, c)[at].flatten()
-                        k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
-                        k_buf.index_copy_(0, to, kv[0].to(k_buf.device, k_buf.dtype))
-                        v_buf.index_copy_(0, to, kv[1].to(v_buf.device, v_buf.dtype))
+                        self._put(layer, kv, dst.view(-1, c)[at])
                         self.loaded[layer, mine] = True
                         self.stats.bytes_loaded += len(mine) * self.layer_bytes
                     self._release(layer, self.copies.copied())
@@ -507,6 +511,21 @@ class PrunedRestore:
             return kv[:, lo * c : (hi + 1) * c]
         return kv[:, (local[:, None] * c + torch.arange(c)).flatten()]
 
+    def _put(self, layer: int, kv: torch.Tensor, to: torch.Tensor) -> None:
+        """Copy chunks ``kv`` [2, n, c, H, D] (any strides: a view of the read buffer) into the pool
+        slots ``to`` [n, c] of ``layer``: one copy per K and V, page by page when the page cache's
+        places are aligned pool pages (:meth:`attach`), else slot by slot."""
+        k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+        c = self.chunk
+        if self.paged:
+            pages = (to[:, 0] // c).to(k_buf.device)
+            for buf, x in ((k_buf, kv[0]), (v_buf, kv[1])):
+                buf.view(-1, c, *buf.shape[1:]).index_copy_(0, pages, x.to(buf.device, buf.dtype))
+            return
+        to = to.flatten().to(k_buf.device)
+        k_buf.index_copy_(0, to, kv[0].reshape(-1, *k_buf.shape[1:]).to(k_buf.device, k_buf.dtype))
+        v_buf.index_copy_(0, to, kv[1].reshape(-1, *v_buf.shape[1:]).to(v_buf.device, v_buf.dtype))
+
     def _drop_bad(self, src: Source, layer: int, kv, at, mine, bad: list[int]):
         """Leave a layer's chunks whose extent failed its checksum out (counted, logged, never attended)."""
         failed = torch.tensor(bad) - src.lo + src.first
@@ -521,8 +540,7 @@ class PrunedRestore:
             layer,
         )
         good = torch.nonzero(~torch.isin(mine, failed)).flatten()
-        tok = torch.arange(self.chunk)
-        return kv[:, (good[:, None] * self.chunk + tok).flatten()], at[good], mine[good]
+        return kv[:, good], at[good], mine[good]
 
     def _release(self, layer: int, copied=None) -> None:
         self._bump((layer,))

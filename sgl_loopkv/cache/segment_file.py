@@ -194,28 +194,43 @@ class SegmentCodec:
         )
 
     def _fetch(
-        self, fd: int, layout: SegmentFileLayout, crcs: list[int], blocks: list[Block], parallel: bool
+        self,
+        fd: int,
+        layout: SegmentFileLayout,
+        crcs: list[int],
+        blocks: list[Block],
+        parallel: bool,
+        into: list[np.ndarray] | None = None,
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Each block's extents -> ([n_chunks, rows, extent bytes], ok [n_chunks, rows]: read whole and
         crc32 verified), one block at a time (used while its buffer is still in the CPU cache).
         ``parallel``: the reads in flight together (scattered runs are latency-bound on a cold
-        file; pread drops the GIL)."""
+        file; pread drops the GIL). ``into``: per block, the contiguous uint8 array [n_chunks, rows,
+        extent bytes] to read into (``preadv``: the kernel's copy is the only one), yielded back."""
         eb = self.geometry.extent_bytes
 
-        def pread(b: Block) -> bytes:
-            return os.pread(fd, b.length(eb), b.offset)
+        def pread(i: int) -> bytes | np.ndarray:
+            b = blocks[i]
+            if into is None:
+                return os.pread(fd, b.length(eb), b.offset)
+            got = os.preadv(fd, [into[i]], b.offset)
+            return into[i].reshape(-1)[:got]
 
-        bufs = _READERS.map(pread, blocks) if parallel and len(blocks) > 1 else map(pread, blocks)
-        for b, buf in zip(blocks, bufs):
+        order = range(len(blocks))
+        bufs = _READERS.map(pread, order) if parallel and len(blocks) > 1 else map(pread, order)
+        for i_block, (b, buf) in enumerate(zip(blocks, bufs)):
             self.bytes_read += len(buf)
             self.reads += 1
             n = b.n_chunks * (b.row1 - b.row0)
             got, mv, k0 = len(buf) // eb, memoryview(buf), (b.offset - layout.kv_offset) // eb
             ok = np.array([i < got and crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
+            shape = (b.n_chunks, b.row1 - b.row0)
+            if into is not None:  # read in place: a short read's missing extents are not ok (the caller zeroes them)
+                yield into[i_block], ok.reshape(shape)
+                continue
             arr = np.frombuffer(buf, np.uint8, got * eb).reshape(got, eb)  # a view: no copy of a whole read
             if got < n:  # cut short: the missing extents zero (and not ok)
                 arr = np.concatenate([arr, np.zeros((n - got, eb), np.uint8)])
-            shape = (b.n_chunks, b.row1 - b.row0)
             yield arr.reshape(*shape, eb), ok.reshape(shape)
 
     def read(
@@ -266,27 +281,40 @@ class SegmentCodec:
 
     def read_chunks(
         self, fd: int, seg_id: str, header: dict, rows: range, chunks: list[int]
-    ) -> tuple[torch.Tensor, list[list[int]]]:
-        """KV of the given ascending chunks for ``rows`` (a gate's layers) -> ([len(rows), 2,
-        len(chunks) * c, H, D], per row the chunks whose extent failed its checksum or was cut short:
-        their rows are zero and must not be used). One read per run of adjacent chunks and group
-        (:meth:`SegmentFileLayout.blocks`). Unpacked segments only (``"side" not in header``)."""
+    ) -> tuple[torch.Tensor | QuantKV, list[list[int]]]:
+        """KV of the given ascending chunks for ``rows`` (a gate's layers) -> (per row its chunks,
+        per row the chunks whose extent failed its checksum or was cut short: their KV is zero and
+        must not be used). One read per run of adjacent chunks and group
+        (:meth:`SegmentFileLayout.blocks`). Unpacked segments only (``"side" not in header``).
+
+        The KV is [len(rows), 2, n, c, H, D]: a strided view of the one buffer the reads land in
+        (``preadv`` when every read spans all of ``rows``, the default where the gate is the file's
+        group), so a chunk-pruned restore copies each chunk once more, into its pool page. An int8
+        tier's rows come back as a QuantKV [len(rows), 2, n * c, H, D]."""
         g = self.geometry
         layout = self.layout(header)
-        used = g.chunk_tokens * g.token_bytes_per_layer
-        out = np.empty((len(rows), len(chunks), used), np.uint8)
+        eb, used, R = g.extent_bytes, g.chunk_tokens * g.token_bytes_per_layer, len(rows)
+        buf = np.empty((len(chunks), R, eb), np.uint8)  # chunk-major, as a whole group's reads are
         where = {j: i for i, j in enumerate(chunks)}
         bad: list[list[int]] = [[] for _ in rows]
         blocks = layout.blocks(rows, chunks)
-        for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, header["extent_crc32"], blocks, parallel=True)):
+        direct = all(b.row1 - b.row0 == R for b in blocks)
+        into = [buf[where[b.chunk0] : where[b.chunk0] + b.n_chunks] for b in blocks] if direct else None
+        crcs = header["extent_crc32"]
+        for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, crcs, blocks, parallel=True, into=into)):
             at, r0 = where[b.chunk0], b.row0 - rows.start  # a block's chunks are adjacent in ``chunks`` too
-            out[r0 : r0 + b.row1 - b.row0, at : at + b.n_chunks] = arr[:, :, :used].transpose(1, 0, 2)
+            if not direct:
+                buf[at : at + b.n_chunks, r0 : r0 + b.row1 - b.row0] = arr
             for i, r in zip(*np.nonzero(~ok)):
                 bad[r0 + r].append(b.chunk0 + int(i))
         for r, chunks_bad in enumerate(bad):
             if chunks_bad:  # cut short or damaged: zeroed, and the caller leaves them out
-                out[r, [where[j] for j in chunks_bad]] = 0
-        return self._rows_of_extents(torch.from_numpy(out)), bad
+                buf[[where[j] for j in chunks_bad], r] = 0
+        raw = torch.from_numpy(buf)[:, :, :used]  # [n, R, used bytes]
+        if g.quantized:
+            return self._rows_of_extents(raw.transpose(0, 1)), bad
+        c, H, D = g.chunk_tokens, g.num_kv_heads, g.head_dim
+        return raw.view(g.dtype).view(len(chunks), R, 2, c, H, D).permute(1, 2, 0, 3, 4, 5), bad
 
     def _rows_of_extents(self, raw: torch.Tensor) -> torch.Tensor | QuantKV:
         """[R, n, used bytes] of verified extents -> rows [R, 2, n * c, H, D] (a QuantKV for int8)."""

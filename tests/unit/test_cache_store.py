@@ -111,6 +111,8 @@ def test_every_grouping_reads_back_bit_identical_and_each_bad_extent_is_its_own(
         tok = torch.tensor([j * 16 + t for j in chunks for t in range(16)])
         for rows in (range(0, 5), range(1, 3), range(4, 5)):
             rkv, bad = store.read_chunks(fd, rec.seg_id, header, rows, chunks)
+            assert rkv.shape == (len(rows), 2, len(chunks), 16, 2, 8)  # per chunk: a view of the read buffer
+            rkv = rkv.flatten(2, 3)
             assert torch.equal(rkv, kv[rows.start : rows.stop][:, :, tok]) and bad == [[] for _ in rows]
         off = store.codec.layout(header).extent_offset(3, 2)
         with open(store.path(rec.seg_id), "r+b") as f:  # one bit of (layer 3, chunk 2)
@@ -119,6 +121,7 @@ def test_every_grouping_reads_back_bit_identical_and_each_bad_extent_is_its_own(
             f.seek(off + 7)
             f.write(bytes([b[0] ^ 1]))
         rkv, bad = store.read_chunks(fd, rec.seg_id, header, range(2, 5), chunks)
+        rkv = rkv.flatten(2, 3)
         assert bad == [[], [2], []]
         assert not rkv[1, :, 16:32].any() and torch.equal(rkv[1, :, 32:], kv[3][:, tok[32:]])
         assert torch.equal(rkv[0], kv[2][:, tok]) and torch.equal(rkv[2], kv[4][:, tok])
