@@ -20,10 +20,11 @@ def kv_of(seed: int, chunks: int) -> torch.Tensor:
 
 def restore(
     sources, kv_total, budget=0.5, period=3, gate=1, disk=None, prefetch=1.0, selection="chunks", device="cpu",
-    reader=None,
+    reader=None, paged=False,
 ):  # fmt: skip
     """A restore of ``kv_total``'s history into a NaN-filled pool of 4096 slots on ``device``,
-    its page cache scattered over it."""
+    its page cache scattered over it: slot by slot, or (``paged``) as whole aligned pool pages in
+    random order, as SGLang's paged allocator hands them out (reads are copied page by page)."""
     m = kv_total.shape[2] // C
     pool_k = [torch.full((4096, H, D), float("nan"), device=device) for _ in range(L)]
     pool_v = [torch.full((4096, H, D), float("nan"), device=device) for _ in range(L)]
@@ -32,7 +33,13 @@ def restore(
         "r", sources, m, 0, summaries, pool_k, pool_v, reader or ChunkReader(),
         chunk=C, budget=budget, period=period, gate=gate, local=2, prefetch=prefetch, disk=disk, selection=selection,
     )  # fmt: skip
-    job.attach((torch.randperm(4000)[: job.cache_tokens] + 10).to(device))
+    if paged:
+        pages = torch.randperm(4096 // C - 1)[: job.cache_tokens // C] + 1
+        slots = (pages[:, None] * C + torch.arange(C)).flatten()
+    else:
+        slots = torch.randperm(4000)[: job.cache_tokens] + 10
+    job.attach(slots.to(device))
+    assert job.paged == paged
     return job, pool_k, pool_v
 
 

@@ -77,10 +77,11 @@ class HostChunkCache:
 
     def offer(self, seg_id: str, layers: range, chunks: list[int], rows: list[torch.Tensor]) -> int:
         """Keep what is worth it of ``chunks`` (ascending segment-local ids) read for ``layers``;
-        ``rows[i]`` is layer ``layers[i]``'s [2, n * c, H, D]. Returns the bytes kept."""
+        ``rows[i]`` is layer ``layers[i]``'s [2, n * c, H, D] (or [2, n, c, H, D]: a disk read's
+        view, which each kept chunk is copied out of). Returns the bytes kept."""
         if not chunks:
             return 0
-        per_chunk = [r.reshape(2, len(chunks), -1, *r.shape[2:]) for r in rows]  # [2, n, c, H, D]
+        per_chunk = [r.reshape(2, len(chunks), -1, *r.shape[-2:]) for r in rows]  # [2, n, c, H, D]
         unit = sum(r[:, 0].numel() * r.element_size() for r in per_chunk)  # one chunk, every layer offered
         values = self.value(seg_id, torch.tensor(chunks))
         kept = 0

@@ -406,7 +406,9 @@ class DiskSegmentStore:
 
     def read_chunks(self, fd: int, seg_id: str, header: dict, layers: range, chunks: list[int]):
         """Chunks of a segment opened by :meth:`open_for_chunks`, for ``layers`` (a gate's): (KV
-        [len(layers), 2, T, H, D], per layer the chunks that failed their checksum). Thread-safe (``pread``)."""
+        [len(layers), 2, n, c, H, D] per chunk, views of one read buffer (an int8 tier's: a QuantKV
+        [len(layers), 2, n * c, H, D]), per layer the chunks that failed their checksum).
+        Thread-safe (``preadv``)."""
         return self.codec.read_chunks(fd, seg_id, header, layers, chunks)
 
     def read_summaries(self, seg_id: str) -> torch.Tensor:

@@ -128,6 +128,10 @@ def test_a_second_pruned_restore_takes_cached_chunks_and_attends_to_the_same_byt
         job.close()
         job.offer_reads()  # the server does this once the turn's output is out
     first, second = stats
+    for seg in cache.segments.values():  # kept per chunk as [2, c, H, D] copies, not views of the read buffer
+        assert all(
+            r.shape == (2, C, *kv.shape[-2:]) and r.is_contiguous() for d in seg.layers.values() for r in d.values()
+        )
     assert first.cached_bytes == 0 and first.disk_bytes_read == first.bytes_loaded
     assert second.cached_bytes == second.bytes_loaded and second.disk_bytes_read == 0
     assert cache.stats.bytes == first.bytes_loaded

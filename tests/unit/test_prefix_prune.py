@@ -62,9 +62,10 @@ def test_scores_find_the_chunk_that_holds_the_queried_key():
     assert torch.isclose(scores.sum(), torch.tensor(1.0)) and int(scores.argmax()) == 17
 
 
-def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_period():
+@pytest.mark.parametrize("paged", [False, True], ids=["slots", "pages"])
+def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_period(paged):
     kv = kv_of(0, 20)
-    job, pk, pv = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3)
+    job, pk, pv = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3, paged=paged)
     run_prefill(job)
     assert job.cache_tokens == keep_count(20, 0.3) * C  # the device holds the kept chunks, not the history
     for layer in range(L):
@@ -215,11 +216,15 @@ def test_budget_one_keeps_every_chunk():
 
 
 @pytest.mark.parametrize("group", [1, 2, 4])
-def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path, group):
-    """Any file grouping gives the same KV; a file grouped by the restore's gate reads each run of
-    selected chunks once per gate (layer-major: once per layer)."""
+@pytest.mark.parametrize("paged", [False, True], ids=["slots", "pages"])
+def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path, group, paged):
+    """Any file grouping gives the same KV, copied into the pool slot by slot or page by page; a
+    file grouped by the restore's gate reads each run of selected chunks once per gate
+    (layer-major: once per layer)."""
     store, rec, kv = stored_segment(tmp_path, group=group)
-    job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=4, gate=2, disk=store, prefetch=0.0)
+    job, pk, pv = restore(
+        [disk_source(store, rec)], kv, budget=0.25, period=4, gate=2, disk=store, prefetch=0.0, paged=paged
+    )
     run_prefill(job)
     for layer in range(L):
         check_layer(job, pk, pv, kv, layer)
@@ -291,7 +296,8 @@ def test_two_sources_map_to_their_history_chunks(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
-def test_a_damaged_extent_never_reaches_a_plan(tmp_path, damage):
+@pytest.mark.parametrize("paged", [False, True], ids=["slots", "pages"])
+def test_a_damaged_extent_never_reaches_a_plan(tmp_path, damage, paged):
     store, rec, kv = stored_segment(tmp_path, seed=5)
     path = store.path(rec.seg_id)
     src = disk_source(store, rec)
@@ -306,7 +312,7 @@ def test_a_damaged_extent_never_reaches_a_plan(tmp_path, damage):
             f.write(bytes([b[0] ^ 0xFF]))
     else:
         os.truncate(path, off + 10)
-    job, pk, pv = restore([src], kv, budget=1.0, period=2, disk=store)
+    job, pk, pv = restore([src], kv, budget=1.0, period=2, disk=store, paged=paged)
     run_prefill(job)
     assert job.stats.bad_extents >= 1
     pos = job.kept_positions(bad_layer)
