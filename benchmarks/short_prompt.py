@@ -126,7 +126,7 @@ def plot(p: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.boxplot([[1e3 * t for t in r["ttfts_s"]] for r in res.values()], tick_labels=list(res))
     ax.set_ylabel("TTFT ms (one-line chat prompt)")
-    ax.set_title("Short prompts: radix page size 16 vs 1")
+    ax.set_title("One-line chat prompts: sgl-loopkv, stock and the parts between")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
