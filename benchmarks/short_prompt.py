@@ -123,8 +123,9 @@ def plot(p: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     res = p["systems"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig, ax = plt.subplots(figsize=(7, 4))
     ax.boxplot([[1e3 * t for t in r["ttfts_s"]] for r in res.values()], tick_labels=list(res))
+    ax.tick_params(axis="x", labelrotation=20)
     ax.set_ylabel("TTFT ms (one-line chat prompt)")
     ax.set_title("One-line chat prompts: sgl-loopkv, stock and the parts between")
     fig.tight_layout()
