@@ -9,6 +9,10 @@ router (``/generate``, greedy), against each configuration in one run:
 - ``2w-private-*``: the same two workers, each with its own tiers (``--loopkv-disk-dir none``: a
   private host arena each, nothing shared);
 
+- ``3w-shared-rr`` / ``3w-private-rr``: three workers of one thread (two of them share a core; with
+  two clients at most two turns run at once), where a conversation's turn finds a worker that
+  served it three turns before, or none of it (summary keys ending ``_3w``);
+
 each under the router's ``round_robin`` (``-rr``: a conversation's next turn lands on either worker)
 and ``cache_aware`` (``-ca``: the router sends a conversation back to the worker that has its prefix)
 policies. Per turn: the worker that served it (``cached_tokens_details.worker``), TTFT, cached tokens
@@ -25,7 +29,7 @@ Two conversation shapes (``--shapes``, default both), the same documents and que
   conversations by :func:`followup`: all the context arrives in the first turn, every later turn is
   a short question about it. A private worker that served any earlier turn recomputes only a short
   question and reply; one that had none of the conversation recomputes the whole context. Played by
-  ``--followup-configs`` (default ``2w-shared-rr 2w-private-rr``, about 4 min more).
+  ``--followup-configs`` (default the two- and three-worker ``round_robin`` pairs, about 8 min more).
 
     python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 5-6 turns, 3-4K tokens, 2 clients (~12 min)
     python -m benchmarks.cluster --convs-per-task 2    # twice the conversations
@@ -73,11 +77,14 @@ CONFIGS = [
     Config("2w-private-rr", 2, False, "round_robin", "two workers x 1 thread, private tiers, round_robin"),
     Config("2w-shared-ca", 2, True, "cache_aware", "two workers x 1 thread, one shared disk tier, cache_aware"),
     Config("2w-private-ca", 2, False, "cache_aware", "two workers x 1 thread, private tiers, cache_aware"),
+    # a third worker: a conversation's turn lands on a worker that saw it three turns before, or never
+    Config("3w-shared-rr", 3, True, "round_robin", "three workers x 1 thread (two share a core), shared tier"),
+    Config("3w-private-rr", 3, False, "round_robin", "three workers x 1 thread (two share a core), private tiers"),
 ]
 
 
 SHAPES = ("loopserve", "followup")
-FOLLOWUP_CONFIGS = ("2w-shared-rr", "2w-private-rr")
+FOLLOWUP_CONFIGS = ("2w-shared-rr", "2w-private-rr", "3w-shared-rr", "3w-private-rr")
 CUMULATIVE_TASKS = ("count", "vartrack")  # questions over "everything said so far"
 
 
@@ -275,21 +282,23 @@ def summarize_shape(results: dict) -> dict:
     per = {name: config_summary(res) for name, res in results.items()}
     answers = {name: {(x["conv"], x["turn"]): x["answer"] for x in res["turns"]} for name, res in results.items()}
     summary: dict = {"per_config": per, "turns_per_min": {n: p["turns_per_min"] for n, p in per.items()}}
-    for pol in ("rr", "ca"):
-        shared, private = f"2w-shared-{pol}", f"2w-private-{pol}"
+    # the two-worker pairs under the plain keys, the three-worker pair's with "_3w" appended
+    for workers, pol, x in ((2, "rr", ""), (2, "ca", ""), (3, "rr", "_3w")):
+        shared, private = f"{workers}w-shared-{pol}", f"{workers}w-private-{pol}"
         if shared in results and private in results:
-            cross = [(x["conv"], x["turn"]) for x in results[shared]["turns"] if x["cross"]]
+            cross = [(t["conv"], t["turn"]) for t in results[shared]["turns"] if t["cross"]]
             same = [answers[shared][k] == answers[private][k] for k in cross]
-            summary[f"cross_worker_answers_identical_{pol}"] = f"{sum(same)}/{len(same)}"
-            summary[f"ttft_ratio_private_over_shared_{pol}"] = ratio(
+            summary[f"cross_worker_answers_identical_{pol}{x}"] = f"{sum(same)}/{len(same)}"
+            summary[f"ttft_ratio_private_over_shared_{pol}{x}"] = ratio(
                 per[private]["cross_worker_ttft_p50_s"], per[shared]["cross_worker_ttft_p50_s"]
             )
-            summary[f"ttft_ratio_private_over_shared_{pol}_first_visit"] = ratio(
+            summary[f"ttft_ratio_private_over_shared_{pol}_first_visit{x}"] = ratio(
                 per[private]["first_visit_ttft_p50_s"], per[shared]["first_visit_ttft_p50_s"]
             )
-    rr = per.get("2w-shared-rr", {})
-    summary["cross_worker_hit_fraction_round_robin"] = rr.get("cross_worker_hit_fraction")
-    summary["ttft_ratio_private_over_shared_round_robin"] = summary.get("ttft_ratio_private_over_shared_rr")
+    for x in ("", "_3w"):
+        rr = per.get(f"{3 if x else 2}w-shared-rr", {})
+        summary[f"cross_worker_hit_fraction_round_robin{x}"] = rr.get("cross_worker_hit_fraction")
+        summary[f"ttft_ratio_private_over_shared_round_robin{x}"] = summary.get(f"ttft_ratio_private_over_shared_rr{x}")
     ident = summary.get("cross_worker_answers_identical_rr", "0/0").split("/")
     summary["cross_worker_resume_identical"] = ident[0] == ident[1] != "0"
     if "1w" in results and "2w-shared-rr" in results:
@@ -355,17 +364,22 @@ def shape_table(per: dict) -> str:
 
 
 def rr_line(s: dict, x: str = "") -> str:
-    """The round_robin verdicts of one shape (``x``: the summary keys' suffix)."""
-    hit = s.get(f"cross_worker_hit_fraction_round_robin{x}")
-    r = s.get(f"ttft_ratio_private_over_shared_round_robin{x}")
-    return (
-        f"round_robin: {fmt(hit)} of the cross-worker turns resumed from the shared tier (target >= 0.9: "
-        f"{verdict(hit, 0.9)}); their TTFT p50 private / shared = {fmt(r)}x (target >= 3x: {verdict(r, 3.0)}), "
-        f"{fmt(s.get(f'ttft_ratio_private_over_shared_rr_first_visit{x}'))}x for those on a worker that had served "
-        f"none of the conversation before; answers of those turns identical to the private run's (recomputed): "
-        f"{s.get(f'cross_worker_answers_identical_rr{x}', '-')}; all answers vs one worker: "
-        f"{s.get(f'answers_identical_to_one_worker_rr{x}', '-')}."
-    )
+    """The round_robin verdicts of one shape (``x``: the summary keys' suffix), two workers then three."""
+    lines = []
+    for n, w in (("two", ""), ("three", "_3w")):
+        hit = s.get(f"cross_worker_hit_fraction_round_robin{w}{x}")
+        r = s.get(f"ttft_ratio_private_over_shared_round_robin{w}{x}")
+        if hit is None and r is None:
+            continue
+        lines.append(
+            f"round_robin, {n} workers: {fmt(hit)} of the cross-worker turns resumed from the shared tier "
+            f"(target >= 0.9: {verdict(hit, 0.9)}); their TTFT p50 private / shared = {fmt(r)}x (target >= 3x: "
+            f"{verdict(r, 3.0)}), {fmt(s.get(f'ttft_ratio_private_over_shared_rr_first_visit{w}{x}'))}x for those "
+            f"on a worker that had served none of the conversation before; answers of those turns identical to "
+            f"the private run's (recomputed): {s.get(f'cross_worker_answers_identical_rr{w}{x}', '-')}."
+        )
+    one = s.get(f"answers_identical_to_one_worker_rr{x}")
+    return "\n\n".join(lines) + (f" All answers (two workers, shared) vs one worker: {one}." if one else "")
 
 
 def report_md(p: dict) -> str:
@@ -383,7 +397,7 @@ def report_md(p: dict) -> str:
             "question)\n\n" + shape_table(s["per_config"])
         )
         text += (
-            f"\n{rr_line(s)} cache_aware: "
+            f"\n{rr_line(s)}\n\ncache_aware: "
             + (
                 f"TTFT ratio {fmt(s['ttft_ratio_private_over_shared_ca'])}x"
                 if s.get("ttft_ratio_private_over_shared_ca") is not None

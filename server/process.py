@@ -7,6 +7,7 @@ way a user does (``python -m sgl_loopkv.launch_server`` or stock ``python -m sgl
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,9 +20,29 @@ from pathlib import Path
 
 import requests
 
+#: Where :func:`free_port` picks. Not the kernel's ephemeral range (32768+ by default): a port picked
+#: there is free only until the server binds it, and meanwhile any socket bound to port 0 can take it
+#: (an outgoing connection, or gloo's listeners in another worker's scheduler: a cluster benchmark's
+#: third worker once found its port taken so and never came up). Not SGLang's own range for the ports
+#: it binds later either (22000-29999, ``get_free_port_below_ephemeral``).
+PORT_RANGE = (15000, 21999)
+_handed: set[int] = set()  # picked by this process already: two servers started together never share one
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that nothing listens on now, for a server about to start (see PORT_RANGE)."""
+    lo, hi = PORT_RANGE
+    for port in random.sample(range(lo, hi + 1), min(64, hi - lo + 1)):
+        if port in _handed:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    with socket.socket() as s:  # the range is full: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -14,6 +14,8 @@ What it registers today:
 - bad input answered with a readable 4xx, never a 5xx or a server path (:mod:`sgl_loopkv.server.errors`,
   :mod:`sgl_loopkv.server.request_checks`), in servers of sgl-loopkv's launcher;
 - per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`);
+- requests whose history another worker is writing held back in the queue, not waited for on the
+  scheduler thread (:mod:`sgl_loopkv.cache.awaited`);
 - decode-step linear layers split over torch's threads (:mod:`sgl_loopkv.models.decode_linear`), in
   servers of sgl-loopkv's launcher other than ``--loopkv-stock``.
 New components are registered here, nowhere else.
@@ -78,6 +80,7 @@ def _register_radix_cache_backend() -> None:
 def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from sgl_loopkv.cache import awaited
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import decode_linear
@@ -86,6 +89,7 @@ def _register_hooks() -> None:
     hooks = [
         (openai_model_check.TARGET, openai_model_check.check_model_name, HookType.AROUND),
         (cache_backend.CACHED_TOKENS_DETAILS_TARGET, cache_backend.cached_tokens_details, HookType.AROUND),
+        (awaited.TARGET, awaited.hold_back_awaited, HookType.AROUND),
         (limits.GENERATE_TARGET, limits.check_generate_request, HookType.BEFORE),
         (limits.SIGTERM_TARGET, limits.abort_after_grace, HookType.AROUND),
         (redact.REDACT_TARGET, redact.redact_secret_fields, HookType.AFTER),

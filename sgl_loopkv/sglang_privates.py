@@ -93,6 +93,24 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "has streamed the batch's outputs; a finished turn is stored to the tiers there, not before its last token",
     ),
     PrivateUse(
+        "sglang.srt.managers.scheduler:Scheduler.get_new_batch_prefill",
+        "a8b9a7a4fee3e50eea30094ab73dfcc4c840c8398c1d4d8cc5b231849d2980ee",
+        "AROUND hook (cache/awaited.py): called with running_batch, returns a NextBatchPlan (batch_to_run, "
+        "running_batch); fields waiting_queue (a list of Req, replaced for the call) and tree_cache read",
+    ),
+    PrivateUse(
+        "sglang.srt.managers.scheduler:Scheduler._get_new_batch_prefill_raw",
+        "09e8cf03a4d0c1bb2eaeed359d929a07c7df0c44281849b92ed2cba922402eec",
+        "relied on (cache/awaited.py): admits requests from self.waiting_queue only, and leaves there (a new list) "
+        "the ones it did not admit",
+    ),
+    PrivateUse(
+        "sglang.srt.managers.schedule_batch:Req.init_next_round_input",
+        "e7af52023f823aec3726cf67236ed435b6cf8e585376f3032bcb636bf73372fb",
+        "called with the tree cache (cache/radix.py awaits_write): matches the request as the scheduler does "
+        "before admitting it (match_prefix with req=self)",
+    ),
+    PrivateUse(
         f"{POOL}:MHATokenToKVPool.get_key_buffer",
         "ab5fc2d68e854c1d8c0f34ae5d0ed0d79072df1d95b06ca56198a542046c9919",
         "relied on (cache/loader.py): waits on the registered layer transfer counter before handing out a layer",

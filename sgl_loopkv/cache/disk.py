@@ -28,7 +28,9 @@ found again once any worker stores it anew.
 of the first is on disk (the write-through is asynchronous). So a worker that queues a segment
 first *announces* it: ``chunks/<h[s]>.pending`` (empty) for its first chunk, removed when the
 segment is published (or failed). A lookup that misses a chunk whose announcement exists waits for
-it, up to :data:`PENDING_WAIT_S`, instead of recomputing what is being written right now.
+it, up to :data:`PENDING_WAIT_S` (more for a long segment), instead of recomputing what is being
+written right now. The server's scheduler does not wait in the lookup: it holds that request back
+and serves the others meanwhile (:mod:`sgl_loopkv.cache.awaited`).
 
 Every extent (one chunk of one layer) and the header carry a crc32; a read that finds a missing
 (:class:`SegmentGone`: evicted by some worker), truncated or corrupt file raises
@@ -91,6 +93,14 @@ class Found:
     record: SegmentRecord
     lo: int
     hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class Announced:
+    """A chunk that no segment holds yet but a live writer announced: its segment is on its way.
+    ``wait_s``: how long a lookup should wait for it, from when it first saw the announcement."""
+
+    wait_s: float
 
 
 def _fsync_dir(path: Path) -> None:
@@ -316,24 +326,33 @@ class DiskSegmentStore:
         """The stored segment holding chunk ``first`` of the history whose chain hashes are
         ``chain``, and how many of the following chunks it holds too (one ``open``). None when no
         worker stored that chunk (or its segment was evicted); a chunk announced by a writer is
-        waited for, up to ``wait_s``."""
-        link = self._chunk_path(chain[first])
-        start, deadline = time.monotonic(), None
+        waited for, up to ``wait_s`` (or longer for a long segment: :meth:`_wait_budget`), on this
+        thread. The scheduler does not wait here: it uses :meth:`probe` and holds the request back."""
+        deadline = None
         while True:
+            found = self.probe(chain, first, wait_s)
+            if not isinstance(found, Announced):
+                return found
+            deadline = deadline or time.monotonic() + found.wait_s
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+
+    def probe(self, chain: list[str], first: int, wait_s: float = PENDING_WAIT_S) -> Found | Announced | None:
+        """:meth:`find` without waiting: an announced chunk whose writer may still publish it is
+        :class:`Announced` (with how long it is worth waiting for), a chunk nobody stores None."""
+        link = self._chunk_path(chain[first])
+        try:
+            fd = os.open(link, os.O_RDONLY)
+        except FileNotFoundError:
+            pending = self._chunk_path(chain[first], PENDING)
             try:
-                fd = os.open(link, os.O_RDONLY)
-                break
-            except FileNotFoundError:
-                pending = self._chunk_path(chain[first], PENDING)
-                try:
-                    fresh = time.time() - pending.stat().st_mtime < PENDING_STALE_S
-                    if deadline is None:
-                        deadline = start + self._wait_budget(pending.read_text(), wait_s)
-                except (FileNotFoundError, OSError):
-                    fresh = False
-                if not fresh or time.monotonic() > deadline:
+                if time.time() - pending.stat().st_mtime >= PENDING_STALE_S:
                     return None
-                time.sleep(0.005)
+                budget = self._wait_budget(pending.read_text(), wait_s)
+            except OSError:  # not announced, or published (and unannounced) since the open
+                return self.probe(chain, first, wait_s) if os.path.exists(link) else None
+            return Announced(budget) if budget > 0 else None
         try:
             header = self.codec.header(fd, "chunk " + chain[first])
         except CorruptSegment as e:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
@@ -51,7 +52,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
-from sgl_loopkv.cache.disk import FORMAT_VERSION, CorruptSegment, SegmentRecord
+from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, CorruptSegment, Found, SegmentRecord
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
@@ -120,6 +121,10 @@ class LoopKVRadixCache(RadixCache):
         self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per source
         # rid -> (prompt chunks, their chain hashes, position of the last lookup that found nothing, when)
         self._lookups: OrderedDict[str, tuple[int, list[str], int, float]] = OrderedDict()
+        # rid -> (the announced chunk its lookup ended at, until when it is worth waiting for, whether
+        # the last lookup still ended there): the scheduler holds such a request back (awaits_write)
+        self._awaiting: OrderedDict[str, tuple[str, float, bool]] = OrderedDict()
+        self._probed: OrderedDict[str, None] = OrderedDict()  # requests looked up at least once
         self._trimmed_at = 0.0
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
         # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
@@ -451,6 +456,7 @@ class LoopKVRadixCache(RadixCache):
         self.store.sync()  # evictions the disk writer made: their nodes go before the walk
         device_len, last_device, stored = self._walk(key)
         if getattr(params, "req", None) is not None and self.store.disk is not None:
+            self._remember(self._probed, params.req.rid, None)
             end = stored[-1] if stored else last_device
             stored += self._discover(key, end, device_len + sum(len(nd.key) for nd in stored), params.req.rid)
         req = getattr(params, "req", None)
@@ -523,12 +529,13 @@ class LoopKVRadixCache(RadixCache):
         chain = last[1] if last is not None and last[0] == n else self._chain(key.raw_token_ids(), key)
         found_nodes = []
         while pos < len(key):
-            found = self.store.disk.find(chain, pos // page)
-            if found is None:
-                self._lookups[rid] = (n, chain, pos, now)
-                self._lookups.move_to_end(rid)
-                while len(self._lookups) > 4096:
-                    self._lookups.popitem(last=False)
+            found = self.store.disk.probe(chain, pos // page)
+            if isinstance(found, Announced) and self._await(rid, chain[pos // page], found, now):
+                self._remember(self._lookups, rid, (n, chain, pos, -math.inf))  # looked up again next round
+                break
+            self._stop_awaiting(rid)
+            if not isinstance(found, Found):
+                self._remember(self._lookups, rid, (n, chain, pos, now))
                 break
             n = (found.hi - found.lo) * page
             self.store.register(found.record)
@@ -543,6 +550,45 @@ class LoopKVRadixCache(RadixCache):
                 "loopkv: found %d stored tokens on the shared disk tier", sum(len(nd.key) for nd in found_nodes)
             )
         return found_nodes
+
+    @staticmethod
+    def _remember(table: OrderedDict, rid: str, value) -> None:
+        table[rid] = value
+        table.move_to_end(rid)
+        while len(table) > 4096:
+            table.popitem(last=False)
+
+    def _await(self, rid: str, chunk_hash: str, announced: Announced, now: float) -> bool:
+        """The lookup of ``rid`` ended at a chunk another worker announced: whether to hold the
+        request back for it (its budget counted from when this request first saw that announcement)."""
+        prev = self._awaiting.get(rid)
+        until = prev[1] if prev is not None and prev[0] == chunk_hash else now + announced.wait_s
+        self._remember(self._awaiting, rid, (chunk_hash, until, now < until))
+        return now < until
+
+    def _stop_awaiting(self, rid: str) -> None:
+        prev = self._awaiting.get(rid)
+        if prev is not None and prev[2]:
+            self._awaiting[rid] = (prev[0], prev[1], False)
+
+    def awaits_write(self, req) -> bool:
+        """Whether the scheduler should hold ``req`` back this round: its history goes on in a
+        segment that another worker announced and has not published yet, and waiting for it is
+        still worth it (the announcement's budget, :meth:`DiskSegmentStore.probe`). A request seen
+        for the first time, or one held back, is looked up here as its next match would (SGLang's
+        ``init_next_round_input``): the hook that calls this runs before the scheduler matches and
+        admits requests (:mod:`sgl_loopkv.cache.awaited`)."""
+        if self.disable or self.store.disk is None:
+            return False
+        rid = req.rid
+        waiting = self._awaiting.get(rid)
+        if rid in self._probed and (waiting is None or not waiting[2]):
+            return False
+        self._remember(self._probed, rid, None)
+        self._stop_awaiting(rid)  # the lookup below says it again if it still ends at an announcement
+        req.init_next_round_input(self)
+        waiting = self._awaiting.get(rid)
+        return waiting is not None and waiting[2]
 
     # --- chunk-pruned restores (ContiguousKV, :mod:`sgl_loopkv.cache.pruned`) ---------------------
     def _prunes(self, stored: list[TreeNode]) -> bool:

@@ -58,3 +58,29 @@ def test_a_missing_router_says_how_to_install_it(monkeypatch, capsys):
 def test_a_bad_worker_count_on_the_command_line_is_a_clear_error():
     with pytest.raises(SystemExit, match="--workers must be at least 1, not 0"):
         cluster_mod.main(["--workers", "0"])
+
+
+def test_server_ports_are_picked_where_no_port_0_bind_can_take_them():
+    """A worker's port is picked before it starts and bound seconds later; a port of the kernel's
+    ephemeral range can be taken meanwhile by any socket bound to port 0 (gloo's listeners in
+    another worker's scheduler took one, and that worker never came up). The picks stay below it
+    (and below SGLang's own 22000-29999), never repeat, and skip a port in use."""
+    import socket
+
+    from sgl_loopkv.server import process
+
+    lo, hi = process.PORT_RANGE
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    assert hi < min(22000, ephemeral_low)
+    ports = [process.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50 and all(lo <= p <= hi for p in ports)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        process.PORT_RANGE = (taken, taken)  # the only port there is in use: the fallback, not it
+        try:
+            assert process.free_port() != taken
+        finally:
+            process.PORT_RANGE = (lo, hi)

@@ -17,7 +17,7 @@ import time
 from types import SimpleNamespace
 
 import torch
-from sglang.srt.mem_cache.base_prefix_cache import EvictParams, MatchPrefixParams
+from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, MatchPrefixParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
@@ -59,7 +59,7 @@ def test_another_worker_finds_a_history_whatever_its_segment_boundaries(tmp_path
     a_kv = kv_at(a, a_node)
     b.kv_pool.k_buffer = [k + 1 for k in b.kv_pool.k_buffer]  # B's KV differs from A's: the source shows
     b.kv_pool.v_buffer = [v + 1 for v in b.kv_pool.v_buffer]
-    b.store.disk.find = lambda chain, first: None  # B does not look: it computes the whole history itself
+    b.store.disk.probe = lambda chain, first: None  # B does not look: it computes the whole history itself
     b_node = add_turn(b, b_alloc, h1 + h2 + h3)
     b_kv = kv_at(b, b_node)
     assert len(list(tmp_path.glob("seg_*.kv"))) == 3
@@ -287,3 +287,80 @@ def test_a_lookup_waits_longer_for_a_longer_announced_segment_and_not_for_a_dead
     assert store.find(chain, 0) is None and time.monotonic() - t0 < 0.5  # its writer is gone: no wait
     DiskSegmentStore(tmp_path, 1 << 30, GEO)  # a worker starting removes that announcement
     assert not marker_path.exists()
+
+
+class _Req:
+    """What awaits_write needs of SGLang's Req: a rid, and init_next_round_input matching it."""
+
+    def __init__(self, rid: str, tokens: list[int]):
+        self.rid, self.tokens, self.match = rid, tokens, None
+
+    def init_next_round_input(self, cache):
+        self.match = cache.match_prefix(MatchPrefixParams(key=RadixKey(self.tokens + [7] * CHUNK, None), req=self))
+
+
+def test_a_request_whose_history_is_being_written_is_held_back_not_waited_for(tmp_path):
+    """The next turn reaches worker B while A's segment of the turn before is only announced: B's
+    lookup returns at once (the scheduler thread never sleeps in it) and says to hold the request
+    back; once A publishes, the request loads the history; past the announcement's budget it is
+    admitted and recomputes."""
+    a, a_alloc = make_cache(tmp_path, host_bytes=1 << 20)
+    b, _ = make_cache(tmp_path, host_bytes=1 << 20)
+    h = list(range(100, 164))
+    key = RadixKey(h, None)
+    a.insert(InsertParams(key=key, value=a_alloc.alloc(len(h))))
+    a.queue_backup(a.match_prefix(MatchPrefixParams(key=key)).last_device_node, [], None)  # announced only
+
+    req = _Req("turn-2", h)
+    t0 = time.monotonic()
+    assert b.awaits_write(req) and b.awaits_write(req)  # looked up again each round, still announced
+    assert time.monotonic() - t0 < 0.5 and req.match.device_prefix_len == 0
+    other = _Req("elsewhere", list(range(900, 964)))
+    assert not b.awaits_write(other) and not b.awaits_write(other)  # nothing announced: admitted as usual
+
+    a.flush_pending_backups()  # A's turn published
+    a.store.flush()
+    assert not b.awaits_write(req)
+    assert req.match.device_prefix_len == len(h) and b.store.stats.hit_tokens["disk"] == len(h)
+
+    h2 = list(range(200, 264))
+    key2 = RadixKey(h2, None)
+    a.insert(InsertParams(key=key2, value=a_alloc.alloc(len(h2))))
+    a.queue_backup(a.match_prefix(MatchPrefixParams(key=key2)).last_device_node, [], None)
+    late = _Req("late", h2)
+    assert b.awaits_write(late)
+    chunk_hash, _, _ = b._awaiting["late"]
+    b._awaiting["late"] = (chunk_hash, time.monotonic() - 1, True)  # its wait budget spent
+    assert not b.awaits_write(late) and late.match.device_prefix_len == 0  # admitted: recomputed
+    assert not b.awaits_write(late)  # and not held back again for the same announcement
+
+
+def test_the_scheduler_hook_admits_the_others_while_it_holds_a_request_back():
+    from sgl_loopkv.cache import awaited
+
+    held, admitted, queued = (SimpleNamespace(rid=x) for x in "abc")
+    sched = SimpleNamespace(
+        tree_cache=SimpleNamespace(awaits_write=lambda req: req is held), waiting_queue=[held, admitted, queued]
+    )
+    seen = []
+
+    def get_new_batch_prefill(self, running_batch):
+        seen.append(list(self.waiting_queue))
+        self.waiting_queue = [r for r in self.waiting_queue if r is not admitted]  # SGLang admits one
+        return SimpleNamespace(batch_to_run="batch", running_batch=running_batch)
+
+    plan = awaited.hold_back_awaited(get_new_batch_prefill, sched, SimpleNamespace(is_empty=lambda: True))
+    assert plan.batch_to_run == "batch"
+    assert seen == [[admitted, queued]] and sched.waiting_queue == [held, queued]  # back at the front
+
+    def nothing_to_run(self, running_batch):
+        return SimpleNamespace(batch_to_run=None, running_batch=running_batch)
+
+    sched.waiting_queue = [held]
+    t0 = time.perf_counter()
+    awaited.hold_back_awaited(nothing_to_run, sched, SimpleNamespace(is_empty=lambda: True))
+    assert time.perf_counter() - t0 >= awaited.IDLE_NAP_S and sched.waiting_queue == [held]  # naps, no spin
+    sched.tree_cache = SimpleNamespace()  # another radix cache: the call passes through
+    sched.waiting_queue = [held, admitted]
+    awaited.hold_back_awaited(get_new_batch_prefill, sched, None)
+    assert seen[-1] == [held, admitted] and sched.waiting_queue == [held]
