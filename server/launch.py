@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from sgl_loopkv.config import LoopKVConfig
@@ -94,6 +95,21 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     return config, with_defaults(rest, defaults), on_gpu
 
 
+def refuse_a_taken_port(host: str, port: int) -> None:
+    """Exit at once with a readable error when ``host:port`` cannot be bound. SGLang finds out only
+    after loading the model, and then its HTTP server stops while its scheduler lives on: the
+    process never exits, and a launcher waiting for it waits for its whole timeout."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a TIME_WAIT leftover is fine
+            s.bind(addr)
+    except OSError as e:
+        raise SystemExit(
+            f"sgl-loopkv: cannot serve on {host}:{port}: {e.strerror or e} (another process uses it? choose --port)"
+        ) from None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
@@ -115,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     load_plugins()  # our entry point and any other installed plugin, as sglang.launch_server does
     register()  # idempotent; keeps loopkv available even if SGLANG_PLUGINS filters entry points
     server_args = prepare_server_args(sglang_argv)
+    refuse_a_taken_port(server_args.host, server_args.port)
     redact_server_args(server_args)  # /server_info shows the command line: no keys in it
     # Only the one-tokenizer app: with --tokenizer-worker-num > 1 uvicorn workers import a fresh app.
     install_http_limits(app, config.limits)

@@ -26,8 +26,9 @@ found again once any worker stores it anew.
 
 **A write in flight.** Turns end and the next one may arrive at another worker before the segment
 of the first is on disk (the write-through is asynchronous). So a worker that queues a segment
-first *announces* it: ``chunks/<h[s]>.pending`` (empty) for its first chunk, removed when the
-segment is published (or failed). A lookup that misses a chunk whose announcement exists waits for
+first *announces* it: ``chunks/<h[j]>.pending`` for each of its chunks (one small file naming the
+writer and the segment's tokens, hard-linked under every name), removed when the segment is
+published (or failed). A lookup that misses a chunk whose announcement exists waits for
 it, up to :data:`PENDING_WAIT_S` (more for a long segment), instead of recomputing what is being
 written right now. The server's scheduler does not wait in the lookup: it holds that request back
 and serves the others meanwhile (:mod:`sgl_loopkv.cache.awaited`).
@@ -178,20 +179,29 @@ class DiskSegmentStore:
         return self.root / CHUNKS / (chunk_hash + suffix)
 
     def announce(self, record: SegmentRecord) -> None:
-        """A write of ``record`` is queued: a lookup of its first chunk waits for it (see the module doc)."""
-        if record.chunk_hashes:
-            with contextlib.suppress(OSError):  # only an optimisation: a miss recomputes
-                fd = os.open(self._chunk_path(record.chunk_hashes[0], PENDING), os.O_WRONLY | os.O_CREAT, 0o600)
-                try:
-                    # whose (a dead writer's goes at start-up) and how many tokens (how long a lookup waits)
-                    os.write(fd, f"{self.dir.host} {os.getpid()} {len(record.token_ids)}".encode())
-                finally:
-                    os.close(fd)
+        """A write of ``record`` is queued: a lookup of any of its chunks waits for it (see the module
+        doc). Every chunk is announced, not just the first: another worker's lookup starts wherever
+        its own tree ends, often inside this segment (after a system prompt that many conversations
+        share, say). One small file, hard-linked under each chunk's name (no bytes: a 3.5K-token
+        segment's 220 names take ~2 ms)."""
+        if not record.chunk_hashes:
+            return
+        with contextlib.suppress(OSError):  # only an optimisation: a miss recomputes
+            first = self._chunk_path(record.chunk_hashes[0], PENDING)
+            fd = os.open(first, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                # whose (a dead writer's goes at start-up) and how many tokens (how long a lookup waits)
+                os.write(fd, f"{self.dir.host} {os.getpid()} {len(record.token_ids)}".encode())
+            finally:
+                os.close(fd)
+            for h in record.chunk_hashes[1:]:
+                with contextlib.suppress(FileExistsError):  # announced by another writer too
+                    os.link(first, self._chunk_path(h, PENDING))
 
     def unannounce(self, record: SegmentRecord) -> None:
         """The announced write will not happen (or is done): lookups stop waiting for it."""
-        if record.chunk_hashes:
-            self._chunk_path(record.chunk_hashes[0], PENDING).unlink(missing_ok=True)
+        for h in record.chunk_hashes:
+            self._chunk_path(h, PENDING).unlink(missing_ok=True)
 
     # --- write -------------------------------------------------------------------------------
     def file_bytes(self, n_chunks: int, n_tokens_ids: int) -> int:

@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
-from sgl_loopkv.cache.disk import FORMAT_VERSION, DiskSegmentStore, SegmentGone, SegmentRecord
+from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, DiskSegmentStore, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.disk_dir import SharedDirectory
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from tests.unit.test_radix_tree import CHUNK, LAYERS, SLOTS, add_turn, make_cache
@@ -245,6 +245,7 @@ def test_a_lookup_waits_for_an_announced_write_and_not_otherwise(tmp_path):
     t0 = time.monotonic()
     assert reader.find(chain, 0) is None and time.monotonic() - t0 < 0.5  # nothing announced: no wait
     writer.announce(rec)
+    assert isinstance(reader.probe(chain, 1), Announced)  # every chunk announced: a lookup may start anywhere
     timer = threading.Timer(0.3, writer.write, (rec, kv, summ))
     timer.start()
     t0 = time.monotonic()
@@ -303,10 +304,12 @@ def test_a_request_whose_history_is_being_written_is_held_back_not_waited_for(tm
     """The next turn reaches worker B while A's segment of the turn before is only announced: B's
     lookup returns at once (the scheduler thread never sleeps in it) and says to hold the request
     back; once A publishes, the request loads the history; past the announcement's budget it is
-    admitted and recomputes."""
+    admitted and recomputes. B already holds the history's first chunk (a system prompt that its
+    other conversations share), so its lookup starts inside A's segment, not at its first chunk."""
     a, a_alloc = make_cache(tmp_path, host_bytes=1 << 20)
-    b, _ = make_cache(tmp_path, host_bytes=1 << 20)
+    b, b_alloc = make_cache(tmp_path, host_bytes=1 << 20)
     h = list(range(100, 164))
+    b.insert(InsertParams(key=RadixKey(h[:CHUNK], None), value=b_alloc.alloc(CHUNK)))
     key = RadixKey(h, None)
     a.insert(InsertParams(key=key, value=a_alloc.alloc(len(h))))
     a.queue_backup(a.match_prefix(MatchPrefixParams(key=key)).last_device_node, [], None)  # announced only
@@ -314,14 +317,15 @@ def test_a_request_whose_history_is_being_written_is_held_back_not_waited_for(tm
     req = _Req("turn-2", h)
     t0 = time.monotonic()
     assert b.awaits_write(req) and b.awaits_write(req)  # looked up again each round, still announced
-    assert time.monotonic() - t0 < 0.5 and req.match.device_prefix_len == 0
+    assert time.monotonic() - t0 < 0.5 and req.match.device_prefix_len == CHUNK
     other = _Req("elsewhere", list(range(900, 964)))
     assert not b.awaits_write(other) and not b.awaits_write(other)  # nothing announced: admitted as usual
 
     a.flush_pending_backups()  # A's turn published
     a.store.flush()
     assert not b.awaits_write(req)
-    assert req.match.device_prefix_len == len(h) and b.store.stats.hit_tokens["disk"] == len(h)
+    assert req.match.device_prefix_len == len(h) and b.store.stats.hit_tokens["disk"] == len(h) - CHUNK
+    assert not list((tmp_path / "chunks").glob("*.pending"))  # every chunk's announcement gone
 
     h2 = list(range(200, 264))
     key2 = RadixKey(h2, None)
