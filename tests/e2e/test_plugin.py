@@ -57,7 +57,8 @@ def test_plugin_registration_is_idempotent():
         """
     )
     assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"]
-    assert len(out["registered"]) == 5 and set(out["registered"].values()) == {1}, out["registered"]
+    assert len(out["registered"]) == 6 and set(out["registered"].values()) == {1}, out["registered"]
+    assert "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill" in out["registered"]  # cache/awaited.py
     assert not out["wrapped_twice"]
 
 
