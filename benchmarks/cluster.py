@@ -13,6 +13,14 @@ router (``/generate``, greedy), against each configuration in one run:
   two clients at most two turns run at once), where a conversation's turn finds a worker that
   served it three turns before, or none of it (summary keys ending ``_3w``);
 
+- ``2w-shared-ca-failover`` / ``2w-private-ca-failover``: the failover drill. Two workers under
+  ``cache_aware`` play every conversation's turns before turn ``FAILOVER_TURN``; then the worker that
+  served the most of those conversations last is killed with ``kill -9``, the router's health checks
+  take it out (that wait is reported, not timed into any turn), and the survivor plays the rest. A
+  *failover* turn is the first turn of a conversation whose previous turn the dead worker served:
+  with a shared tier the survivor resumes it from the dead worker's segments, with private tiers it
+  recomputes the whole history (summary keys ``*_failover``);
+
 each under the router's ``round_robin`` (``-rr``: a conversation's next turn lands on either worker)
 and ``cache_aware`` (``-ca``: the router sends a conversation back to the worker that has its prefix)
 policies. Per turn: the worker that served it (``cached_tokens_details.worker``), TTFT, cached tokens
@@ -69,8 +77,10 @@ class Config:
     shared: bool
     policy: str
     what: str
+    kill_before_turn: int | None = None  # failover drill: kill -9 one worker before this turn
 
 
+FAILOVER_TURN = 3  # histories of ~1.5-2K tokens (LoopServe-style) or the whole context (follow-up)
 CONFIGS = [
     Config("1w", 1, True, "round_robin", "one worker, 2 threads"),
     Config("2w-shared-rr", 2, True, "round_robin", "two workers x 1 thread, one shared disk tier, round_robin"),
@@ -80,11 +90,29 @@ CONFIGS = [
     # a third worker: a conversation's turn lands on a worker that saw it three turns before, or never
     Config("3w-shared-rr", 3, True, "round_robin", "three workers x 1 thread (two share a core), shared tier"),
     Config("3w-private-rr", 3, False, "round_robin", "three workers x 1 thread (two share a core), private tiers"),
+    # a worker lost: its conversations move to the survivor
+    Config(
+        "2w-shared-ca-failover",
+        2,
+        True,
+        "cache_aware",
+        f"two workers x 1 thread, shared tier, cache_aware; kill -9 of one before turn {FAILOVER_TURN}",
+        FAILOVER_TURN,
+    ),
+    Config(
+        "2w-private-ca-failover",
+        2,
+        False,
+        "cache_aware",
+        f"two workers x 1 thread, private tiers, cache_aware; kill -9 of one before turn {FAILOVER_TURN}",
+        FAILOVER_TURN,
+    ),
 ]
+FAILOVER_PAIR = ("2w-shared-ca-failover", "2w-private-ca-failover")
 
 
 SHAPES = ("loopserve", "followup")
-FOLLOWUP_CONFIGS = ("2w-shared-rr", "2w-private-rr", "3w-shared-rr", "3w-private-rr")
+FOLLOWUP_CONFIGS = ("2w-shared-rr", "2w-private-rr", "3w-shared-rr", "3w-private-rr", *FAILOVER_PAIR)
 CUMULATIVE_TASKS = ("count", "vartrack")  # questions over "everything said so far"
 
 
@@ -151,8 +179,9 @@ def generate_turn(url: str, prompt: str, max_tokens: int) -> dict:
     }
 
 
-def play(url: str, convs: list[conv.Conversation], clients: int, tok) -> list[dict]:
-    """Every conversation's turns in order, ``clients`` conversations at a time."""
+def play(url: str, convs: list[conv.Conversation], clients: int, tok, turns_from: int = 0, turns_to=None) -> list[dict]:
+    """Every conversation's turns ``[turns_from, turns_to)`` in order, ``clients`` conversations at a
+    time (earlier turns are in each prompt as history, with gold replies)."""
     todo: queue.Queue[conv.Conversation] = queue.Queue()
     for c in convs:
         todo.put(c)
@@ -165,7 +194,7 @@ def play(url: str, convs: list[conv.Conversation], clients: int, tok) -> list[di
                 c = todo.get_nowait()
             except queue.Empty:
                 return
-            for t, turn in enumerate(c.turns):
+            for t, turn in list(enumerate(c.turns))[turns_from:turns_to]:
                 start = time.perf_counter() - t0
                 try:
                     prompt = tok.apply_chat_template(c.messages(t), tokenize=False, add_generation_prompt=True)
@@ -214,25 +243,54 @@ def mark_cross_worker(turns: list[dict]) -> None:
         seen.setdefault(x["conv"], set()).add(x["worker"])
 
 
+def busiest_worker(turns: list[dict], before_turn: int) -> str | None:
+    """The worker that served the most conversations' turn ``before_turn - 1`` (ties: the first seen)."""
+    last = [x["worker"] for x in turns if x["turn"] == before_turn - 1 and x["worker"] is not None]
+    return max(dict.fromkeys(last), key=last.count) if last else None
+
+
+def mark_failover(turns: list[dict], victim: str | None, at_turn: int) -> None:
+    """``failover``: turn ``at_turn`` of a conversation whose previous turn ``victim`` served (the
+    first turn after that worker was lost)."""
+    prev = {(x["conv"], x["turn"]): x["worker"] for x in turns}
+    for x in turns:
+        x["failover"] = victim is not None and x["turn"] == at_turn and prev.get((x["conv"], at_turn - 1)) == victim
+
+
 def run_config(cfg: Config, convs, clients: int, worker_flags: list[str], log_dir: Path, tok) -> dict:
     disk = Path(tempfile.mkdtemp(prefix="loopkv-cluster-"))
     flags = [*worker_flags, "--loopkv-disk-dir", str(disk) if cfg.shared else "none"]
     (log_dir / cfg.name).mkdir(parents=True, exist_ok=True)
     cluster = Cluster(flags, workers=cfg.workers, policy=cfg.policy, log_dir=log_dir / cfg.name)
     t_start = time.perf_counter()
+    drill: dict = {}
     try:
         cluster.start()
         startup_s = time.perf_counter() - t_start
-        for p in cluster.procs:  # one warm-up turn per worker, straight to it: first-use costs off the clock
-            generate_turn(p.url, "Say hello.", 4)
+        # one warm-up turn per worker, straight to it: first-use costs off the clock (and its worker id)
+        ids = [(generate_turn(p.url, "Say hello.", 4)["cached_details"] or {}).get("worker") for p in cluster.procs]
         t0 = time.perf_counter()
-        turns = play(cluster.url, convs, clients, tok)
+        k = cfg.kill_before_turn
+        turns = play(cluster.url, convs, clients, tok, 0, k)
         wall = time.perf_counter() - t0
+        if k is not None:
+            victim = busiest_worker(turns, k)
+            if victim not in ids:
+                raise RuntimeError(f"turn {k - 1} was served by {victim!r}, none of the workers {ids}")
+            t_kill = time.perf_counter()
+            cluster.kill_worker(ids.index(victim))
+            cluster.wait_healthy(cfg.workers - 1)  # the router's health checks took it out
+            drill = {"victim": victim, "routed_around_s": time.perf_counter() - t_kill}
+            t0 = time.perf_counter()
+            turns += play(cluster.url, convs, clients, tok, k)
+            wall += time.perf_counter() - t0
+            mark_failover(turns, victim, k)
     finally:
         cluster.stop()
         shutil.rmtree(disk, ignore_errors=True)
+    turns.sort(key=lambda x: (x["conv"], x["turn"]))
     mark_cross_worker(turns)
-    return {"config": asdict(cfg), "startup_s": startup_s, "wall_s": wall, "turns": turns}
+    return {"config": asdict(cfg), "startup_s": startup_s, "wall_s": wall, "turns": turns, **drill}
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -268,6 +326,21 @@ def config_summary(res: dict) -> dict:
         "recompute_tokens_avoided": sum(x["cached_tokens"] or 0 for x in turns),
         "recompute_tokens_avoided_shared": sum(x["storage_shared"] for x in turns),
         "mean_score": sum(x["score"] for x in turns) / len(turns),
+        **failover_summary(res),
+    }
+
+
+def failover_summary(res: dict) -> dict:
+    """The failover drill's figures of one configuration (none for a configuration without one)."""
+    if "victim" not in res:
+        return {}
+    moved = [x for x in res["turns"] if x.get("failover")]
+    return {
+        "failover_turns": len(moved),
+        "failover_ttft_p50_s": pct([x["ttft_s"] for x in moved], 0.5),
+        "failover_hit_fraction": sum(x["storage_shared"] > 0 for x in moved) / len(moved) if moved else None,
+        "failover_history_tokens_p50": pct([x["cached_tokens"] or 0 for x in moved], 0.5),
+        "routed_around_s": res["routed_around_s"],
     }
 
 
@@ -295,6 +368,15 @@ def summarize_shape(results: dict) -> dict:
             summary[f"ttft_ratio_private_over_shared_{pol}_first_visit{x}"] = ratio(
                 per[private]["first_visit_ttft_p50_s"], per[shared]["first_visit_ttft_p50_s"]
             )
+    shared, private = FAILOVER_PAIR
+    if shared in results and private in results:
+        moved = {(t["conv"], t["turn"]): t["answer"] for t in results[shared]["turns"] if t.get("failover")}
+        other = {(t["conv"], t["turn"]): t["answer"] for t in results[private]["turns"]}
+        summary["failover_answers_identical"] = f"{sum(other.get(k) == a for k, a in moved.items())}/{len(moved)}"
+        summary["failover_hit_fraction"] = per[shared]["failover_hit_fraction"]
+        summary["ttft_ratio_private_over_shared_failover"] = ratio(
+            per[private]["failover_ttft_p50_s"], per[shared]["failover_ttft_p50_s"]
+        )
     for x in ("", "_3w"):
         rr = per.get(f"{3 if x else 2}w-shared-rr", {})
         summary[f"cross_worker_hit_fraction_round_robin{x}"] = rr.get("cross_worker_hit_fraction")
@@ -382,6 +464,24 @@ def rr_line(s: dict, x: str = "") -> str:
     return "\n\n".join(lines) + (f" All answers (two workers, shared) vs one worker: {one}." if one else "")
 
 
+def failover_line(s: dict, x: str = "") -> str:
+    """The failover drill's verdict of one shape (``x``: the summary keys' suffix); empty without one."""
+    if f"ttft_ratio_private_over_shared_failover{x}" not in s:
+        return ""
+    per = s[f"per_config{x}"]
+    sh, pr = (per[n] for n in FAILOVER_PAIR)
+    return (
+        f"\n\nFailover (`cache_aware`, `kill -9` of the busier worker before turn {FAILOVER_TURN}; the router took "
+        f"{fmt(sh['routed_around_s'], 1)} / {fmt(pr['routed_around_s'], 1)} s to route around it): "
+        f"{sh['failover_turns']} / {pr['failover_turns']} conversations moved to the survivor "
+        f"(history p50 {int(sh['failover_history_tokens_p50'] or 0)} tokens cached, shared); "
+        f"{fmt(s[f'failover_hit_fraction{x}'])} of them resumed from the shared tier; their TTFT p50 private / shared = "
+        f"{fmt(pr['failover_ttft_p50_s'])} / {fmt(sh['failover_ttft_p50_s'])} s = "
+        f"**{fmt(s[f'ttft_ratio_private_over_shared_failover{x}'])}x**; answers identical to the recomputed ones: "
+        f"{s[f'failover_answers_identical{x}']}."
+    )
+
+
 def report_md(p: dict) -> str:
     s, cfg = p["summary"], p["config"]
     env = p["env"]
@@ -404,12 +504,16 @@ def report_md(p: dict) -> str:
                 else "no returning turn changed worker"
             )
             + ". A second worker on the same 2 cores: "
-            f"{fmt(s.get('second_worker_turns_per_min_ratio_rr'))}x the turns/min of one.\n"
+            f"{fmt(s.get('second_worker_turns_per_min_ratio_rr'))}x the turns/min of one." + failover_line(s) + "\n"
         )
     if s.get("per_config_followup"):
         text += (
             "\n## Follow-up shape (the same conversations: all context in the first turn, every later turn its "
-            "question alone)\n\n" + shape_table(s["per_config_followup"]) + f"\n{rr_line(s, '_followup')}\n"
+            "question alone)\n\n"
+            + shape_table(s["per_config_followup"])
+            + f"\n{rr_line(s, '_followup')}"
+            + failover_line(s, "_followup")
+            + "\n"
         )
     return text + "\n![cluster](cluster.png)\n"
 
@@ -434,6 +538,7 @@ def plot(p: dict, path: Path) -> None:
         ("ttft_p50_s", "all turns"),
         ("cross_worker_ttft_p50_s", "cross-worker turns"),
         ("first_visit_ttft_p50_s", "of which first visits"),
+        ("failover_ttft_p50_s", "failover turns (worker killed)"),
     )
     for row, (title, per) in zip(axes, shapes):
         names = list(per)
@@ -441,8 +546,8 @@ def plot(p: dict, path: Path) -> None:
         row[0].set(ylabel="turns / min", title=f"{title} shape: throughput")
         x = range(len(names))
         for k, (key, label) in enumerate(bars):
-            row[1].bar([i + 0.27 * k for i in x], [per[n][key] or 0 for n in names], width=0.27, label=label)
-        row[1].set_xticks([i + 0.27 for i in x], names)
+            row[1].bar([i + 0.2 * k for i in x], [per[n].get(key) or 0 for n in names], width=0.2, label=label)
+        row[1].set_xticks([i + 0.3 for i in x], names)
         row[1].set(ylabel="TTFT p50 (s)", title=f"{title} shape: time to first token")
         row[1].legend(fontsize=8)
         for ax in row:
