@@ -37,11 +37,11 @@ Two conversation shapes (``--shapes``, default both), the same documents and que
   conversations by :func:`followup`: all the context arrives in the first turn, every later turn is
   a short question about it. A private worker that served any earlier turn recomputes only a short
   question and reply; one that had none of the conversation recomputes the whole context. Played by
-  ``--followup-configs`` (default the two- and three-worker ``round_robin`` pairs, about 8 min more).
+  ``--followup-configs`` (default the two- and three-worker ``round_robin`` pairs and the failover pair, about 20 min more).
 
-    python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 5-6 turns, 3-4K tokens, 2 clients (~12 min)
+    python -m benchmarks.cluster                       # SmolLM2, 5 conversations of 5-6 turns, 3-4K tokens, 2 clients (~45 min)
     python -m benchmarks.cluster --convs-per-task 2    # twice the conversations
-    python -m benchmarks.cluster --shapes followup     # the follow-up shape alone (round_robin pair, ~4 min)
+    python -m benchmarks.cluster --shapes followup     # the follow-up shape alone (~20 min)
 """
 
 from __future__ import annotations
