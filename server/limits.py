@@ -124,8 +124,11 @@ class ClientConcurrencyLimit:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in UNCOUNTED_PATHS:
             return await self.app(scope, receive, send)
-        client = scope["client"][0] if scope.get("client") else "unknown"
+        peer = scope.get("client")
+        client = peer[0] if peer else "unknown"
         if self.in_flight[client] >= self.max_requests:
+            if peer and _from_this_process(peer):  # SGLang's own warm-up request: never refused
+                return await self.app(scope, receive, send)
             return await _too_many(send, self.max_requests)
         self.in_flight[client] += 1
         done = False
@@ -151,6 +154,24 @@ class ClientConcurrencyLimit:
             await self.app(scope, receive, send_and_release)
         finally:
             release()
+
+
+def _from_this_process(peer: tuple[str, int]) -> bool:
+    """Whether the peer ``(host, port)`` is a socket of this very process. SGLang's HTTP server sends
+    its start-up warm-up request to itself from loopback, and a refused warm-up makes SGLang kill
+    the server; with other loopback requests in flight at that moment (a readiness probe, a local
+    client retrying) the limit refused it (seen with a limit of 1 in the test suite). Asked only
+    when a request would be refused, so the scan of this process's sockets (~1 ms) is off the
+    common path."""
+    import psutil
+
+    host, port = peer[0], peer[1]
+    try:
+        return any(
+            c.laddr and c.laddr.port == port and c.laddr.ip == host for c in psutil.Process().net_connections("tcp")
+        )
+    except psutil.Error:
+        return False
 
 
 async def _too_many(send, limit: int) -> None:

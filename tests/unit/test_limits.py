@@ -108,3 +108,42 @@ def test_a_request_stops_counting_at_its_responses_last_byte():
         assert not guard.in_flight  # and not twice
 
     asyncio.run(main())
+
+
+def test_the_servers_own_warm_up_request_is_never_refused():
+    """SGLang's HTTP server warms itself up with a request from loopback and kills the server when it
+    is refused; a readiness probe in flight from the same address made a limit of 1 refuse it."""
+    import asyncio
+    import socket
+
+    release = asyncio.Event()
+
+    async def app(scope, receive, send):
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = limits.ClientConcurrencyLimit(app, max_requests=1)
+    with socket.create_server(("127.0.0.1", 0)) as server, socket.create_connection(server.getsockname()) as own:
+        own_peer = own.getsockname()  # what the server sees as the client of a request this process sends
+
+        async def call(peer) -> int:
+            sent = []
+
+            async def send(msg):
+                sent.append(msg)
+
+            await guard({"type": "http", "path": "/generate", "client": peer}, None, send)
+            return sent[0]["status"]
+
+        async def main():
+            probe = asyncio.create_task(call(("127.0.0.1", 1)))  # another loopback client holds the slot
+            await asyncio.sleep(0.05)
+            assert await asyncio.wait_for(call(("127.0.0.1", 2)), 5) == 429  # a stranger is refused
+            warm_up = asyncio.create_task(call(own_peer))
+            await asyncio.sleep(0.05)
+            release.set()
+            assert [await probe, await warm_up] == [200, 200]
+            assert not guard.in_flight
+
+        asyncio.run(main())
