@@ -368,14 +368,14 @@ def summarize_shape(results: dict) -> dict:
             summary[f"ttft_ratio_private_over_shared_{pol}_first_visit{x}"] = ratio(
                 per[private]["first_visit_ttft_p50_s"], per[shared]["first_visit_ttft_p50_s"]
             )
-    shared, private = FAILOVER_PAIR
-    if shared in results and private in results:
-        moved = {(t["conv"], t["turn"]): t["answer"] for t in results[shared]["turns"] if t.get("failover")}
-        other = {(t["conv"], t["turn"]): t["answer"] for t in results[private]["turns"]}
-        summary["failover_answers_identical"] = f"{sum(other.get(k) == a for k, a in moved.items())}/{len(moved)}"
-        summary["failover_hit_fraction"] = per[shared]["failover_hit_fraction"]
+    fo_shared, fo_private = FAILOVER_PAIR
+    if fo_shared in results and fo_private in results:
+        moved = [(t["conv"], t["turn"]) for t in results[fo_shared]["turns"] if t.get("failover")]
+        same = [answers[fo_shared][k] == answers[fo_private].get(k) for k in moved]
+        summary["failover_answers_identical"] = f"{sum(same)}/{len(same)}"
+        summary["failover_hit_fraction"] = per[fo_shared]["failover_hit_fraction"]
         summary["ttft_ratio_private_over_shared_failover"] = ratio(
-            per[private]["failover_ttft_p50_s"], per[shared]["failover_ttft_p50_s"]
+            per[fo_private]["failover_ttft_p50_s"], per[fo_shared]["failover_ttft_p50_s"]
         )
     for x in ("", "_3w"):
         rr = per.get(f"{3 if x else 2}w-shared-rr", {})
