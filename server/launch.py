@@ -19,6 +19,7 @@ import socket
 import sys
 
 from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.models import sglang_archs
 from sgl_loopkv.platform import activate_cpu_standin, default_cpu_dtype, has_cuda, use_cpu_engine
 
 CPU_DEFAULTS: dict[str, str | None] = {
@@ -77,6 +78,8 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     in). Sets up this process for the chosen device. Returns (config, sglang argv, on_gpu)."""
     ns, rest = loopkv_parser(add_help=False).parse_known_args(argv)
     config = LoopKVConfig.from_cli_args(ns)
+    if not config.stock:  # before SGLang is imported here or in a subprocess: see sglang_archs
+        os.environ.setdefault(sglang_archs.ENV, sglang_archs.PACKAGE)
     on_gpu = config.device == "cuda" or (config.device == "auto" and has_cuda())
     if not on_gpu:
         use_cpu_engine()

@@ -12,8 +12,8 @@ from sgl_loopkv.server.process import ServerProcess
 from tests.fakes import tiny_llama
 
 # Small KV pool and chunk size keep servers light on 2-core CI machines.
-# float32: the exactness tests compare with fp32 references, on every CPU (the launcher's default
-# dtype is bf16 on CPUs with native bf16).
+# float32: the exactness tests compare with fp32 references (also the launcher's CPU default, stated
+# here so that a change of that default does not change what these tests compare).
 COMMON_SERVER_ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5", "--dtype", "float32"]
 
 

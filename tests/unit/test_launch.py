@@ -82,3 +82,42 @@ def test_gpu_defaults_keep_sglangs_own_components():
     from sgl_loopkv.server.launch import GPU_DEFAULTS
 
     assert not {"--attention-backend", "--radix-cache-backend", "--page-size"} & set(GPU_DEFAULTS)
+
+
+def test_launcher_registers_the_llama_family_up_front_and_sglang_still_loads_the_rest_on_demand():
+    """SGLang's fast start-up path (``SGLANG_EXTERNAL_MODEL_PACKAGE``): the launcher names our package,
+    so a Llama server imports one of SGLang's ~285 model modules instead of all; another architecture
+    still resolves. Fails if SGLang drops the variable or stops falling back to its own models."""
+    out = run_fresh(
+        """
+        import json, os, sys
+        from sgl_loopkv.server.launch import build_sglang_argv
+        build_sglang_argv(["--model-path", "/m", "--loopkv-device", "cpu"])
+        from sglang.srt.models.registry import ModelRegistry
+        llama, _ = ModelRegistry.resolve_model_cls(["LlamaForCausalLM"])
+        imported = sorted(m for m in sys.modules if m.startswith("sglang.srt.models.") and m.count(".") == 3)
+        qwen, _ = ModelRegistry.resolve_model_cls(["Qwen2ForCausalLM"])
+        print(json.dumps({"env": os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE"), "llama": llama.__module__,
+                          "imported": imported, "qwen": qwen.__module__}))
+        """,
+        drop_env=("SGLANG_EXTERNAL_MODEL_PACKAGE",),
+    )
+    assert out["env"] == "sgl_loopkv.models.sglang_archs"
+    assert out["llama"] == "sglang.srt.models.llama" and out["qwen"] == "sglang.srt.models.qwen2"
+    assert "sglang.srt.models.qwen2" not in out["imported"] and len(out["imported"]) < 20, out["imported"]
+
+
+def test_stock_mode_and_a_users_own_model_package_keep_sglangs_registry_as_it_is():
+    out = run_fresh(
+        """
+        import json, os
+        from sgl_loopkv.server.launch import build_sglang_argv
+        build_sglang_argv(["--model-path", "/m", "--loopkv-stock", "--loopkv-device", "cpu"])
+        stock = os.environ.get("SGLANG_EXTERNAL_MODEL_PACKAGE")
+        os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "my_models"
+        build_sglang_argv(["--model-path", "/m", "--loopkv-device", "cpu"])
+        print(json.dumps([stock, os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"]]))
+        """,
+        drop_env=("SGLANG_EXTERNAL_MODEL_PACKAGE",),
+    )
+    assert out == [None, "my_models"]
