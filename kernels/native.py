@@ -21,16 +21,22 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).resolve().parent
 
 
-def _cpu_key() -> str:
-    """Build key: the kernels are compiled with -march=native, so a cache dir shared between
-    machines must not hand one CPU's binary to another."""
+def _build_key(source: Path) -> str:
+    """Build key. The CPU's: the kernels are compiled with -march=native, so a cache dir shared
+    between machines must not hand one CPU's binary to another. The source's path and torch's
+    version: ninja rebuilds whenever the build command changes, and the command names both, so two
+    checkouts (a CI checkout and a developer's, a benchmark's worktree) sharing one directory would
+    rebuild each other's kernels (~60 s on 2 cores) at every server start that follows the other's."""
+    import torch
+
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    return hashlib.sha256((platform.machine() + flags).encode()).hexdigest()[:10]
+    key = "\0".join((platform.machine(), flags, str(source), torch.__version__))
+    return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 class NativeExtension:
@@ -46,7 +52,7 @@ class NativeExtension:
     def build_dir(self) -> Path:
         from sgl_loopkv.config import default_cache_dir
 
-        return default_cache_dir() / "torch_extensions" / f"{self.stem}_{_cpu_key()}"
+        return default_cache_dir() / "torch_extensions" / f"{self.stem}_{_build_key(self.source)}"
 
     def load(self, verbose: bool = False):
         """The compiled module, or None when it cannot be had here. Thread-safe; tries once per process."""
