@@ -10,6 +10,7 @@ What it registers today:
 - the ``loopkv`` radix-cache backend (``--radix-cache-backend loopkv``): tiered conversation KV;
 - a check that OpenAI requests name the served model (:mod:`sgl_loopkv.server.openai_model_check`);
 - per-request limits and a bounded stop after SIGTERM (:mod:`sgl_loopkv.server.limits`);
+- ``GET /metrics`` kept up while a process is creating its metrics file (:mod:`sgl_loopkv.server.metrics_files`);
 - API keys redacted from /server_info, the start-up log and crash dumps (:mod:`sgl_loopkv.server.redact`);
 - bad input answered with a readable 4xx, never a 5xx or a server path (:mod:`sgl_loopkv.server.errors`,
   :mod:`sgl_loopkv.server.request_checks`), in servers of sgl-loopkv's launcher;
@@ -84,7 +85,7 @@ def _register_hooks() -> None:
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import decode_linear
-    from sgl_loopkv.server import errors, limits, openai_model_check, redact, request_checks
+    from sgl_loopkv.server import errors, limits, metrics_files, openai_model_check, redact, request_checks
 
     hooks = [
         (openai_model_check.TARGET, openai_model_check.check_model_name, HookType.AROUND),
@@ -93,6 +94,7 @@ def _register_hooks() -> None:
         (limits.GENERATE_TARGET, limits.check_generate_request, HookType.BEFORE),
         (limits.SIGTERM_TARGET, limits.abort_after_grace, HookType.AROUND),
         (redact.REDACT_TARGET, redact.redact_secret_fields, HookType.AFTER),
+        (metrics_files.MOUNT_TARGET, metrics_files.hook_reader_on_mount, HookType.BEFORE),
     ]
     if LoopKVConfig.launched():
         hooks += [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import requests
@@ -280,6 +281,23 @@ def test_metrics_show_sglang_and_loopkv_counters(keyed_server):
     assert sample(after, "loopkv_tier_bytes", tier="host") > 0  # the turn was stored
     for name in ("loopkv_tier_tokens", "loopkv_disk_bytes_read_total", "loopkv_corrupt_segments_total"):
         sample(after, name)
+
+
+def test_metrics_survive_a_metrics_file_being_created(keyed_server):
+    """A scrape while some process has created its metrics file but not sized it yet (or was killed
+    in between): SGLang's /metrics answered 500 and lost every metric (server/metrics_files.py)."""
+    import psutil
+
+    dirs = {psutil.Process(p).environ().get("PROMETHEUS_MULTIPROC_DIR") for p in keyed_server.pids()[1:]}
+    (mp_dir,) = dirs - {None}  # the launcher sets it before starting the scheduler and detokenizer
+    empty = Path(mp_dir) / "counter_4194304.db"  # no process has this pid (Linux pids are below 2**22)
+    empty.touch()
+    try:
+        r = requests.get(f"{keyed_server.url}/metrics", timeout=30)
+        assert r.status_code == 200, r.text[-2000:]
+        assert "loopkv_tier_bytes" in r.text and "sglang:max_total_num_tokens" in r.text
+    finally:
+        empty.unlink()
 
 
 # --- /flush_cache -------------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ def test_load_plugins_finds_and_registers_loopkv():
         from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
         from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
         from sgl_loopkv.plugin import COMPONENTS
+        import sys
+        from sglang.srt.utils import common
         from sglang.srt.mem_cache.registry import registered_radix_cache_backends
         print(json.dumps({
             "radix": registered_radix_cache_backends(),
@@ -25,6 +27,10 @@ def test_load_plugins_finds_and_registers_loopkv():
             "backend": ATTENTION_BACKENDS.get("loopkv").__module__,
             "choice": "loopkv" in ATTENTION_BACKEND_CHOICES,
             "hooked": hasattr(OpenAIServingBase.handle_request, "__wrapped__"),
+            # server/metrics_files.py: hooked where SGLang mounts /metrics; prometheus_client not imported
+            # before SGLang sets PROMETHEUS_MULTIPROC_DIR (its value class is fixed at import)
+            "metrics_hooked": hasattr(common.add_prometheus_middleware, "__wrapped__"),
+            "prometheus_imported": "prometheus_client" in sys.modules,
             "components": COMPONENTS,
         }))
         """,
@@ -32,7 +38,7 @@ def test_load_plugins_finds_and_registers_loopkv():
     )
     assert "sgl_loopkv.plugin:register" in out["entry_points"]
     assert out["backend"] == "sgl_loopkv.attention.backend"
-    assert out["choice"] and out["hooked"]
+    assert out["choice"] and out["hooked"] and out["metrics_hooked"] and not out["prometheus_imported"]
     assert out["components"]["attention_backend"] == ["loopkv"]
     assert out["radix"] == ["loopkv"] and out["components"]["radix_cache_backend"] == ["loopkv"]
 
@@ -57,7 +63,7 @@ def test_plugin_registration_is_idempotent():
         """
     )
     assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"]
-    assert len(out["registered"]) == 6 and set(out["registered"].values()) == {1}, out["registered"]
+    assert len(out["registered"]) == 7 and set(out["registered"].values()) == {1}, out["registered"]
     assert "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill" in out["registered"]  # cache/awaited.py
     assert not out["wrapped_twice"]
 
