@@ -68,6 +68,17 @@ class TierConfig:
             "type": float,
         },
     )
+    disk_read: str = field(
+        default="background",
+        metadata={
+            "help": "How a returning history that only the disk tier holds is read: 'background' (default: on a "
+            "thread while the request waits in the queue, the server's other requests running meanwhile; then it "
+            "loads like a host-tier hit) or 'inline' (read and verified inside the scheduler's match, every other "
+            "request waiting for it). Chunk-pruned restores (--loopkv-prefix-budget, --loopkv-prefix-stream) read "
+            "their own chunks either way.",
+            "choices": ["background", "inline"],
+        },
+    )
     value_policy: str = field(
         default="attention",
         metadata={

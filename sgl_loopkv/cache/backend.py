@@ -78,6 +78,7 @@ def create_loopkv_radix_cache(ctx):
             on_lost=on_lost,
             dir_lock=lock,
             layer_group=config.prefix.file_layer_group,  # a pruned restore reads a period's layers together
+            read_ahead=tiers.disk_read == "background",
         )
 
     from sgl_loopkv import restore

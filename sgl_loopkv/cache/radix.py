@@ -74,6 +74,10 @@ RELOOK_S = 1.0
 # A pruned restore made for a waiting request that never ran (aborted while queued) gives its slots
 # back after this long without being matched again (a waiting request is re-matched every round).
 UNADOPTED_S = 30.0
+# A request whose history is read ahead from disk (cache/prefetch.py) is held back at most this long,
+# then reads inline like before (a read slower than this is a disk in trouble, not a queue).
+READ_AHEAD_WAIT_S = 30.0
+READ_AHEAD = "<disk read ahead>"  # its _awaiting key (announced chunks are keyed by their hash)
 PADDING_SLOT = 0  # SGLang's allocators never hand out the pool's first page: dummy writes land there
 
 
@@ -125,6 +129,7 @@ class LoopKVRadixCache(RadixCache):
         # the last lookup still ended there): the scheduler holds such a request back (awaits_write)
         self._awaiting: OrderedDict[str, tuple[str, float, bool]] = OrderedDict()
         self._probed: OrderedDict[str, None] = OrderedDict()  # requests looked up at least once
+        self._probing = False  # in awaits_write's lookup: a request may be held back for its disk reads
         self._trimmed_at = 0.0
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
         # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
@@ -478,6 +483,13 @@ class LoopKVRadixCache(RadixCache):
                     # cache instead): SGLang must not free them, and on_release frees the cache.
                     cache_protected_len=device_len + job.tokens,
                 )
+        if stored and req is not None and self._probing and self._reads_ahead(stored, req.rid):
+            return MatchResult(  # held back this round (awaits_write): only what the device holds
+                device_prefix_len=device_len,
+                last_device_node=last_device,
+                last_host_node=last_device,
+                best_match_node=last_device,
+            )
         if stored and req is not None:
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
@@ -566,6 +578,22 @@ class LoopKVRadixCache(RadixCache):
         self._remember(self._awaiting, rid, (chunk_hash, until, now < until))
         return now < until
 
+    def _reads_ahead(self, stored: list[TreeNode], rid: str) -> bool:
+        """Whether ``rid`` sits this round out while its disk-only segments are read on the prefetch
+        thread (:mod:`sgl_loopkv.cache.prefetch`), not inside this match on the scheduler thread.
+        Never past ``READ_AHEAD_WAIT_S`` from its first wait: then it reads inline, as before."""
+        if not any([self.store.read_ahead(_ref(nd)[0]) for nd in stored]):  # every read started, not just the first
+            return False
+        now, prev = time.monotonic(), self._awaiting.get(rid)
+        if prev is None or prev[0] != READ_AHEAD:
+            logger.info(
+                "loopkv: reading %d stored tokens from disk ahead of their request (held in the queue meanwhile)",
+                sum(len(nd.key) for nd in stored if self.store.tier_of(_ref(nd)[0]) == "disk"),
+            )
+        until = prev[1] if prev is not None and prev[0] == READ_AHEAD else now + READ_AHEAD_WAIT_S
+        self._remember(self._awaiting, rid, (READ_AHEAD, until, now < until))
+        return now < until
+
     def _stop_awaiting(self, rid: str) -> None:
         prev = self._awaiting.get(rid)
         if prev is not None and prev[2]:
@@ -586,7 +614,11 @@ class LoopKVRadixCache(RadixCache):
             return False
         self._remember(self._probed, rid, None)
         self._stop_awaiting(rid)  # the lookup below says it again if it still ends at an announcement
-        req.init_next_round_input(self)
+        self._probing = True  # a disk-only history is read ahead while the request waits, not in the match
+        try:
+            req.init_next_round_input(self)
+        finally:
+            self._probing = False
         waiting = self._awaiting.get(rid)
         return waiting is not None and waiting[2]
 
@@ -808,7 +840,12 @@ class LoopKVRadixCache(RadixCache):
             stored_layer_bytes=self.store_geometry.token_bytes_per_layer,
             prefix=device_len,
             new_tokens=max(key_len - device_len - sum(len(nd.key) for nd in stored), 1),
-            disk_tokens=sum(len(nd.key) for nd in stored if self.store.tier_of(_ref(nd)[0]) == "disk"),
+            # a segment read ahead is in RAM already: the plan costs it as a host load
+            disk_tokens=sum(
+                len(nd.key)
+                for nd in stored
+                if self.store.tier_of(_ref(nd)[0]) == "disk" and not self.store.read_ahead_done(_ref(nd)[0])
+            ),
             chunk=self.page_size,
         )
         plan = self.restorer.plan(job)

@@ -37,6 +37,7 @@ from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore,
 from sgl_loopkv.cache.disk_dir import DirectoryLock
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
+from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.value import ValuePolicy
 from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
@@ -93,6 +94,7 @@ class TieredKVStore:
         on_lost: Callable[[str], None] = lambda seg_id: None,
         dir_lock: DirectoryLock | None = None,
         layer_group: int = LAYER_GROUP,
+        read_ahead: bool = True,
     ):
         self.geometry, self.policy = geometry, policy
         self.dir_lock = dir_lock  # a shared hold while the store lives (keeps format-2 servers out)
@@ -106,6 +108,8 @@ class TieredKVStore:
         )
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
         self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry, layer_group) if disk_dir else None
+        # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-disk-read background)
+        self.prefetch = DiskPrefetch() if self.disk is not None and read_ahead else None
         # Two writers: one at background priority (nobody waits for its writes: the forward should
         # not lose a core to them) and one at normal priority for writes another worker sharing the
         # directory may be waiting for (its lookup found the announcement; it recomputes if the write
@@ -320,6 +324,8 @@ class TieredKVStore:
             self.stats.host_bytes -= self._host_bytes(seg)
         self.policy.forget(seg_id)
         self.chunk_cache.drop(seg_id)
+        if self.prefetch is not None:
+            self.prefetch.discard(seg_id)
         self.stats.lost_segments += 1
         self.on_lost(seg_id)
 
@@ -352,6 +358,27 @@ class TieredKVStore:
             return None
         return "host" if seg.in_host else ("disk" if seg.on_disk else None)
 
+    def read_ahead(self, seg_id: str) -> bool:
+        """Start reading ``seg_id`` whole on the prefetch thread if only the disk holds it (a later
+        :meth:`fetch` takes that read); whether a read of it is still in flight."""
+        seg = self.segments.get(seg_id)
+        if self.prefetch is None or seg is None or seg.in_host or not seg.on_disk:
+            return False
+        self.prefetch.start(seg_id, lambda: self._read_whole(seg_id, seg.record.n_chunks))
+        return self.prefetch.pending(seg_id)
+
+    def read_ahead_done(self, seg_id: str) -> bool:
+        """Whether a finished read of ``seg_id`` waits for :meth:`fetch` (its KV is in RAM already)."""
+        return self.prefetch is not None and self.prefetch.done(seg_id)
+
+    def _read_whole(self, seg_id: str, n_chunks: int) -> PrefetchedRead:
+        """On the prefetch thread: the disk read only (verified); the caller's thread does the rest.
+        ``bytes_read`` is the codec's count over the read: a chunk-pruned restore's reader reading
+        at the same moment would be counted here too (a metric, not a decision, depends on it)."""
+        t0, before = time.perf_counter(), self.disk.bytes_read
+        kv = self.disk.read(seg_id, 0, n_chunks)
+        return PrefetchedRead(kv, self.disk.bytes_read - before, time.perf_counter() - t0)
+
     def fetch(
         self,
         seg_id: str,
@@ -376,13 +403,18 @@ class TieredKVStore:
             raise CorruptSegment(f"segment {seg_id} has no copy")
         t0 = time.perf_counter()
         with self._disk_read(seg):  # no lock: a file evicted meanwhile by any worker is either read whole or found gone
-            before = self.disk.bytes_read
-            partial = skip_chunks is not None and any(skip_chunks)
-            first = [chunk_lo + k for k in skip_chunks] if partial else None
-            kv = self.disk.read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
-            self.stats.disk_bytes_read += self.disk.bytes_read - before
+            ahead = self.prefetch.take(seg_id) if self.prefetch is not None else None  # raises what its read did
+            if ahead is not None:  # read whole on the prefetch thread: nothing to skip
+                kv, partial, read = ahead.kv, False, (ahead.bytes_read, ahead.seconds)
+            else:
+                before = self.disk.bytes_read
+                partial = skip_chunks is not None and any(skip_chunks)
+                first = [chunk_lo + k for k in skip_chunks] if partial else None
+                kv = self.disk.read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
+                read = (self.disk.bytes_read - before, time.perf_counter() - t0)
+            self.stats.disk_bytes_read += read[0]
         self.stats.load_seconds += time.perf_counter() - t0
-        self.last_disk_read = (self.disk.bytes_read - before, time.perf_counter() - t0)
+        self.last_disk_read = read
         if partial:
             t = chunk_hi - chunk_lo
             self.stats.disk_bytes_used += (

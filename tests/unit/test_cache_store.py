@@ -7,6 +7,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -298,6 +300,56 @@ def test_fetch_from_disk_promotes_and_corruption_forgets(tmp_path):
     with pytest.raises(CorruptSegment):
         store.fetch(second, 0, 4)
     assert lost == [second] and store.stats.corrupt_segments == 1 and not store.disk.path(second).exists()
+
+
+def test_a_read_ahead_reads_on_its_thread_once_and_fails_like_an_inline_read(tmp_path):
+    """--loopkv-disk-read background (cache/prefetch.py): the whole segment is read and verified on
+    the prefetch thread; fetch then takes that read (no second one) and promotes it as before; a
+    damaged file raises in fetch and is forgotten exactly as an inline read's."""
+    one = GEO.segment_host_bytes(4)
+    lost = []
+    store = TieredKVStore(GEO, VALUE_POLICIES.create("lru"), one, tmp_path, 1 << 30, on_lost=lost.append)
+    segs = [segment(4, 400 + i) for i in range(3)]
+    for rec, kv, summ in segs:
+        store.put(rec, kv, summ)
+    store.flush()
+    first, second = segs[0][0].seg_id, segs[1][0].seg_id
+    assert store.tier_of(first) == "disk"
+    threads, read = [], store.disk.read
+    store.disk.read = lambda *a: (threads.append(threading.current_thread().name), read(*a))[1]
+    store.read_ahead(first)
+    while not store.read_ahead_done(first):
+        time.sleep(0.005)
+    assert not store.read_ahead(first)  # done: not read again
+    kv, tier = store.fetch(first, 1, 3, skip_chunks=[1, 0, 0])  # the whole read serves a partial ask too
+    assert tier == "disk" and torch.equal(kv, segs[0][1][:, :, 16:48])
+    assert threads == ["loopkv-disk-prefetch_0"] and store.tier_of(first) == "host"  # one read, promoted
+    assert store.stats.disk_bytes_read >= store.stats.disk_bytes_used > 0
+    _corrupt(store.disk.path(second), "flip")
+    store.read_ahead(second)
+    with pytest.raises(CorruptSegment):
+        store.fetch(second, 0, 4)  # waits for the read in flight, then raises what it raised
+    assert lost == [second] and store.stats.corrupt_segments == 1 and not store.disk.path(second).exists()
+    assert len(threads) == 2 and set(threads) == {"loopkv-disk-prefetch_0"}
+    inline = TieredKVStore(GEO, VALUE_POLICIES.create("lru"), one, tmp_path / "i", 1 << 30, read_ahead=False)
+    assert inline.prefetch is None and not inline.read_ahead("anything")
+    store.close()
+    inline.close()
+
+
+def test_reads_ahead_nobody_takes_are_let_go():
+    from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
+
+    pf = DiskPrefetch(max_done=2, ttl_s=60.0)
+    for i in range(4):
+        pf.start(f"s{i}", lambda i=i: PrefetchedRead(i, 0, 0.0))
+    while not pf.done("s3"):
+        time.sleep(0.005)
+    pf.start("s4", lambda: PrefetchedRead(4, 0, 0.0))  # each start lets the oldest untaken reads go
+    assert pf.take("s0") is None and pf.take("s1") is None and pf.expired >= 2
+    assert pf.take("s3").kv == 3 and pf.take("s3") is None  # taken once
+    pf.discard("s4")
+    assert pf.take("s4") is None
 
 
 def test_disk_eviction_is_lru_over_every_worker_and_cuts_histories_from_their_end(tmp_path):

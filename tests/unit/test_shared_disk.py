@@ -323,7 +323,11 @@ def test_a_request_whose_history_is_being_written_is_held_back_not_waited_for(tm
 
     a.flush_pending_backups()  # A's turn published
     a.store.flush()
-    assert not b.awaits_write(req)
+    deadline = time.monotonic() + 10
+    while b.awaits_write(req):  # held while the segment is read on the prefetch thread, then loaded
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert b.store.prefetch.started == 1
     assert req.match.device_prefix_len == len(h) and b.store.stats.hit_tokens["disk"] == len(h) - CHUNK
     assert not list((tmp_path / "chunks").glob("*.pending"))  # every chunk's announcement gone
 
