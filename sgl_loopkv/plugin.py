@@ -15,8 +15,8 @@ What it registers today:
 - bad input answered with a readable 4xx, never a 5xx or a server path (:mod:`sgl_loopkv.server.errors`,
   :mod:`sgl_loopkv.server.request_checks`), in servers of sgl-loopkv's launcher;
 - per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`);
-- requests whose history another worker is writing held back in the queue, not waited for on the
-  scheduler thread (:mod:`sgl_loopkv.cache.awaited`);
+- requests whose history another worker is writing, or that the disk tier is reading ahead, held back
+  in the queue, not waited for on the scheduler thread (:mod:`sgl_loopkv.cache.awaited`);
 - decode-step linear layers split over torch's threads (:mod:`sgl_loopkv.models.decode_linear`), in
   servers of sgl-loopkv's launcher other than ``--loopkv-stock``.
 New components are registered here, nowhere else.

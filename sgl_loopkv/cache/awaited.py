@@ -10,6 +10,9 @@ the announcement (:meth:`LoopKVRadixCache.awaits_write`), and this AROUND hook o
 are admitted and decoded as usual, and the held ones are looked up again every round until the
 segment is published (then they load it) or the announcement's wait budget is spent (then they
 recompute). A request is never held past that budget, so none waits forever.
+
+The same hold-back serves a history that only this worker's disk holds: its segments are read on
+a thread while the request sits out the rounds (:mod:`sgl_loopkv.cache.prefetch`).
 """
 
 from __future__ import annotations
