@@ -11,6 +11,7 @@ A alone, 15 resumes. The modes alternate (inline, background, inline, ...) so dr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import tempfile
@@ -97,12 +98,16 @@ def run(mode: str, tok, idle: bool) -> dict:
         srv.stop()
 
 
+def median_of(rows: list[dict], mode: str, load: str, key: str) -> float:
+    return statistics.median(r[key] for r in rows if r["mode"] == mode and r["load"] == load)
+
+
 def report(rows: list[dict], when: str) -> str:
     keys = ["mode", "load", "resumes", "ttft_p50_s", "stream_gap_p50_ms", "stream_gap_p99_ms", "stream_gap_max_ms"]
     md = f"# disk_read ({when}; `python -m benchmarks.disk_read`)\n\n"
     md += "A disk-only 3K-token history resumed (page cache dropped): inline read vs read ahead.\n\n"
     md += md_table(keys, [[r.get(k, "-") for k in keys] for r in rows])
-    med = lambda mode, load, k: statistics.median(r[k] for r in rows if r["mode"] == mode and r["load"] == load)  # noqa: E731
+    med = functools.partial(median_of, rows)
     busy, idle = "a stream beside", "idle"
     md += (
         f"\nWith a stream beside: its inter-token gap p50 inline / background "
@@ -121,7 +126,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    med = lambda mode, load, k: statistics.median(r[k] for r in rows if r["mode"] == mode and r["load"] == load)  # noqa: E731
+    med = functools.partial(median_of, rows)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     busy = "a stream beside"
     for i, mode in enumerate(("inline", "background")):

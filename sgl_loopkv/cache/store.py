@@ -364,19 +364,20 @@ class TieredKVStore:
         seg = self.segments.get(seg_id)
         if self.prefetch is None or seg is None or seg.in_host or not seg.on_disk:
             return False
-        self.prefetch.start(seg_id, lambda: self._read_whole(seg_id, seg.record.n_chunks))
+        self.prefetch.start(seg_id, lambda: self._read(seg_id, 0, seg.record.n_chunks))
         return self.prefetch.pending(seg_id)
 
     def read_ahead_done(self, seg_id: str) -> bool:
         """Whether a finished read of ``seg_id`` waits for :meth:`fetch` (its KV is in RAM already)."""
         return self.prefetch is not None and self.prefetch.done(seg_id)
 
-    def _read_whole(self, seg_id: str, n_chunks: int) -> PrefetchedRead:
-        """On the prefetch thread: the disk read only (verified); the caller's thread does the rest.
-        ``bytes_read`` is the codec's count over the read: a chunk-pruned restore's reader reading
-        at the same moment would be counted here too (a metric, not a decision, depends on it)."""
+    def _read(self, seg_id: str, chunk_lo: int, chunk_hi: int, first: list[int] | None = None) -> PrefetchedRead:
+        """The disk read only (verified), timed: inline in :meth:`fetch` or on the prefetch thread
+        (the caller's thread does the rest). ``bytes_read`` is the codec's count over the read: a
+        chunk-pruned restore's reader reading at the same moment would be counted here too (a
+        metric, not a decision, depends on it)."""
         t0, before = time.perf_counter(), self.disk.bytes_read
-        kv = self.disk.read(seg_id, 0, n_chunks)
+        kv = self.disk.read(seg_id, chunk_lo, chunk_hi, first)
         return PrefetchedRead(kv, self.disk.bytes_read - before, time.perf_counter() - t0)
 
     def fetch(
@@ -403,18 +404,15 @@ class TieredKVStore:
             raise CorruptSegment(f"segment {seg_id} has no copy")
         t0 = time.perf_counter()
         with self._disk_read(seg):  # no lock: a file evicted meanwhile by any worker is either read whole or found gone
-            ahead = self.prefetch.take(seg_id) if self.prefetch is not None else None  # raises what its read did
-            if ahead is not None:  # read whole on the prefetch thread: nothing to skip
-                kv, partial, read = ahead.kv, False, (ahead.bytes_read, ahead.seconds)
-            else:
-                before = self.disk.bytes_read
-                partial = skip_chunks is not None and any(skip_chunks)
+            read = self.prefetch.take(seg_id) if self.prefetch is not None else None  # raises what its read did
+            partial = read is None and skip_chunks is not None and any(skip_chunks)  # read ahead: whole
+            if read is None:
                 first = [chunk_lo + k for k in skip_chunks] if partial else None
-                kv = self.disk.read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
-                read = (self.disk.bytes_read - before, time.perf_counter() - t0)
-            self.stats.disk_bytes_read += read[0]
+                read = self._read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
+            kv = read.kv
+            self.stats.disk_bytes_read += read.bytes_read
         self.stats.load_seconds += time.perf_counter() - t0
-        self.last_disk_read = read
+        self.last_disk_read = (read.bytes_read, read.seconds)
         if partial:
             t = chunk_hi - chunk_lo
             self.stats.disk_bytes_used += (
