@@ -125,6 +125,7 @@ class DiskSegmentStore:
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
         self.codec = SegmentCodec(geometry, layer_group)  # files grouped by the writer's prefix period
         self.bytes_written = 0
+        self._announced: dict[str, tuple[int, int]] = {}  # seg_id -> (device, inode) of its own marker
         with self.dir.eviction_lock():
             self._drop_legacy()
             self.dir.remove_stale_tmp()
@@ -183,25 +184,47 @@ class DiskSegmentStore:
         doc). Every chunk is announced, not just the first: another worker's lookup starts wherever
         its own tree ends, often inside this segment (after a system prompt that many conversations
         share, say). One small file, hard-linked under each chunk's name (no bytes: a 3.5K-token
-        segment's 220 names take ~2 ms)."""
+        segment's 220 names take ~2 ms). A chunk another writer announced keeps that writer's
+        announcement: this one's marker goes only where there is none (:meth:`unannounce` removes
+        only its own)."""
         if not record.chunk_hashes:
             return
+        marker, mine = f"{self.dir.host} {os.getpid()} {len(record.token_ids)}", None
         with contextlib.suppress(OSError):  # only an optimisation: a miss recomputes
-            first = self._chunk_path(record.chunk_hashes[0], PENDING)
-            fd = os.open(first, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                # whose (a dead writer's goes at start-up) and how many tokens (how long a lookup waits)
-                os.write(fd, f"{self.dir.host} {os.getpid()} {len(record.token_ids)}".encode())
-            finally:
-                os.close(fd)
-            for h in record.chunk_hashes[1:]:
-                with contextlib.suppress(FileExistsError):  # announced by another writer too
-                    os.link(first, self._chunk_path(h, PENDING))
+            for h in record.chunk_hashes:
+                name = self._chunk_path(h, PENDING)
+                try:
+                    if mine is not None:
+                        os.link(mine, name)
+                        continue
+                    # whose (a dead writer's goes at start-up) and how many tokens (how long a lookup waits)
+                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                except FileExistsError:  # announced by another writer (or by this one for another turn)
+                    continue
+                try:
+                    os.write(fd, marker.encode())
+                    st = os.fstat(fd)
+                except OSError:  # no marker rather than an empty one (read as a live writer's)
+                    name.unlink(missing_ok=True)
+                    raise
+                finally:
+                    os.close(fd)
+                mine = name
+                self._announced[record.seg_id] = (st.st_dev, st.st_ino)
 
     def unannounce(self, record: SegmentRecord) -> None:
-        """The announced write will not happen (or is done): lookups stop waiting for it."""
+        """The announced write will not happen (or is done): lookups stop waiting for it. Only this
+        store's own marker goes (the names hard-linked to the file :meth:`announce` created): a chunk
+        that another writer announced is still theirs to publish, and lookups keep waiting for it."""
+        mine = self._announced.pop(record.seg_id, None)
+        if mine is None:
+            return
         for h in record.chunk_hashes:
-            self._chunk_path(h, PENDING).unlink(missing_ok=True)
+            name = self._chunk_path(h, PENDING)
+            with contextlib.suppress(FileNotFoundError):
+                st = os.stat(name)
+                if (st.st_dev, st.st_ino) == mine:
+                    name.unlink()
 
     # --- write -------------------------------------------------------------------------------
     def file_bytes(self, n_chunks: int, n_tokens_ids: int) -> int:

@@ -264,6 +264,33 @@ def test_a_lookup_waits_for_an_announced_write_and_not_otherwise(tmp_path):
     assert not marker.exists()
 
 
+def test_a_writer_withdraws_only_its_own_announcements(tmp_path):
+    """Two workers queue writes of overlapping histories: B's withdrawal (its write failed or was
+    dropped) leaves A's announced chunks announced (lookups keep waiting for A's write), removes
+    B's own; an announcement is never rewritten by a second writer; A's publication clears A's."""
+    a, b, reader = (DiskSegmentStore(tmp_path, 1 << 30, GEO) for _ in range(3))
+    rec, kv, summ, chain = _segment(11, n_chunks=2)
+    tokens = rec.token_ids + [11_999_000 + i for i in range(2 * GEO.chunk_tokens)]  # the same two chunks, then two more
+    longer_chain = chunk_chain(tokens, GEO.chunk_tokens, namespace(FORMAT_VERSION, GEO.to_json(), None, None))
+    assert longer_chain[:2] == chain
+    longer = SegmentRecord(segment_id(0, longer_chain[-1]), None, 0, 4, 0, token_ids=tokens, chunk_hashes=longer_chain)
+    pending = lambda h: tmp_path / "chunks" / f"{h}.pending"  # noqa: E731
+    a.announce(rec)
+    a_marker = pending(chain[0]).read_text()
+    b.announce(longer)
+    assert pending(chain[0]).read_text() == a_marker  # A's marker, not rewritten by B
+    assert os.path.samefile(pending(longer_chain[2]), pending(longer_chain[3]))  # B's own, one file
+    assert not os.path.samefile(pending(chain[1]), pending(longer_chain[2]))
+    b.unannounce(longer)
+    assert all(isinstance(reader.probe(longer_chain, i), Announced) for i in (0, 1))  # A's still waited for
+    assert reader.probe(longer_chain, 2) is None and not pending(longer_chain[3]).exists()  # B's gone
+    b.announce(rec)  # every name announced already (by A): B has nothing of its own to withdraw
+    b.unannounce(rec)
+    assert isinstance(reader.probe(chain, 0), Announced)
+    a.write(rec, kv, summ)
+    assert not list((tmp_path / "chunks").glob("*.pending")) and reader.find(chain, 0) is not None
+
+
 def test_a_lookup_waits_longer_for_a_longer_announced_segment_and_not_for_a_dead_writer(tmp_path):
     """The wait scales with the tokens the announcement names (a long segment takes longer to
     write, and longer still to recompute), capped; a dead writer on this host is not waited for."""
