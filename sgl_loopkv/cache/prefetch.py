@@ -11,7 +11,8 @@ but the read itself (the tree, the arena, the counters) stays on the scheduler t
 
 A read that failed (a damaged or evicted file) is taken like a good one and raises in ``fetch``
 as an inline read would. Finished reads nobody took (the request was aborted, the segment dropped)
-are let go after ``ttl_s`` or beyond ``max_done`` of them, so they cannot pile up in RAM.
+are let go after ``ttl_s``, beyond ``max_done`` of them or beyond ``max_done_bytes`` in all (oldest
+first), so they cannot pile up in RAM; a request whose read was let go reads inline.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ class DiskPrefetch:
     """Reads run on one thread (disk reads queue behind each other anyway; its torch ops stay on
     it, off the forward's OpenMP team); the methods are called from the scheduler thread only."""
 
-    def __init__(self, max_done: int = 8, ttl_s: float = 60.0):
-        self.max_done, self.ttl_s = max_done, ttl_s
+    def __init__(self, max_done: int = 8, ttl_s: float = 60.0, max_done_bytes: int = 1 << 30):
+        self.max_done, self.ttl_s, self.max_done_bytes = max_done, ttl_s, max_done_bytes
         self._pool = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="loopkv-disk-prefetch", initializer=keep_torch_on_this_thread
         )
@@ -80,7 +81,13 @@ class DiskPrefetch:
     def _expire(self) -> None:
         now = time.monotonic()
         done = [s for s, (f, _) in self._reads.items() if f.done()]  # oldest first
+        held = sum(_bytes_of(self._reads[s][0]) for s in done)
         for i, s in enumerate(done):
-            if now - self._reads[s][1] > self.ttl_s or len(done) - i > self.max_done:
-                del self._reads[s]
+            if now - self._reads[s][1] > self.ttl_s or len(done) - i > self.max_done or held > self.max_done_bytes:
+                held -= _bytes_of(self._reads.pop(s)[0])
                 self.expired += 1
+
+
+def _bytes_of(read: Future) -> int:
+    """Bytes a finished read holds (a failed one: none)."""
+    return 0 if read.exception() is not None else read.result().bytes_read

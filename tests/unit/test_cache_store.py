@@ -350,6 +350,13 @@ def test_reads_ahead_nobody_takes_are_let_go():
     assert pf.take("s3").kv == 3 and pf.take("s3") is None  # taken once
     pf.discard("s4")
     assert pf.take("s4") is None
+    big = DiskPrefetch(max_done=8, ttl_s=60.0, max_done_bytes=250)  # and by the bytes they hold
+    for i in range(3):
+        big.start(f"b{i}", lambda i=i: PrefetchedRead(i, 100, 0.0))
+        while not big.done(f"b{i}"):
+            time.sleep(0.005)
+    big.start("b3", lambda: PrefetchedRead(3, 0, 0.0))  # 300 B held when it starts: the oldest goes
+    assert big.take("b0") is None and big.take("b1").kv == 1 and big.expired == 1
 
 
 def test_disk_eviction_is_lru_over_every_worker_and_cuts_histories_from_their_end(tmp_path):
