@@ -17,9 +17,11 @@ cluster adds:
 - The per-client request limit of the workers is off (``--loopkv-max-client-requests 0``): behind
   the router every request comes from the router's address; limit clients at the router
   (``--router-args "--max-concurrent-requests N"``).
-- Failures: the router's health checks (every ``--router-health-interval-s``) take a dead worker
-  out of rotation; this launcher restarts it (same port, same disk tier), and it rejoins when its
-  health checks pass again, seeing everything the others stored meanwhile.
+- Failures: the router's circuit breaker (3 failed attempts) and its health checks (every
+  ``--router-health-interval-s``) take a dead worker out of rotation, so a request that was on its
+  way there is retried on another worker instead of failing; this launcher restarts it (same port,
+  same disk tier), and it rejoins when its health checks pass again, seeing everything the others
+  stored meanwhile.
 """
 
 from __future__ import annotations
@@ -120,6 +122,13 @@ class Cluster:
             # A worker's /health runs a one-token generation that waits for the batch in progress: a long
             # prefill on one core must not look like a dead worker (a dead one refuses at once).
             "--health-check-timeout-secs": "30",
+            # Until the health checks take a dead worker out (up to two intervals), cache_aware keeps
+            # routing its conversations to it, and each request failed (500) once its 5 attempts had
+            # gone there: the default breaker opens after 10 failures, two clients' requests. At 3,
+            # the first request's 4th attempt goes to a live worker: none failed after a kill -9
+            # (benchmarks/results/NOTES.md, 2026-11-27). A restarted worker is tried again after 10 s.
+            "--cb-failure-threshold": "3",
+            "--cb-timeout-duration-secs": "10",
             "--log-level": "warn",
         }
         cmd = [

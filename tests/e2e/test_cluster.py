@@ -62,15 +62,14 @@ def wait_segments(disk_dir, n: int, timeout_s: float = 30) -> None:
         time.sleep(0.2)
 
 
-def start_cluster(model_dir, disk, log_dir) -> Cluster:
+def start_cluster(model_dir, disk, log_dir, policy: str = "round_robin", **kw) -> Cluster:
     args = [
         *("--model-path", str(model_dir), *COMMON_SERVER_ARGS),
         *("--loopkv-disk-dir", str(disk), "--enable-metrics"),
     ]
     log_dir.mkdir(exist_ok=True)
-    return Cluster(
-        args, workers=2, policy="round_robin", threads_per_worker=1, health_interval_s=2, log_dir=log_dir
-    ).start()
+    kw = {"health_interval_s": 2, **kw}
+    return Cluster(args, workers=2, policy=policy, threads_per_worker=1, log_dir=log_dir, **kw).start()
 
 
 def new_text(model_dir) -> list[list[int]]:
@@ -119,6 +118,30 @@ def test_round_robin_resumes_on_the_other_worker_and_survives_a_kill_9(
     with start_cluster(tiny_model_dir, tmp_path / "kv", server_logs / "cluster") as cluster:
         resume_elsewhere_then_kill_9(cluster, tmp_path / "kv", ids, tiny_server.url)
         cluster.wait_healthy(1)  # the router's health checks took the dead worker out
+
+
+@pytest.mark.slow  # a cluster of its own
+def test_no_request_fails_when_the_worker_holding_its_conversation_is_killed(
+    tiny_server, tiny_model_dir, tmp_path, server_logs
+):
+    """cache_aware sends a conversation back to the worker that holds it; right after that worker's
+    ``kill -9`` (before any health check) the next turns are retried on the survivor and answered as
+    one server would, not failed (the router's circuit breaker, set by the launcher)."""
+    ids = new_text(tiny_model_dir)
+    # health checks far apart: only the circuit breaker can route around the dead worker in time
+    with start_cluster(
+        tiny_model_dir, tmp_path / "kv", server_logs / "cluster-breaker", policy="cache_aware", health_interval_s=60
+    ) as cluster:
+        history = ids[0]
+        out, holder = turn(cluster, history)
+        history += out["output_ids"]
+        wait_segments(tmp_path / "kv", 1)
+        cluster.kill_worker(holder)
+        for t in (1, 2):
+            history += ids[t]
+            out = generate(cluster.url, history)  # asserts 200
+            assert out["output_ids"] == generate(tiny_server.url, history)["output_ids"]
+            history += out["output_ids"]
 
 
 @pytest.mark.slow  # a cluster of its own; the default suite covers the resume and the kill -9 above
