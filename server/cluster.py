@@ -124,7 +124,7 @@ class Cluster:
             "--health-check-timeout-secs": "30",
             # Until the health checks take a dead worker out (up to two intervals), cache_aware keeps
             # routing its conversations to it, and each request failed (500) once its 5 attempts had
-            # gone there: the default breaker opens after 10 failures, two clients' requests. At 3,
+            # gone there: the default breaker opens after 10 failures, two requests. At 3,
             # the first request's 4th attempt goes to a live worker: none failed after a kill -9
             # (benchmarks/results/NOTES.md, 2026-11-27). A restarted worker is tried again after 10 s.
             "--cb-failure-threshold": "3",

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from sgl_loopkv.cache.packed import kv_nbytes
 from sgl_loopkv.platform import keep_torch_on_this_thread
 
 
@@ -89,5 +90,5 @@ class DiskPrefetch:
 
 
 def _bytes_of(read: Future) -> int:
-    """Bytes a finished read holds (a failed one: none)."""
-    return 0 if read.exception() is not None else read.result().bytes_read
+    """RAM a finished read holds (a failed one: none)."""
+    return 0 if read.exception() is not None else kv_nbytes(read.result().kv)

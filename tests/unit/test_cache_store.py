@@ -340,23 +340,26 @@ def test_a_read_ahead_reads_on_its_thread_once_and_fails_like_an_inline_read(tmp
 def test_reads_ahead_nobody_takes_are_let_go():
     from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
 
+    def read(i: int, nbytes: int = 1):
+        return lambda: PrefetchedRead(torch.full((nbytes,), i, dtype=torch.uint8), nbytes, 0.0)
+
     pf = DiskPrefetch(max_done=2, ttl_s=60.0)
     for i in range(4):
-        pf.start(f"s{i}", lambda i=i: PrefetchedRead(i, 0, 0.0))
+        pf.start(f"s{i}", read(i))
     while not pf.done("s3"):
         time.sleep(0.005)
-    pf.start("s4", lambda: PrefetchedRead(4, 0, 0.0))  # each start lets the oldest untaken reads go
+    pf.start("s4", read(4))  # each start lets the oldest untaken reads go
     assert pf.take("s0") is None and pf.take("s1") is None and pf.expired >= 2
-    assert pf.take("s3").kv == 3 and pf.take("s3") is None  # taken once
+    assert pf.take("s3").kv[0] == 3 and pf.take("s3") is None  # taken once
     pf.discard("s4")
     assert pf.take("s4") is None
-    big = DiskPrefetch(max_done=8, ttl_s=60.0, max_done_bytes=250)  # and by the bytes they hold
+    big = DiskPrefetch(max_done=8, ttl_s=60.0, max_done_bytes=250)  # and by the RAM they hold
     for i in range(3):
-        big.start(f"b{i}", lambda i=i: PrefetchedRead(i, 100, 0.0))
+        big.start(f"b{i}", read(i, 100))
         while not big.done(f"b{i}"):
             time.sleep(0.005)
-    big.start("b3", lambda: PrefetchedRead(3, 0, 0.0))  # 300 B held when it starts: the oldest goes
-    assert big.take("b0") is None and big.take("b1").kv == 1 and big.expired == 1
+    big.start("b3", read(3, 1))  # 300 B held when it starts: the oldest goes
+    assert big.take("b0") is None and big.take("b1").kv[0] == 1 and big.expired == 1
 
 
 def test_disk_eviction_is_lru_over_every_worker_and_cuts_histories_from_their_end(tmp_path):
