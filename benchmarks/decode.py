@@ -95,7 +95,10 @@ SYSTEMS = {
     ),
     "loopkv-fp32-krul": ("sglang", "float32", ("--loopkv-share-layers", "minicache")),
     "loopkv-fp32-nodisk": ("sglang", "float32", ("--loopkv-disk-dir", "none")),
+    "loopkv-fp32-nolean": ("sglang", "float32", ()),
 }
+#: Environment of a system's server beyond its flags (kernel and code-path switches are variables).
+SYSTEM_ENV = {"loopkv-fp32-nolean": {"LOOPKV_LEAN_DECODE": "0"}}
 WHAT = {
     "loopkv": "sgl-loopkv launcher defaults (loopkv attention, tiered radix cache)",
     "stock": "stock SGLang 0.5.23 CPU configuration (`--loopkv-stock`: torch_native attention, stock radix cache)",
@@ -104,6 +107,7 @@ WHAT = {
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers): the tiered cache's per-step cost",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
     "loopkv-fp32-nodisk": "sgl-loopkv defaults without the disk tier (`--loopkv-disk-dir none`): the disk writer's cost",
+    "loopkv-fp32-nolean": "sgl-loopkv defaults with decode steps through SGLang's layer modules (`LOOPKV_LEAN_DECODE=0`)",
 }
 # run at 4K with the smallest and largest batch only
 BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul", "loopkv-fp32-nodisk")
@@ -297,7 +301,9 @@ def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, b
     """One server: per context, prefill then the timed batches; ``on_cell(url, cell)`` after each
     cell may add to its dict (benchmarks.decode_sparse reads /metrics there)."""
     srv = ServerProcess(
-        [*flags, "--dtype", dtype, "--max-total-tokens", str(pool)], log_path=RESULTS / f"decode_{name}.log"
+        [*flags, "--dtype", dtype, "--max-total-tokens", str(pool)],
+        env=SYSTEM_ENV.get(name, {}),
+        log_path=RESULTS / f"decode_{name}.log",
     )
     out: dict = {"startup_s": None, "cells": {}, "prefill_s": {}}
     try:

@@ -71,8 +71,8 @@ def test_plugin_registration_is_idempotent():
 # the stock side is slow-marked (21 s, a second server): the default suite checks the loopkv side
 @pytest.mark.parametrize("stock", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_decode_linear_hooks_only_in_loopkv_servers(stock):
-    """The split linear layers are sgl-loopkv's: a server of its launcher gets them, its stock
-    baseline (``--loopkv-stock``) and a plain SGLang process keep SGLang's layers."""
+    """The split linear layers and the lean decode step are sgl-loopkv's: a server of its launcher gets
+    them, its stock baseline (``--loopkv-stock``) and a plain SGLang process keep SGLang's layers."""
     import json as _json
 
     code = """
@@ -81,17 +81,22 @@ def test_decode_linear_hooks_only_in_loopkv_servers(stock):
         register()
         from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
         from sglang.srt.layers.logits_processor import LogitsProcessor
+        from sglang.srt.models.llama import LlamaModel
         print(json.dumps({
+            "lean_wrapped": hasattr(LlamaModel.forward, "__wrapped__"),
             "hooks": COMPONENTS["hook"],
             "linear_wrapped": hasattr(UnquantizedLinearMethod.apply, "__wrapped__"),
             "lm_head_wrapped": hasattr(LogitsProcessor._compute_lm_head, "__wrapped__"),
         }))
         """
     from sgl_loopkv.models.decode_linear import LINEAR_TARGET, LM_HEAD_TARGET
+    from sgl_loopkv.models.lean_decode import TARGET as LEAN_TARGET
 
     launched = run_fresh(code, env={"LOOPKV_CONFIG": _json.dumps({"stock": stock})})
     plain = run_fresh(code, drop_env=("LOOPKV_CONFIG",))
     assert (LINEAR_TARGET in launched["hooks"]) is not stock
     assert (LM_HEAD_TARGET in launched["hooks"]) is not stock
     assert launched["linear_wrapped"] is not stock and launched["lm_head_wrapped"] is not stock
+    assert (LEAN_TARGET in launched["hooks"]) is not stock and launched["lean_wrapped"] is not stock
     assert LINEAR_TARGET not in plain["hooks"] and not plain["linear_wrapped"] and not plain["lm_head_wrapped"]
+    assert LEAN_TARGET not in plain["hooks"] and not plain["lean_wrapped"]

@@ -1,0 +1,172 @@
+"""A Llama decode step on the CPU without SGLang's per-layer machinery, bitwise the same numbers.
+
+Why: a decode step of the default model is ~30 layers x ~10 modules of one token each. On two cores
+its linear layers take ~27 ms (weights streamed from memory) and SGLang's Python around them took
+another ~15-20 ms: module calls, the layer-boundary stages that carry the residual between the
+attention and the MLP (built for tensor/pipeline parallel layouts and fused quantized reads), the
+CustomOp dispatch of every norm, rotary embedding and activation. A plain loop over the same layers
+costs a fraction of that (``benchmarks/results/NOTES.md``, 2026-11-27 evening).
+
+:func:`decode_forward` is an AROUND hook on ``LlamaModel.forward``. For a decode batch of a model it
+can run (:func:`runnable`: one pipeline and tensor-parallel rank, SGLang's own Llama layers with plain
+weights, SGLang's CPU paths for norms, rotary embedding and activation) it runs every layer in a plain
+loop, calling the same functions the layers' modules would: each norm's, rotary embedding's and
+activation's own ``forward`` (SGLang's CustomOp dispatch), :func:`~sgl_loopkv.kernels.decode_linear.linear`
+for the projections (bitwise ``F.linear``) and the layer's own ``RadixAttention.forward``, so the
+attention backend (its KV writes, tiers, sparse decode, pruned histories, metrics) sees exactly the
+calls it sees otherwise. The residual stream is the plain one (``h = norm(x + residual)``) that the
+stages compute for such a model; ``tests/e2e/test_lean_decode.py`` holds the logprobs of both paths
+bitwise equal, so a change in SGLang that breaks the equivalence fails there. Every other batch and
+model goes to SGLang's forward. ``LOOPKV_LEAN_DECODE=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from sgl_loopkv.kernels.decode_linear import linear
+
+TARGET = "sglang.srt.models.llama.LlamaModel.forward"
+ENV = "LOOPKV_LEAN_DECODE"
+
+_RUNNABLE = "_loopkv_lean_decode"  # attribute caching runnable(model) on the model
+
+logger = logging.getLogger(__name__)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _plain_linear(layer) -> bool:
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    w = getattr(layer, "weight", None)
+    return (
+        type(getattr(layer, "quant_method", None)) is UnquantizedLinearMethod
+        and not getattr(layer, "use_intel_amx_backend", False)
+        and isinstance(w, torch.Tensor)
+        and w.dim() == 2
+        and w.is_contiguous()
+        and w.device.type == "cpu"
+        and (layer.bias is None or layer.bias.dtype == w.dtype)
+        and getattr(layer, "tp_size", 1) == 1
+    )
+
+
+def runnable(model) -> bool:
+    """Whether :func:`lean_forward` computes what ``model.forward`` does for a decode batch (decided once
+    per model, from its modules, and logged)."""
+    ok = getattr(model, _RUNNABLE, None)
+    if ok is None:
+        why_not = _why_not(model)
+        ok = why_not is None
+        setattr(model, _RUNNABLE, ok)
+        logger.info("lean decode steps: %s", "on" if ok else f"off ({why_not})")
+    return ok
+
+
+def _why_not(model) -> str | None:
+    from sglang.srt.layers.activation import SiluAndMul
+    from sglang.srt.layers.layernorm import RMSNorm
+    from sglang.srt.layers.rotary_embedding.base import RotaryEmbedding
+    from sglang.srt.layers.rotary_embedding.utils import apply_rotary_emb
+    from sglang.srt.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
+    from sglang.srt.utils import cpu_has_amx_support
+
+    if cpu_has_amx_support():
+        return "AMX: SGLang's CPU norms, rotary embedding and activation are sgl_kernel ops"
+    pp = getattr(model, "pp_group", None)
+    if pp is None or pp.world_size != 1:
+        return "pipeline parallel"
+    emb = getattr(model.embed_tokens, "weight", None)
+    if type(model.norm) is not RMSNorm or emb is None or emb.device.type != "cpu":
+        return "not a CPU model with an RMSNorm head"
+    for i in range(model.start_layer, model.end_layer):
+        layer = model.layers[i]
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not (
+            type(layer) is LlamaDecoderLayer
+            and type(attn) is LlamaAttention
+            and type(mlp) is LlamaMLP
+            and type(layer.input_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm
+            and type(mlp.act_fn) is SiluAndMul
+        ):
+            return f"layer {i} is not SGLang's Llama layer"
+        rope = attn.rotary_emb
+        if not (
+            type(rope) is RotaryEmbedding
+            and rope.is_neox_style
+            and rope.rotary_dim == rope.head_size == attn.head_dim
+            and rope._apply_rotary_emb_wrapped is apply_rotary_emb  # not a compiled copy
+        ):
+            return f"layer {i}: not a plain neox rotary embedding over whole heads"
+        if mlp.dual_gemm.mode is not None or mlp.activation_quant.enabled:
+            return f"layer {i}: fused MLP kernels"
+        if not all(_plain_linear(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)):
+            return f"layer {i}: quantized, AMX-packed, LoRA or tensor-parallel linear layers"
+    return None
+
+
+def _cos_sin(rope, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary factors of ``positions``, [n, 1, D / 2] each, as ``RotaryEmbedding.forward_native``
+    takes them from its cache."""
+    cos, sin = rope.cos_sin_cache.index_select(0, positions.flatten()).chunk(2, dim=-1)
+    return cos.unsqueeze(-2).to(dtype), sin.unsqueeze(-2).to(dtype)
+
+
+def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Neox-style rotary embedding of the query and key heads together, [n, Hq + Hkv, D]: the element
+    operations of SGLang's ``apply_rotary_emb`` in its order (each output element is computed alone, so
+    rotating the query and key heads in one call gives each the same bits)."""
+    x1, x2 = torch.chunk(qk, 2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@torch.no_grad()
+def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
+    """``model.forward`` for a decode batch of a :func:`runnable` model: the final-normed hidden states."""
+    x = model.embed_tokens(input_ids)
+    n = x.shape[0]
+    residual = None
+    rotary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per rotary module (SGLang shares one)
+    for i in range(model.start_layer, model.end_layer):
+        layer = model.layers[i]
+        attn, mlp = layer.self_attn, layer.mlp
+        if residual is None:
+            residual, h = x, layer.input_layernorm(x)
+        else:
+            h, residual = layer.input_layernorm(x, residual)
+        qkv = linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        rope = attn.rotary_emb
+        if (cs := rotary.get(id(rope))) is None:
+            cs = rotary[id(rope)] = _cos_sin(rope, positions, qkv.dtype)
+        qk = _rotate(qkv[:, : attn.q_size + attn.kv_size].view(n, -1, attn.head_dim), *cs)
+        q, k = qk[:, : attn.num_heads], qk[:, attn.num_heads :]
+        o = attn.attn.forward(q, k, qkv[:, attn.q_size + attn.kv_size :], forward_batch)
+        x = linear(o, attn.o_proj.weight, attn.o_proj.bias)
+        h, residual = layer.post_attention_layernorm(x, residual)
+        gate_up = linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
+        x = linear(mlp.act_fn(gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+    return model.norm(x, residual)[0]
+
+
+def decode_forward(original, self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None, **kw):
+    """AROUND hook on ``LlamaModel.forward``."""
+    if (
+        not kw
+        and input_embeds is None
+        and not self.layers_to_capture
+        and pp_proxy_tensors is None
+        and forward_batch.forward_mode.is_decode()
+        and input_ids.numel() > 0
+        and enabled()
+        and not torch.compiler.is_compiling()
+        and runnable(self)
+    ):
+        return lean_forward(self, input_ids, positions, forward_batch)
+    return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kw)
