@@ -98,7 +98,7 @@ SYSTEMS = {
     "loopkv-fp32-nolean": ("sglang", "float32", ()),
 }
 #: Environment of a system's server beyond its flags (kernel and code-path switches are variables).
-SYSTEM_ENV = {"loopkv-fp32-nolean": {"LOOPKV_LEAN_DECODE": "0"}}
+SYSTEM_ENV = {"loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"}}
 WHAT = {
     "loopkv": "sgl-loopkv launcher defaults (loopkv attention, tiered radix cache)",
     "stock": "stock SGLang 0.5.23 CPU configuration (`--loopkv-stock`: torch_native attention, stock radix cache)",
@@ -107,7 +107,7 @@ WHAT = {
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers): the tiered cache's per-step cost",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
     "loopkv-fp32-nodisk": "sgl-loopkv defaults without the disk tier (`--loopkv-disk-dir none`): the disk writer's cost",
-    "loopkv-fp32-nolean": "sgl-loopkv defaults with decode steps through SGLang's layer modules (`LOOPKV_LEAN_DECODE=0`)",
+    "loopkv-fp32-nolean": "sgl-loopkv defaults with forwards through SGLang's layer modules (`LOOPKV_LEAN_FORWARD=0`)",
 }
 # run at 4K with the smallest and largest batch only
 BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul", "loopkv-fp32-nodisk")

@@ -18,7 +18,7 @@ What it registers today:
 - requests whose history another worker is writing, or that the disk tier is reading ahead, held back
   in the queue, not waited for on the scheduler thread (:mod:`sgl_loopkv.cache.awaited`);
 - decode-step linear layers split over torch's threads (:mod:`sgl_loopkv.models.decode_linear`) and
-  Llama decode steps without SGLang's per-layer machinery (:mod:`sgl_loopkv.models.lean_decode`), in
+  Llama forwards without SGLang's per-layer machinery (:mod:`sgl_loopkv.models.lean_forward`), in
   servers of sgl-loopkv's launcher other than ``--loopkv-stock``.
 New components are registered here, nowhere else.
 """
@@ -85,7 +85,7 @@ def _register_hooks() -> None:
     from sgl_loopkv.cache import awaited
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
-    from sgl_loopkv.models import decode_linear, lean_decode
+    from sgl_loopkv.models import decode_linear, lean_forward
     from sgl_loopkv.server import errors, limits, metrics_files, openai_model_check, redact, request_checks
 
     hooks = [
@@ -111,7 +111,7 @@ def _register_hooks() -> None:
         hooks += [
             (decode_linear.LINEAR_TARGET, decode_linear.linear_apply, HookType.AROUND),
             (decode_linear.LM_HEAD_TARGET, decode_linear.compute_lm_head, HookType.AROUND),
-            (lean_decode.TARGET, lean_decode.decode_forward, HookType.AROUND),
+            (lean_forward.TARGET, lean_forward.lean_model_forward, HookType.AROUND),
         ]
     for target, hook, kind in hooks:
         if target not in COMPONENTS["hook"]:

@@ -242,48 +242,48 @@ PRIVATES: tuple[PrivateUse, ...] = (
     PrivateUse(
         "sglang.srt.models.llama:LlamaModel.forward",
         "d02b894a8afcbf3f4945a3bf062bbe297cd8d8c96cfaef66d5415db1e87d981b",
-        "AROUND hook (models/lean_decode.py): a decode batch runs the same layers in a plain loop; relies on "
+        "AROUND hook (models/lean_forward.py): a decode or extend batch runs the same layers in a plain loop; relies on "
         "the layers' residual stream being h = norm(x + residual) and on the final norm's output being returned",
     ),
     PrivateUse(
         "sglang.srt.models.llama:LlamaDecoderLayer.forward",
         "6d3680dbd7256ed245ecc69eddd62d9ab58ed482626175dfa1d327eeb1876606",
-        "repeated (models/lean_decode.py): input norm, attention, post-attention norm, MLP",
+        "repeated (models/lean_forward.py): input norm, attention, post-attention norm, MLP",
     ),
     PrivateUse(
         "sglang.srt.models.llama:LlamaAttention.forward",
         "232b19ff50081952b7cc1893b5333b1864b0bf210ff13adb75031199261ac45e",
-        "repeated (models/lean_decode.py): qkv projection, rotary embedding, RadixAttention, o projection",
+        "repeated (models/lean_forward.py): qkv projection, rotary embedding, RadixAttention, o projection",
     ),
     PrivateUse(
         "sglang.srt.models.llama:LlamaAttention.forward_prepare_native",
         "eb09e68f522b40b5996c6035bdf576eec8473553cf59b63dea1e31368e4a1f0c",
-        "repeated (models/lean_decode.py): the q/k/v split of the qkv projection",
+        "repeated (models/lean_forward.py): the q/k/v split of the qkv projection",
     ),
     PrivateUse(
         "sglang.srt.models.llama:LlamaMLP.forward",
         "0ad4e3f4819bb3def72d07d0cb4eba42ab75aa50a5c3546730eb93ba0edcf491",
-        "repeated (models/lean_decode.py): gate_up, act_fn (activation_quant disabled, no dual GEMM), down",
+        "repeated (models/lean_forward.py): gate_up, act_fn (activation_quant disabled, no dual GEMM), down",
     ),
     PrivateUse(
         "sglang.srt.layers.rotary_embedding.base:RotaryEmbedding.__init__",
         "669e515f7f234f9188f01062fe2722ac1d5a597e610b8893ac8ad07543e27e1a",
-        "field _apply_rotary_emb_wrapped read (models/lean_decode.py): apply_rotary_emb itself unless compiled",
+        "field _apply_rotary_emb_wrapped read (models/lean_forward.py): apply_rotary_emb itself unless compiled",
     ),
     PrivateUse(
         "sglang.srt.layers.rotary_embedding.base:RotaryEmbedding.forward_native",
         "2e5d856d6d4a395b28c24e6297cfa62e4a1a34f8e41660534f80f857ff769d12",
-        "repeated (models/lean_decode.py): cos/sin from cos_sin_cache by position, the rotary part rotated",
+        "repeated (models/lean_forward.py): cos/sin from cos_sin_cache by position, the rotary part rotated",
     ),
     PrivateUse(
         "sglang.srt.layers.rotary_embedding.base:RotaryEmbedding.forward_cpu",
         "07ad42b13b4be4f2854c0182786040f4d3a21974a0c440921eb67b6e68d2bf5d",
-        "relied on (models/lean_decode.py): forward_native unless the CPU has AMX",
+        "relied on (models/lean_forward.py): forward_native unless the CPU has AMX",
     ),
     PrivateUse(
         "sglang.srt.layers.rotary_embedding.utils:apply_rotary_emb",
         "14486971b6c3ee7300367588623204e8616fc53bdd82dbaf1480907a985c94b0",
-        "repeated element for element (models/lean_decode.py _rotate), neox style",
+        "repeated element for element (models/lean_forward.py _rotate), neox style",
     ),
 )
 

@@ -71,7 +71,7 @@ def test_plugin_registration_is_idempotent():
 # the stock side is slow-marked (21 s, a second server): the default suite checks the loopkv side
 @pytest.mark.parametrize("stock", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_decode_linear_hooks_only_in_loopkv_servers(stock):
-    """The split linear layers and the lean decode step are sgl-loopkv's: a server of its launcher gets
+    """The split linear layers and the lean forward are sgl-loopkv's: a server of its launcher gets
     them, its stock baseline (``--loopkv-stock``) and a plain SGLang process keep SGLang's layers."""
     import json as _json
 
@@ -90,7 +90,7 @@ def test_decode_linear_hooks_only_in_loopkv_servers(stock):
         }))
         """
     from sgl_loopkv.models.decode_linear import LINEAR_TARGET, LM_HEAD_TARGET
-    from sgl_loopkv.models.lean_decode import TARGET as LEAN_TARGET
+    from sgl_loopkv.models.lean_forward import TARGET as LEAN_TARGET
 
     launched = run_fresh(code, env={"LOOPKV_CONFIG": _json.dumps({"stock": stock})})
     plain = run_fresh(code, drop_env=("LOOPKV_CONFIG",))

@@ -1,23 +1,25 @@
-"""A Llama decode step on the CPU without SGLang's per-layer machinery, bitwise the same numbers.
+"""Llama forwards on the CPU without SGLang's per-layer machinery, bitwise the same numbers.
 
-Why: a decode step of the default model is ~30 layers x ~10 modules of one token each. On two cores
+Why: a decode step of the default model is 30 layers x ~10 modules of one token each. On two cores
 its linear layers take ~27 ms (weights streamed from memory) and SGLang's Python around them took
-another ~15-20 ms: module calls, the layer-boundary stages that carry the residual between the
-attention and the MLP (built for tensor/pipeline parallel layouts and fused quantized reads), the
-CustomOp dispatch of every norm, rotary embedding and activation. A plain loop over the same layers
-costs a fraction of that (``benchmarks/results/NOTES.md``, 2026-11-27 evening).
+another ~15 ms: module calls, the layer-boundary stages that carry the residual between the attention
+and the MLP (built for tensor/pipeline-parallel layouts and fused quantized reads), the CustomOp
+dispatch of every norm, rotary embedding and activation. A short prefill (a chat turn) pays the same
+per forward. A plain loop over the same layers costs a fraction of that (``benchmarks/results/NOTES.md``,
+2026-11-27 evening).
 
-:func:`decode_forward` is an AROUND hook on ``LlamaModel.forward``. For a decode batch of a model it
-can run (:func:`runnable`: one pipeline and tensor-parallel rank, SGLang's own Llama layers with plain
-weights, SGLang's CPU paths for norms, rotary embedding and activation) it runs every layer in a plain
-loop, calling the same functions the layers' modules would: each norm's, rotary embedding's and
-activation's own ``forward`` (SGLang's CustomOp dispatch), :func:`~sgl_loopkv.kernels.decode_linear.linear`
-for the projections (bitwise ``F.linear``) and the layer's own ``RadixAttention.forward``, so the
-attention backend (its KV writes, tiers, sparse decode, pruned histories, metrics) sees exactly the
-calls it sees otherwise. The residual stream is the plain one (``h = norm(x + residual)``) that the
-stages compute for such a model; ``tests/e2e/test_lean_decode.py`` holds the logprobs of both paths
-bitwise equal, so a change in SGLang that breaks the equivalence fails there. Every other batch and
-model goes to SGLang's forward. ``LOOPKV_LEAN_DECODE=0`` turns it off.
+:func:`lean_model_forward` is an AROUND hook on ``LlamaModel.forward``. For a decode or extend batch of
+a model it can run (:func:`runnable`: one pipeline and tensor-parallel rank, no AMX, SGLang's own Llama
+layers with plain weights and a neox rotary embedding over whole heads) it runs every layer in a plain
+loop, calling what the layers' modules would: each norm's and activation's own module (SGLang's
+CustomOp dispatch), :func:`~sgl_loopkv.kernels.decode_linear.linear` for the projections (bitwise
+``F.linear``), the rotary embedding's element operations in SGLang's order, and the layer's own
+``RadixAttention.forward``, so the attention backend (KV writes, tiers, sparse and pruned plans,
+metrics) sees exactly the calls it sees otherwise. The residual stream is the plain one
+(``h = norm(x + residual)``) that the stages compute for such a model. ``tests/e2e/test_lean_forward.py``
+holds greedy tokens and every logprob of both paths bitwise equal (tiny model in float32 and bfloat16,
+SmolLM2), and the SGLang sources this mirrors are pinned in :mod:`sgl_loopkv.sglang_privates`. Every
+other batch and model goes to SGLang's forward. ``LOOPKV_LEAN_FORWARD=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch
 from sgl_loopkv.kernels.decode_linear import linear
 
 TARGET = "sglang.srt.models.llama.LlamaModel.forward"
-ENV = "LOOPKV_LEAN_DECODE"
+ENV = "LOOPKV_LEAN_FORWARD"
 
-_RUNNABLE = "_loopkv_lean_decode"  # attribute caching runnable(model) on the model
+_RUNNABLE = "_loopkv_lean_forward"  # attribute caching runnable(model) on the model
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +60,14 @@ def _plain_linear(layer) -> bool:
 
 
 def runnable(model) -> bool:
-    """Whether :func:`lean_forward` computes what ``model.forward`` does for a decode batch (decided once
-    per model, from its modules, and logged)."""
+    """Whether :func:`lean_forward` computes what ``model.forward`` does for a decode or extend batch
+    (decided once per model, from its modules, and logged)."""
     ok = getattr(model, _RUNNABLE, None)
     if ok is None:
         why_not = _why_not(model)
         ok = why_not is None
         setattr(model, _RUNNABLE, ok)
-        logger.info("lean decode steps: %s", "on" if ok else f"off ({why_not})")
+        logger.info("lean forward: %s", "on" if ok else f"off ({why_not})")
     return ok
 
 
@@ -129,7 +131,8 @@ def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 @torch.no_grad()
 def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
-    """``model.forward`` for a decode batch of a :func:`runnable` model: the final-normed hidden states."""
+    """``model.forward`` for a decode or extend batch of a :func:`runnable` model: the final-normed hidden
+    states."""
     x = model.embed_tokens(input_ids)
     n = x.shape[0]
     residual = None
@@ -155,14 +158,23 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
     return model.norm(x, residual)[0]
 
 
-def decode_forward(original, self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None, **kw):
+def _lean_modes() -> tuple:
+    """Plain decode and prefill batches (not mixed chunked prefill, speculative or split modes)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return (ForwardMode.DECODE, ForwardMode.EXTEND)
+
+
+def lean_model_forward(
+    original, self, input_ids, positions, forward_batch, input_embeds=None, pp_proxy_tensors=None, **kw
+):
     """AROUND hook on ``LlamaModel.forward``."""
     if (
         not kw
         and input_embeds is None
         and not self.layers_to_capture
         and pp_proxy_tensors is None
-        and forward_batch.forward_mode.is_decode()
+        and forward_batch.forward_mode in _lean_modes()
         and input_ids.numel() > 0
         and enabled()
         and not torch.compiler.is_compiling()

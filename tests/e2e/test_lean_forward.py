@@ -1,5 +1,5 @@
-"""Decode steps without SGLang's layer machinery (``sgl_loopkv/models/lean_decode.py``) compute
-SGLang's numbers bitwise: the same server with ``LOOPKV_LEAN_DECODE=0`` is the reference. A change
+"""Forwards without SGLang's layer machinery (``sgl_loopkv/models/lean_forward.py``) compute SGLang's
+numbers bitwise, prefill and decode: the same server with ``LOOPKV_LEAN_FORWARD=0`` is the reference. A change
 in SGLang's Llama layers, norms or rotary embedding that breaks the equivalence fails here."""
 
 from __future__ import annotations
@@ -9,34 +9,39 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from sgl_loopkv.models.lean_decode import ENV
+from sgl_loopkv.models.lean_forward import ENV
 from sgl_loopkv.server.process import ServerProcess
 from tests.e2e.conftest import COMMON_SERVER_ARGS, _server
 from tests.e2e.test_server_tiny import LONG_PROMPT
 
 pytestmark = pytest.mark.server
 
-ON = "lean decode steps: on"
+ON = "lean forward: on"
 
 
-def _decode(url: str, text: str, n: int = 24) -> dict:
+def _decode(url: str, text: str, n: int = 24, prompt_logprobs: bool = False) -> dict:
+    """Greedy tokens and logprobs; ``prompt_logprobs``: every prompt position's too (a prefill of every
+    row: SGLang then reuses no cached prefix)."""
     body = {
         "text": text,
         "return_logprob": True,
         "top_logprobs_num": 5,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
     }
+    if prompt_logprobs:
+        body["logprob_start_len"] = 0
     r = requests.post(f"{url}/generate", json=body, timeout=300)
     r.raise_for_status()
     out = r.json()
     m = out["meta_info"]
-    return {"ids": out["output_ids"], "logprobs": m["output_token_logprobs"], "top": m["output_top_logprobs"]}
+    keys = ("output_token_logprobs", "output_top_logprobs", "input_token_logprobs", "input_top_logprobs")
+    return {"ids": out["output_ids"], **{k: m.get(k) for k in keys}}
 
 
 def _assert_bitwise_equal(lean: ServerProcess, reference: ServerProcess, prompts: list[str]) -> None:
     for prompt in prompts:
-        for _ in range(2):  # the second round decodes after a cached prefix
-            a, b = _decode(lean.url, prompt), _decode(reference.url, prompt)
+        for prompt_logprobs in (False, False, True):  # the second round prefills after a cached prefix
+            a, b = (_decode(srv.url, prompt, prompt_logprobs=prompt_logprobs) for srv in (lean, reference))
             assert a == b, prompt[:40]
     assert ON in lean.log_path.read_text()
     assert ON not in reference.log_path.read_text()
@@ -48,7 +53,7 @@ def tiny_reference_server(tiny_model_dir, server_logs):
         yield srv
 
 
-def test_lean_decode_is_bitwise_sglangs_decode_step(tiny_server, tiny_reference_server):
+def test_lean_forward_is_bitwise_sglangs_prefill_and_decode(tiny_server, tiny_reference_server):
     prompts = ["The capital of France is", "def fibonacci(n):", LONG_PROMPT[:3000]]
     _assert_bitwise_equal(tiny_server, tiny_reference_server, prompts)
 
@@ -63,12 +68,13 @@ def test_batched_lean_decode_matches_each_request_alone(tiny_server):
         together = list(ex.map(lambda p: _decode(tiny_server.url, p), prompts))
     for a, b in zip(alone, together):
         assert a["ids"] == b["ids"]
-        assert max(abs(x[0] - y[0]) for x, y in zip(a["logprobs"], b["logprobs"])) < 1e-3
+        pairs = zip(a["output_token_logprobs"], b["output_token_logprobs"])
+        assert max(abs(x[0] - y[0]) for x, y in pairs) < 1e-3
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny-bf16", "smollm2"])
-def test_lean_decode_is_bitwise_in_bf16_and_on_smollm2(model, tiny_model_dir, server_logs):
+def test_lean_forward_is_bitwise_in_bf16_and_on_smollm2(model, tiny_model_dir, server_logs):
     if model == "smollm2":
         args = list(COMMON_SERVER_ARGS)
     else:
