@@ -55,6 +55,7 @@ def _plain_linear(layer) -> bool:
         and w.is_contiguous()
         and w.device.type == "cpu"
         and (layer.bias is None or layer.bias.dtype == w.dtype)
+        and not getattr(layer, "skip_bias_add", False)
         and getattr(layer, "tp_size", 1) == 1
     )
 
@@ -149,7 +150,9 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
         if (cs := rotary.get(id(rope))) is None:
             cs = rotary[id(rope)] = _cos_sin(rope, positions, qkv.dtype)
         qk = _rotate(qkv[:, : attn.q_size + attn.kv_size].view(n, -1, attn.head_dim), *cs)
-        q, k = qk[:, : attn.num_heads], qk[:, attn.num_heads :]
+        # [n, q_size] and [n, kv_size] as SGLang's rotary embedding returns them (a backend may shape its
+        # output like q: torch_native does)
+        q, k = qk[:, : attn.num_heads].reshape(n, -1), qk[:, attn.num_heads :].reshape(n, -1)
         o = attn.attn.forward(q, k, qkv[:, attn.q_size + attn.kv_size :], forward_batch)
         x = linear(o, attn.o_proj.weight, attn.o_proj.bias)
         h, residual = layer.post_attention_layernorm(x, residual)

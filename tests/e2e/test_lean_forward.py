@@ -48,14 +48,18 @@ def _assert_bitwise_equal(lean: ServerProcess, reference: ServerProcess, prompts
 
 
 @pytest.fixture(scope="module")
-def tiny_reference_server(tiny_model_dir, server_logs):
-    with _server(tiny_model_dir, server_logs, "tiny-lean-off", [], {ENV: "0"}).start() as srv:
-        yield srv
+def tiny_pair(tiny_model_dir, server_logs):
+    """Two fresh servers, lean forward on and off, that will serve the same requests in the same order:
+    equal radix trees and pool layouts (the session's tiny server has served other tests, and an extend
+    over a fragmented history takes another, equally exact, attention path)."""
+    lean = _server(tiny_model_dir, server_logs, "tiny-lean-on", [])
+    ref = _server(tiny_model_dir, server_logs, "tiny-lean-off", [], {ENV: "0"})
+    with lean.start(), ref.start():
+        yield lean, ref
 
 
-def test_lean_forward_is_bitwise_sglangs_prefill_and_decode(tiny_server, tiny_reference_server):
-    prompts = ["The capital of France is", "def fibonacci(n):", LONG_PROMPT[:3000]]
-    _assert_bitwise_equal(tiny_server, tiny_reference_server, prompts)
+def test_lean_forward_is_bitwise_sglangs_prefill_and_decode(tiny_pair):
+    _assert_bitwise_equal(*tiny_pair, ["The capital of France is", "def fibonacci(n):", LONG_PROMPT[:3000]])
 
 
 def test_batched_lean_decode_matches_each_request_alone(tiny_server):
