@@ -77,9 +77,14 @@ def tiny_server(tiny_model_dir, server_logs, standin_trace):
 
 @pytest.fixture(scope="session")
 def tiny_native_server(tiny_model_dir, server_logs):
-    """The same launcher with SGLang's own torch_native attention: the reference."""
+    """The same launcher with SGLang's own torch_native attention and SGLang's own layer forward
+    (``LOOPKV_LEAN_FORWARD=0``): the reference."""
     with _server(
-        tiny_model_dir, server_logs, "tiny-torch-native", ["--attention-backend", "torch_native"]
+        tiny_model_dir,
+        server_logs,
+        "tiny-torch-native",
+        ["--attention-backend", "torch_native"],
+        {"LOOPKV_LEAN_FORWARD": "0"},
     ).start() as srv:
         yield srv
 
