@@ -96,9 +96,10 @@ SYSTEMS = {
     "loopkv-fp32-krul": ("sglang", "float32", ("--loopkv-share-layers", "minicache")),
     "loopkv-fp32-nodisk": ("sglang", "float32", ("--loopkv-disk-dir", "none")),
     "loopkv-fp32-nolean": ("sglang", "float32", ()),
+    "loopkv-fp32-exact": ("sglang", "float32", ()),
 }
 #: Environment of a system's server beyond its flags (kernel and code-path switches are variables).
-SYSTEM_ENV = {"loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"}}
+SYSTEM_ENV = {"loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"}, "loopkv-fp32-exact": {"LOOPKV_EXACT_LINEAR": "1"}}
 WHAT = {
     "loopkv": "sgl-loopkv launcher defaults (loopkv attention, tiered radix cache)",
     "stock": "stock SGLang 0.5.23 CPU configuration (`--loopkv-stock`: torch_native attention, stock radix cache)",
@@ -108,6 +109,8 @@ WHAT = {
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
     "loopkv-fp32-nodisk": "sgl-loopkv defaults without the disk tier (`--loopkv-disk-dir none`): the disk writer's cost",
     "loopkv-fp32-nolean": "sgl-loopkv defaults with forwards through SGLang's layer modules (`LOOPKV_LEAN_FORWARD=0`)",
+    "loopkv-fp32-exact": "sgl-loopkv defaults with F.linear's bits in every linear layer (`LOOPKV_EXACT_LINEAR=1`: "
+    "the MKL split, no gemv_f32)",
 }
 # run at 4K with the smallest and largest batch only
 BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul", "loopkv-fp32-nodisk")

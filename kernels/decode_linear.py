@@ -1,17 +1,28 @@
-"""Linear layers of a decode step split over torch's threads (``decode_linear.cpp``).
+"""Linear layers of a decode step on the CPU (``decode_linear.cpp``): a decode step is mostly its
+linear layers, each a few rows against a weight matrix read from memory once.
 
-For a few rows ATen runs a float32 (or bfloat16) linear layer on one thread (MKL's gemv / small
-gemm), so a decode step reads its weights at one core's memory rate. :func:`linear` splits W's
-output features over torch's threads and returns exactly what ``F.linear`` returns: each thread
-runs MKL on a block of W's rows, which computes every output element as the unsplit call does
-where MKL runs that call on one thread. For some shapes MKL threads the call itself and sums in
-another order (float32 with 5-7 and 9-11 rows on MKL 2024.2), so every new (rows, W shape, dtype,
-threads) is checked once on a random probe and keeps ``F.linear`` unless the two agree bitwise.
+- **float32, up to** ``GEMV_MAX_ROWS`` **rows, AVX-512**: ``gemv_f32``, our own kernel. MKL (inside
+  torch) runs these calls on one thread, and on CPUs where it picks its generic kernels (the AMD
+  EPYC here) at ~11 GB/s a thread; ``gemv_f32`` streams each weight row once for every row of x, W
+  split over torch's threads. Its sums are not MKL's order, so its bits are not ``F.linear``'s:
+  each output is one fixed-order float32 sum, closer to the exact (float64) sum than MKL's in
+  ``tests/unit/test_decode_linear.py``, and a row's result does not depend on the batch around it
+  or on the thread count. ``LOOPKV_EXACT_LINEAR=1`` keeps ``F.linear``'s bits (the split below)
+  for a server that must reproduce stock SGLang's float32 outputs bit for bit.
+- **otherwise, up to** ``MAX_ROWS`` **rows** (bfloat16, more rows, no AVX-512, or exact mode): the
+  split, bitwise ``F.linear``: W's output features over torch's threads, each thread running MKL
+  on a block of W's rows, which computes every output element as the unsplit call does where MKL
+  runs that call on one thread. For some shapes MKL threads the call itself and sums in another
+  order (float32 with 5-7 and 9-11 rows on MKL 2024.2), so every new (rows, W shape, dtype,
+  threads) is checked once on a random probe and keeps ``F.linear`` unless the two agree bitwise.
+
 Above ``MAX_ROWS`` rows, or without the compiled kernel (``LOOPKV_NATIVE_LINEAR=0`` turns it off),
 it is ``F.linear``.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -23,25 +34,43 @@ EXTENSION = NativeExtension("decode_linear", "LOOPKV_NATIVE_LINEAR", "decode lin
 #: cores (NOTES.md, 2026-11-24): 1.66x at 1 row, 1.45x at 32, 1.22x at 256, at par at 1024, where
 #: MKL threads the call itself. Covers decode batches, short extends and the LM head's rows.
 MAX_ROWS = 256
+#: Rows up to which ``gemv_f32`` beats the split (SmolLM2's 30 layers and LM head, cold weights,
+#: float32, 2 threads, this EPYC; NOTES.md 2026-11-27 night): 1.3-1.9x at 1-4 rows, 1.2x at 8, 1.15x
+#: at 16 (past that the call is compute-bound and MKL's gemm tiles win).
+GEMV_MAX_ROWS = 16
+EXACT_ENV = "LOOPKV_EXACT_LINEAR"
 
 
 def load():
     return EXTENSION.load()
 
 
+def exact_mode() -> bool:
+    """``LOOPKV_EXACT_LINEAR=1``: every call returns ``F.linear``'s bits (no ``gemv_f32``)."""
+    return os.environ.get(EXACT_ENV, "0").lower() in ("1", "true")
+
+
+def takes_gemv(rows: int, w: torch.Tensor) -> bool:
+    """Whether a call of ``rows`` rows against ``w`` (operands already checked by :func:`applies`)
+    runs ``gemv_f32``."""
+    return rows <= GEMV_MAX_ROWS and w.dtype == torch.float32 and not exact_mode() and load().has_gemv()
+
+
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether :func:`linear` would take the split path for these operands."""
+    """Whether :func:`linear` would take one of its kernels (``gemv_f32`` or the split) for these operands."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
-    return (
+    if not (
         0 < rows <= MAX_ROWS
         and x.device.type == "cpu"
         and w.device.type == "cpu"
         and x.dtype == w.dtype
         and w.dim() == 2
         and w.is_contiguous()
-        and torch.get_num_threads() > 1
         and load() is not None
-    )
+    ):
+        return False
+    # the split needs two threads to gain; gemv_f32 gains on one as well (one worker per core)
+    return torch.get_num_threads() > 1 or takes_gemv(rows, w)
 
 
 #: (rows, out, in, dtype, bias?, threads) -> whether the split is bitwise F.linear for that shape.
@@ -71,11 +100,14 @@ def split_is_exact(rows: int, w: torch.Tensor, bias: torch.Tensor | None) -> boo
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``, bitwise, split over torch's threads where that is faster."""
+    """``F.linear(x, w, bias)``: ``gemv_f32`` for a few float32 rows (fixed-order sums, not
+    ``F.linear``'s bits), else bitwise, split over torch's threads where that is faster."""
     if not applies(x, w):
         return F.linear(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    if not split_is_exact(x2.shape[0], w, bias):
+    if takes_gemv(x2.shape[0], w) and (bias is None or bias.dtype == torch.float32):
+        return load().gemv_f32(x2.contiguous(), w, bias).view(*x.shape[:-1], w.shape[0])
+    if torch.get_num_threads() < 2 or not split_is_exact(x2.shape[0], w, bias):
         return F.linear(x, w, bias)
     if not x2.is_contiguous():
         x2 = x2.contiguous()

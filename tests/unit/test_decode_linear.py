@@ -1,5 +1,7 @@
-"""Decode-step linear layers split over torch's threads: bitwise ``F.linear``, the rule that picks
-the split, and the SGLang hooks' fallbacks."""
+"""Decode-step linear layers: ``gemv_f32`` (few float32 rows: closer to the exact sum than
+``F.linear``, the same bits in any batch and thread split), the split over torch's threads (bitwise
+``F.linear``; all of it under ``LOOPKV_EXACT_LINEAR=1``), the rule that picks them, and the SGLang
+hooks' fallbacks."""
 
 from __future__ import annotations
 
@@ -22,6 +24,19 @@ def native():
     return module
 
 
+@pytest.fixture
+def exact(monkeypatch):
+    """``LOOPKV_EXACT_LINEAR=1``: every call F.linear's bits (the split, no gemv_f32)."""
+    monkeypatch.setenv(decode_linear.EXACT_ENV, "1")
+
+
+@pytest.fixture
+def gemv(native):
+    if not native.has_gemv():
+        pytest.skip("gemv_f32 needs AVX-512 (linear() takes the split there)")
+    return native
+
+
 def test_kernel_builds_where_a_compiler_exists():
     if shutil.which("c++") is None:
         pytest.skip("no C++ compiler on this machine")
@@ -30,7 +45,7 @@ def test_kernel_builds_where_a_compiler_exists():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (192, 576), (1000, 64)])
-def test_linear_is_bitwise_f_linear(native, dtype, shape):
+def test_exact_mode_is_bitwise_f_linear(native, exact, dtype, shape):
     """Every row count it takes, with and without bias: the split where the probe found it exact,
     F.linear elsewhere; either way the caller sees F.linear's bits."""
     g = torch.Generator().manual_seed(shape[0])
@@ -49,7 +64,62 @@ def test_split_taken_for_one_row(native):
     assert torch.equal(native.decode_linear(torch.ones(1, 576), w, None), F.linear(torch.ones(1, 576), w))
 
 
-def test_inexact_shape_keeps_f_linear(native, monkeypatch):
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (192, 576), (1000, 64), (70, 100), (33, 7), (5, 49)])
+def test_gemv_is_closer_to_the_exact_sum(gemv, shape):
+    """float32 rows 1..GEMV_MAX_ROWS go to gemv_f32: every output within float32's error bound of
+    the float64 sum (a lost block or tail would be off by O(1)), K % 16 tails and odd 16-blocks
+    included; and from K = 64 on, on the whole no farther from it than F.linear (for a handful of
+    terms the two orders are equally good)."""
+    g = torch.Generator().manual_seed(shape[1])
+    w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
+    ours, mkl = [], []
+    for rows in range(1, decode_linear.GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, shape[1], generator=g)
+        assert decode_linear.takes_gemv(rows, w)
+        for bias in (None, b):
+            y = decode_linear.linear(x, w, bias)
+            ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            bound = (x.abs().double() @ w.abs().double().T + (0 if bias is None else b.abs().double()))
+            bound *= (shape[1] // 16 + 34) * 2.0**-24
+            assert ((y.double() - ref).abs() <= bound).all(), (rows, bias is None)
+            ours.append((y.double() - ref).abs().mean())
+            mkl.append((F.linear(x, w, bias).double() - ref).abs().mean())
+    if shape[1] >= 64:
+        assert sum(ours) <= 1.05 * sum(mkl), (sum(ours), sum(mkl))
+
+
+def test_gemv_rows_do_not_depend_on_the_batch_or_threads(gemv):
+    """A row's result is the same bits alone, in any batch of up to GEMV_MAX_ROWS rows and with one
+    or two threads (a decode step's tokens do not change with the requests beside them)."""
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(3072, 576, generator=g), torch.randn(3072, generator=g)
+    x = torch.randn(decode_linear.GEMV_MAX_ROWS, 576, generator=g)
+    alone = torch.cat([decode_linear.linear(x[i : i + 1], w, b) for i in range(len(x))])
+    for rows in range(2, decode_linear.GEMV_MAX_ROWS + 1):
+        assert torch.equal(decode_linear.linear(x[:rows], w, b), alone[:rows]), rows
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert decode_linear.applies(x, w)  # one thread: still gemv_f32 (nothing to split, but faster than MKL)
+        assert torch.equal(decode_linear.linear(x, w, b), alone)
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_gemv_rule(gemv, monkeypatch):
+    w = torch.randn(64, 32)
+    assert decode_linear.takes_gemv(decode_linear.GEMV_MAX_ROWS, w)
+    assert not decode_linear.takes_gemv(decode_linear.GEMV_MAX_ROWS + 1, w)  # MKL's gemm tiles (the split)
+    assert not decode_linear.takes_gemv(1, w.to(torch.bfloat16))  # bfloat16: the split
+    x3 = torch.randn(2, 3, 32)  # leading dims kept
+    assert torch.equal(decode_linear.linear(x3, w), decode_linear.linear(x3.reshape(6, 32), w).view(2, 3, 64))
+    monkeypatch.setenv(decode_linear.EXACT_ENV, "1")
+    assert not decode_linear.takes_gemv(1, w)
+    x = torch.randn(3, 32)
+    assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
+
+
+def test_inexact_shape_keeps_f_linear(native, exact, monkeypatch):
     """A shape whose split sums differently (as MKL's self-threaded calls do) keeps F.linear."""
     off = types.SimpleNamespace(decode_linear=lambda x, w, b: F.linear(x, w, b) + 1e-3)
     monkeypatch.setattr(decode_linear, "load", lambda: off)
@@ -59,7 +129,7 @@ def test_inexact_shape_keeps_f_linear(native, monkeypatch):
     assert decode_linear._EXACT == {(3, 64, 32, torch.float32, False, torch.get_num_threads()): False}
 
 
-def test_linear_keeps_leading_dims_and_threads(native):
+def test_linear_keeps_leading_dims_and_threads(native, exact):
     w, x = torch.randn(300, 64), torch.randn(2, 3, 64)
     assert decode_linear.applies(x, w)
     assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
@@ -81,7 +151,7 @@ def test_rule_falls_back_to_f_linear(native):
     assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
 
 
-def test_linear_hook_splits_plain_layers_only(native):
+def test_linear_hook_splits_plain_layers_only(native, exact):
     calls = []
 
     def original(self, layer, x, bias=None):
@@ -98,7 +168,7 @@ def test_linear_hook_splits_plain_layers_only(native):
     assert calls == [amx, layer]  # AMX's packed weights and long prefills: SGLang's code
 
 
-def test_lm_head_hook_keeps_sglang_branches(native):
+def test_lm_head_hook_keeps_sglang_branches(native, exact):
     calls = []
 
     def original(self, hidden, lm_head, embedding_bias=None, **kw):
