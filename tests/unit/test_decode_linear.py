@@ -79,7 +79,7 @@ def test_gemv_is_closer_to_the_exact_sum(gemv, shape):
         for bias in (None, b):
             y = decode_linear.linear(x, w, bias)
             ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
-            bound = (x.abs().double() @ w.abs().double().T + (0 if bias is None else b.abs().double()))
+            bound = x.abs().double() @ w.abs().double().T + (0 if bias is None else b.abs().double())
             bound *= (shape[1] // 16 + 34) * 2.0**-24
             assert ((y.double() - ref).abs() <= bound).all(), (rows, bias is None)
             ours.append((y.double() - ref).abs().mean())
