@@ -17,7 +17,7 @@ What it registers today:
 - per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`);
 - requests whose history another worker is writing, or that the disk tier is reading ahead, held back
   in the queue, not waited for on the scheduler thread (:mod:`sgl_loopkv.cache.awaited`);
-- decode-step linear layers split over torch's threads (:mod:`sgl_loopkv.models.decode_linear`) and
+- decode-step linear layers on our CPU kernels (:mod:`sgl_loopkv.models.decode_linear`) and
   Llama forwards without SGLang's per-layer machinery (:mod:`sgl_loopkv.models.lean_forward`), in
   servers of sgl-loopkv's launcher other than ``--loopkv-stock``.
 New components are registered here, nowhere else.

@@ -12,8 +12,8 @@ per forward. A plain loop over the same layers costs a fraction of that (``bench
 a model it can run (:func:`runnable`: one pipeline and tensor-parallel rank, no AMX, SGLang's own Llama
 layers with plain weights and a neox rotary embedding over whole heads) it runs every layer in a plain
 loop, calling what the layers' modules would: each norm's and activation's own module (SGLang's
-CustomOp dispatch), :func:`~sgl_loopkv.kernels.decode_linear.linear` for the projections (bitwise
-``F.linear``), the rotary embedding's element operations in SGLang's order, and the layer's own
+CustomOp dispatch), :func:`~sgl_loopkv.kernels.decode_linear.linear` for the projections (what
+SGLang's linear layers call through the decode-linear hook), the rotary embedding's element operations in SGLang's order, and the layer's own
 ``RadixAttention.forward``, so the attention backend (KV writes, tiers, sparse and pruned plans,
 metrics) sees exactly the calls it sees otherwise. The residual stream is the plain one
 (``h = norm(x + residual)``) that the stages compute for such a model. ``tests/e2e/test_lean_forward.py``
