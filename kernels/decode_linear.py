@@ -22,6 +22,7 @@ it is ``F.linear``.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -35,8 +36,8 @@ EXTENSION = NativeExtension("decode_linear", "LOOPKV_NATIVE_LINEAR", "decode lin
 #: MKL threads the call itself. Covers decode batches, short extends and the LM head's rows.
 MAX_ROWS = 256
 #: Rows up to which ``gemv_f32`` beats the split (SmolLM2's 30 layers and LM head, cold weights,
-#: float32, 2 threads, this EPYC; NOTES.md 2026-11-27 night): 1.3-1.9x at 1-4 rows, 1.2x at 8, 1.15x
-#: at 16 (past that the call is compute-bound and MKL's gemm tiles win).
+#: float32, 2 threads, this EPYC; NOTES.md 2026-11-27 late evening): 1.4-2.1x at 1-4 rows, 1.2-1.35x
+#: at 8, 1.15x at 16 (past that the call is compute-bound and MKL's gemm tiles win).
 GEMV_MAX_ROWS = 16
 EXACT_ENV = "LOOPKV_EXACT_LINEAR"
 
@@ -45,15 +46,18 @@ def load():
     return EXTENSION.load()
 
 
-def exact_mode() -> bool:
-    """``LOOPKV_EXACT_LINEAR=1``: every call returns ``F.linear``'s bits (no ``gemv_f32``)."""
-    return os.environ.get(EXACT_ENV, "0").lower() in ("1", "true")
+@functools.cache
+def gemv_enabled() -> bool:
+    """``gemv_f32`` was compiled here (AVX-512) and ``LOOPKV_EXACT_LINEAR=1`` (every call
+    ``F.linear``'s bits) is not set. Decided once per process: a decode step makes ~200 calls."""
+    exact = os.environ.get(EXACT_ENV, "0").lower() in ("1", "true")
+    return not exact and load() is not None and load().has_gemv()
 
 
 def takes_gemv(rows: int, w: torch.Tensor) -> bool:
     """Whether a call of ``rows`` rows against ``w`` (operands already checked by :func:`applies`)
     runs ``gemv_f32``."""
-    return rows <= GEMV_MAX_ROWS and w.dtype == torch.float32 and not exact_mode() and load().has_gemv()
+    return rows <= GEMV_MAX_ROWS and w.dtype == torch.float32 and gemv_enabled()
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

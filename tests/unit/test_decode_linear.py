@@ -28,6 +28,10 @@ def native():
 def exact(monkeypatch):
     """``LOOPKV_EXACT_LINEAR=1``: every call F.linear's bits (the split, no gemv_f32)."""
     monkeypatch.setenv(decode_linear.EXACT_ENV, "1")
+    decode_linear.gemv_enabled.cache_clear()
+    yield
+    monkeypatch.delenv(decode_linear.EXACT_ENV)
+    decode_linear.gemv_enabled.cache_clear()
 
 
 @pytest.fixture
@@ -114,9 +118,14 @@ def test_gemv_rule(gemv, monkeypatch):
     x3 = torch.randn(2, 3, 32)  # leading dims kept
     assert torch.equal(decode_linear.linear(x3, w), decode_linear.linear(x3.reshape(6, 32), w).view(2, 3, 64))
     monkeypatch.setenv(decode_linear.EXACT_ENV, "1")
-    assert not decode_linear.takes_gemv(1, w)
-    x = torch.randn(3, 32)
-    assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
+    decode_linear.gemv_enabled.cache_clear()
+    try:
+        assert not decode_linear.takes_gemv(1, w)
+        x = torch.randn(3, 32)
+        assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
+    finally:
+        monkeypatch.delenv(decode_linear.EXACT_ENV)
+        decode_linear.gemv_enabled.cache_clear()
 
 
 def test_inexact_shape_keeps_f_linear(native, exact, monkeypatch):
