@@ -36,9 +36,10 @@ EXTENSION = NativeExtension("decode_linear", "LOOPKV_NATIVE_LINEAR", "decode lin
 #: MKL threads the call itself. Covers decode batches, short extends and the LM head's rows.
 MAX_ROWS = 256
 #: Rows up to which ``gemv_f32`` beats the split (SmolLM2's 30 layers and LM head, cold weights,
-#: float32, 2 threads, this EPYC; NOTES.md 2026-11-27 late evening): 1.4-2.1x at 1-4 rows, 1.2-1.35x
-#: at 8, 1.15x at 16 (past that the call is compute-bound and MKL's gemm tiles win).
-GEMV_MAX_ROWS = 16
+#: float32, 2 threads, this EPYC; NOTES.md 2026-11-27 late evening, ``benchmarks/gemv.md``): 1.4-2.3x
+#: at 1-4 rows, 1.1-1.35x at 8; at 16 one run had it 1.15x faster and the next 0.8x (the FMAs, not
+#: memory, bound it there and MKL's gemm tiles reuse x better), so 16 stays with the split.
+GEMV_MAX_ROWS = 8
 EXACT_ENV = "LOOPKV_EXACT_LINEAR"
 
 

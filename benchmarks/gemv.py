@@ -1,0 +1,223 @@
+"""The float32 decode kernel ``gemv_f32`` (``kernels/decode_linear.cpp``) against MKL's bits.
+
+Two parts, each against the same code with ``LOOPKV_EXACT_LINEAR=1`` (F.linear's bits, through the
+split over torch's threads):
+
+- ``kernel``: in-process, one decode step's linear layers of SmolLM2's geometry (30 x qkv 960x576,
+  o 576x576, gate_up 3072x576, down 576x1536, then the 49152x576 LM head; random float32 weights,
+  cold: 540 MB, more than the caches) for 1-16 rows: ``gemv_f32``, the split and unsplit ``F.linear``,
+  the rounds alternated, medians; plus each kernel's mean absolute error against the float64 sum.
+- ``fidelity``: two SmolLM2 float32 servers, ``gemv_f32`` and exact: per prompt (synthetic text of
+  200-3000 tokens and three one-line chat prompts), 64 greedy tokens on each (length of the identical
+  prefix), then every position of the exact server's continuation as a one-token extend over the
+  cached prefix (the <= 16-row path): top-1 agreement and the top token's log-probability gap.
+
+    python -m benchmarks.gemv                    # both parts (~5 min)
+    python -m benchmarks.gemv --parts kernel
+    python -m benchmarks.gemv --replot           # table and plot again from gemv.json
+
+Writes benchmarks/results/gemv.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import requests
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import (
+    RESULTS,
+    environment,
+    machine_label,
+    md_table,
+    synthetic_ids,
+    timed_generate,
+    write_results,
+)
+from sgl_loopkv.kernels import decode_linear
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+ROWS = [1, 2, 4, 8, 16]
+CHAT = [
+    "Explain why the sky is blue in two sentences.",
+    "List three uses of a river bridge.",
+    "Write a haiku about winter stations.",
+]
+GEN = 64
+
+
+def kernel_part(rounds: int, steps: int) -> dict:
+    module = decode_linear.load()
+    assert module is not None and module.has_gemv(), "gemv_f32 is not built here (no AVX-512 or no compiler)"
+    torch.manual_seed(0)
+    weights = [torch.randn(*s) * 0.05 for _ in range(30) for s in LAYER_SHAPES] + [torch.randn(*HEAD) * 0.05]
+    kernels = {
+        "gemv_f32": lambda x, w: module.gemv_f32(x, w, None),
+        "split": lambda x, w: module.decode_linear(x, w, None),
+        "F.linear": F.linear,
+    }
+    out: dict = {"threads": torch.get_num_threads(), "ms": {}, "mean_abs_err": {}}
+    for rows in ROWS:
+        xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for _ in range(rounds):  # alternated, so that the machine's drift falls on every kernel alike
+            for name, fn in kernels.items():
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    for w in weights:
+                        fn(xs[w.shape[1]], w)
+                    times[name].append(time.perf_counter() - t0)
+        out["ms"][str(rows)] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    for n, k in [*LAYER_SHAPES, HEAD]:
+        w = weights[-1] if (n, k) == HEAD else torch.randn(n, k) * 0.05
+        x = torch.randn(1, k)
+        ref = x.double() @ w.double().T
+        out["mean_abs_err"][f"{n}x{k}"] = {
+            name: float((fn(x, w).double() - ref).abs().mean()) for name, fn in kernels.items() if name != "split"
+        }
+    return out
+
+
+def _top5(url: str, ids: list[int]) -> dict[int, float]:
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+        "return_logprob": True,
+        "top_logprobs_num": 5,
+    }
+    r = requests.post(f"{url}/generate", json=body, timeout=300)
+    r.raise_for_status()
+    return {int(t): lp for lp, t, _ in r.json()["meta_info"]["output_top_logprobs"][0]}
+
+
+def fidelity_part() -> dict:
+    from transformers import AutoTokenizer
+
+    from sgl_loopkv.config import LoopKVConfig
+    from sgl_loopkv.models.default_model import ensure_default_model
+    from sgl_loopkv.server.process import ServerProcess
+
+    tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
+    prompts = [synthetic_ids(tok, n, seed=s) for n, s in ((200, 1), (600, 2), (1500, 3), (3000, 4))]
+    for c in CHAT:
+        text = tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    flags = ["--dtype", "float32", "--max-total-tokens", "16384"]
+    servers = {
+        name: ServerProcess(flags, env=env, log_path=RESULTS / f"gemv_{name}.log")
+        for name, env in (("gemv", {}), ("exact", {decode_linear.EXACT_ENV: "1"}))
+    }
+    rows = []
+    try:
+        for s in servers.values():
+            s.start()
+        for p in prompts:
+            greedy = {k: timed_generate(s.url, p, GEN)["output_ids"] for k, s in servers.items()}
+            ref = greedy["exact"]
+            same = next((i for i, (a, b) in enumerate(zip(greedy["gemv"], ref)) if a != b), GEN)
+            agree, gaps = 0, []
+            for i in range(GEN):
+                a, b = (_top5(s.url, p + ref[:i]) for s in servers.values())
+                top = max(b, key=b.get)
+                agree += max(a, key=a.get) == top
+                gaps.append(abs(a[top] - b[top]) if top in a else float("inf"))
+            rows.append({"prompt_tokens": len(p), "greedy_identical": same, "agree": agree, "gaps": gaps})
+    finally:
+        for s in servers.values():
+            s.stop()
+    gaps = [g for r in rows for g in r["gaps"]]
+    return {
+        "prompts": rows,
+        "top1_agreement": sum(r["agree"] for r in rows) / (GEN * len(rows)),
+        "greedy_identical_all": all(r["greedy_identical"] == GEN for r in rows),
+        "max_logprob_gap": max(gaps),
+        "median_logprob_gap": statistics.median(gaps),
+    }
+
+
+def report_md(p: dict) -> str:
+    md = [f"# gemv ({p['env']['when']}; `python -m benchmarks.gemv {p['args']}`)\n"]
+    if "kernel" in p:
+        k = p["kernel"]
+        md.append(
+            f"\nOne decode step's linear layers, SmolLM2 geometry, cold float32 weights, {machine_label()}, "
+            f"{k['threads']} torch threads: ms per step, median (rounds alternated).\n\n"
+        )
+        rows = [[r, v["gemv_f32"], v["split"], v["F.linear"], v["split"] / v["gemv_f32"]] for r, v in k["ms"].items()]
+        md.append(md_table(["rows", "gemv_f32 ms", "split (MKL bits) ms", "F.linear ms", "split / gemv_f32"], rows))
+        md.append("\nMean absolute error against the float64 sum, one row:\n\n")
+        errs = [[s, v["gemv_f32"], v["F.linear"]] for s, v in k["mean_abs_err"].items()]
+        md.append(md_table(["weight", "gemv_f32", "F.linear (MKL)"], errs))
+    if "fidelity" in p:
+        f = p["fidelity"]
+        md.append(
+            f"\nSmolLM2 float32 servers, `gemv_f32` vs `LOOPKV_EXACT_LINEAR=1`: greedy identical on every prompt: "
+            f"**{f['greedy_identical_all']}**; top-1 agreement over one-token extends {f['top1_agreement']:.4f}; "
+            f"top token's log-probability gap max {f['max_logprob_gap']:.2e}, median {f['median_logprob_gap']:.2e}.\n\n"
+        )
+        rows = [[r["prompt_tokens"], r["greedy_identical"], r["agree"], max(r["gaps"])] for r in f["prompts"]]
+        md.append(
+            md_table(
+                ["prompt tokens", f"identical greedy tokens (of {GEN})", f"top-1 agree (of {GEN})", "max gap"], rows
+            )
+        )
+    md.append("\n![gemv](gemv.png)\n")
+    return "".join(md)
+
+
+def plot(p: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if "fidelity" in p else 1, figsize=(10 if "fidelity" in p else 5, 3.6), squeeze=False)
+    if "kernel" in p:
+        ax, k = axes[0][0], p["kernel"]
+        for name in ("gemv_f32", "split", "F.linear"):
+            ax.plot(ROWS, [k["ms"][str(r)][name] for r in ROWS], marker="o", label=name)
+        ax.set(
+            xscale="log", xlabel="rows", ylabel="ms per decode step (linears)", title="float32 linears, cold weights"
+        )
+        ax.set_xticks(ROWS, [str(r) for r in ROWS])
+        ax.legend(fontsize=8)
+    if "fidelity" in p:
+        ax = axes[0][-1]
+        gaps = [max(g, 1e-9) for r in p["fidelity"]["prompts"] for g in r["gaps"]]  # equal: drawn at 1e-9
+        ax.hist(gaps, bins=[10 ** (e / 4) for e in range(-37, -15)])
+        ax.set(xscale="log", xlabel="|top-token logprob gap| vs exact (0 at 1e-9)", ylabel="positions")
+        ax.set_title("server fidelity (one-token extends)")
+    fig.tight_layout()
+    fig.savefig(RESULTS / "gemv.png", dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", default=["kernel", "fidelity"], choices=["kernel", "fidelity"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--replot", action="store_true", help="table and plot again from gemv.json")
+    args = ap.parse_args()
+    if args.replot:
+        payload = json.loads((RESULTS / "gemv.json").read_text())
+        write_results("gemv", payload, report_md(payload))
+        plot(payload)
+        return
+    payload: dict = {"env": environment(), "args": f"--parts {' '.join(args.parts)}"}
+    if "kernel" in args.parts:
+        payload["kernel"] = kernel_part(args.rounds, args.steps)
+    if "fidelity" in args.parts:
+        payload["fidelity"] = fidelity_part()
+    write_results("gemv", payload, report_md(payload))
+    plot(payload)
+    print(report_md(payload))
+
+
+if __name__ == "__main__":
+    main()
