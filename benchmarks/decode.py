@@ -97,9 +97,14 @@ SYSTEMS = {
     "loopkv-fp32-nodisk": ("sglang", "float32", ("--loopkv-disk-dir", "none")),
     "loopkv-fp32-nolean": ("sglang", "float32", ()),
     "loopkv-fp32-exact": ("sglang", "float32", ()),
+    "loopkv-bf16-exact": ("sglang", "bfloat16", ()),
 }
 #: Environment of a system's server beyond its flags (kernel and code-path switches are variables).
-SYSTEM_ENV = {"loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"}, "loopkv-fp32-exact": {"LOOPKV_EXACT_LINEAR": "1"}}
+SYSTEM_ENV = {
+    "loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"},
+    "loopkv-fp32-exact": {"LOOPKV_EXACT_LINEAR": "1"},
+    "loopkv-bf16-exact": {"LOOPKV_EXACT_LINEAR": "1"},
+}
 WHAT = {
     "loopkv": "sgl-loopkv launcher defaults (loopkv attention, tiered radix cache)",
     "stock": "stock SGLang 0.5.23 CPU configuration (`--loopkv-stock`: torch_native attention, stock radix cache)",
@@ -111,6 +116,8 @@ WHAT = {
     "loopkv-fp32-nolean": "sgl-loopkv defaults with forwards through SGLang's layer modules (`LOOPKV_LEAN_FORWARD=0`)",
     "loopkv-fp32-exact": "sgl-loopkv defaults with F.linear's bits in every linear layer (`LOOPKV_EXACT_LINEAR=1`: "
     "the MKL split, no gemv_f32)",
+    "loopkv-bf16-exact": "sgl-loopkv defaults in bfloat16 with F.linear's bits in every linear layer "
+    "(`LOOPKV_EXACT_LINEAR=1`: oneDNN, no gemv_bf16)",
 }
 # run at 4K with the smallest and largest batch only
 BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul", "loopkv-fp32-nodisk")

@@ -1,19 +1,21 @@
-"""The float32 decode kernel ``gemv_f32`` (``kernels/decode_linear.cpp``) against MKL's bits.
+"""The decode kernels ``gemv_f32`` and ``gemv_bf16`` (``kernels/decode_linear.cpp``) against the
+bits of torch's own kernels (MKL for float32, oneDNN for bfloat16).
 
-Two parts, each against the same code with ``LOOPKV_EXACT_LINEAR=1`` (F.linear's bits, through the
-split over torch's threads):
+Two parts per dtype, each against the same code with ``LOOPKV_EXACT_LINEAR=1`` (F.linear's bits,
+through the split over torch's threads):
 
 - ``kernel``: in-process, one decode step's linear layers of SmolLM2's geometry (30 x qkv 960x576,
-  o 576x576, gate_up 3072x576, down 576x1536, then the 49152x576 LM head; random float32 weights,
-  cold: 540 MB, more than the caches) for 1-16 rows: ``gemv_f32``, the split and unsplit ``F.linear``,
-  the rounds alternated, medians; plus each kernel's mean absolute error against the float64 sum.
-- ``fidelity``: two SmolLM2 float32 servers, ``gemv_f32`` and exact: per prompt (synthetic text of
+  o 576x576, gate_up 3072x576, down 576x1536, then the 49152x576 LM head; random weights, cold: 540
+  MB in float32, 270 MB in bfloat16, more than the caches) for 1-16 rows: the gemv kernel, the split
+  and unsplit ``F.linear``, the rounds alternated, medians; plus each kernel's mean absolute error
+  against the float64 sum.
+- ``fidelity``: two SmolLM2 servers of that dtype, gemv and exact: per prompt (synthetic text of
   200-3000 tokens and three one-line chat prompts), 64 greedy tokens on each (length of the identical
   prefix), then every position of the exact server's continuation as a one-token extend over the
   cached prefix (the <= 16-row path): top-1 agreement and the top token's log-probability gap.
 
-    python -m benchmarks.gemv                    # both parts (~5 min)
-    python -m benchmarks.gemv --parts kernel
+    python -m benchmarks.gemv                    # both parts, both dtypes (~9 min)
+    python -m benchmarks.gemv --parts kernel --dtypes bfloat16
     python -m benchmarks.gemv --replot           # table and plot again from gemv.json
 
 Writes benchmarks/results/gemv.{json,md,png}.
@@ -52,19 +54,26 @@ CHAT = [
 GEN = 64
 
 
-def kernel_part(rounds: int, steps: int) -> dict:
+GEMV = {"float32": "gemv_f32", "bfloat16": "gemv_bf16"}
+BUILT = {"float32": "has_gemv", "bfloat16": "has_gemv_bf16"}
+
+
+def kernel_part(dtype: str, rounds: int, steps: int) -> dict:
     module = decode_linear.load()
-    assert module is not None and module.has_gemv(), "gemv_f32 is not built here (no AVX-512 or no compiler)"
+    assert module is not None and getattr(module, BUILT[dtype])(), f"{GEMV[dtype]} is not built here"
+    dt = getattr(torch, dtype)
     torch.manual_seed(0)
-    weights = [torch.randn(*s) * 0.05 for _ in range(30) for s in LAYER_SHAPES] + [torch.randn(*HEAD) * 0.05]
+    weights = [(torch.randn(*s) * 0.05).to(dt) for _ in range(30) for s in LAYER_SHAPES]
+    weights.append((torch.randn(*HEAD) * 0.05).to(dt))
+    gemv = getattr(module, GEMV[dtype])
     kernels = {
-        "gemv_f32": lambda x, w: module.gemv_f32(x, w, None),
+        "gemv": lambda x, w: gemv(x, w, None),
         "split": lambda x, w: module.decode_linear(x, w, None),
         "F.linear": F.linear,
     }
     out: dict = {"threads": torch.get_num_threads(), "ms": {}, "mean_abs_err": {}}
     for rows in ROWS:
-        xs = {k: torch.randn(rows, k) for k in (576, 1536)}
+        xs = {k: torch.randn(rows, k).to(dt) for k in (576, 1536)}
         times: dict[str, list[float]] = {name: [] for name in kernels}
         for _ in range(rounds):  # alternated, so that the machine's drift falls on every kernel alike
             for name, fn in kernels.items():
@@ -75,8 +84,8 @@ def kernel_part(rounds: int, steps: int) -> dict:
                     times[name].append(time.perf_counter() - t0)
         out["ms"][str(rows)] = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     for n, k in [*LAYER_SHAPES, HEAD]:
-        w = weights[-1] if (n, k) == HEAD else torch.randn(n, k) * 0.05
-        x = torch.randn(1, k)
+        w = weights[-1] if (n, k) == HEAD else (torch.randn(n, k) * 0.05).to(dt)
+        x = torch.randn(1, k).to(dt)
         ref = x.double() @ w.double().T
         out["mean_abs_err"][f"{n}x{k}"] = {
             name: float((fn(x, w).double() - ref).abs().mean()) for name, fn in kernels.items() if name != "split"
@@ -96,7 +105,7 @@ def _top5(url: str, ids: list[int]) -> dict[int, float]:
     return {int(t): lp for lp, t, _ in r.json()["meta_info"]["output_top_logprobs"][0]}
 
 
-def fidelity_part() -> dict:
+def fidelity_part(dtype: str) -> dict:
     from transformers import AutoTokenizer
 
     from sgl_loopkv.config import LoopKVConfig
@@ -108,9 +117,9 @@ def fidelity_part() -> dict:
     for c in CHAT:
         text = tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=False)
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
-    flags = ["--dtype", "float32", "--max-total-tokens", "16384"]
+    flags = ["--dtype", dtype, "--max-total-tokens", "16384"]
     servers = {
-        name: ServerProcess(flags, env=env, log_path=RESULTS / f"gemv_{name}.log")
+        name: ServerProcess(flags, env=env, log_path=RESULTS / f"gemv_{dtype}_{name}.log")
         for name, env in (("gemv", {}), ("exact", {decode_linear.EXACT_ENV: "1"}))
     }
     rows = []
@@ -143,23 +152,23 @@ def fidelity_part() -> dict:
 
 def report_md(p: dict) -> str:
     md = [f"# gemv ({p['env']['when']}; `python -m benchmarks.gemv {p['args']}`)\n"]
-    if "kernel" in p:
-        k = p["kernel"]
+    for dtype, k in p.get("kernel", {}).items():
+        name = GEMV[dtype]
         md.append(
-            f"\nOne decode step's linear layers, SmolLM2 geometry, cold float32 weights, {machine_label()}, "
+            f"\nOne decode step's linear layers, SmolLM2 geometry, cold {dtype} weights, {machine_label()}, "
             f"{k['threads']} torch threads: ms per step, median (rounds alternated).\n\n"
         )
-        rows = [[r, v["gemv_f32"], v["split"], v["F.linear"], v["split"] / v["gemv_f32"]] for r, v in k["ms"].items()]
-        md.append(md_table(["rows", "gemv_f32 ms", "split (MKL bits) ms", "F.linear ms", "split / gemv_f32"], rows))
-        md.append("\nMean absolute error against the float64 sum, one row:\n\n")
-        errs = [[s, v["gemv_f32"], v["F.linear"]] for s, v in k["mean_abs_err"].items()]
-        md.append(md_table(["weight", "gemv_f32", "F.linear (MKL)"], errs))
-    if "fidelity" in p:
-        f = p["fidelity"]
+        rows = [[r, v["gemv"], v["split"], v["F.linear"], v["split"] / v["gemv"]] for r, v in k["ms"].items()]
+        md.append(md_table(["rows", f"{name} ms", "split (torch's bits) ms", "F.linear ms", f"split / {name}"], rows))
+        md.append(f"\nMean absolute error against the float64 sum, one row, {dtype}:\n\n")
+        errs = [[s, v["gemv"], v["F.linear"]] for s, v in k["mean_abs_err"].items()]
+        md.append(md_table(["weight", name, "F.linear"], errs))
+    for dtype, f in p.get("fidelity", {}).items():
         md.append(
-            f"\nSmolLM2 float32 servers, `gemv_f32` vs `LOOPKV_EXACT_LINEAR=1`: greedy identical on every prompt: "
-            f"**{f['greedy_identical_all']}**; top-1 agreement over one-token extends {f['top1_agreement']:.4f}; "
-            f"top token's log-probability gap max {f['max_logprob_gap']:.2e}, median {f['median_logprob_gap']:.2e}.\n\n"
+            f"\nSmolLM2 {dtype} servers, `{GEMV[dtype]}` vs `LOOPKV_EXACT_LINEAR=1`: greedy identical on every "
+            f"prompt: **{f['greedy_identical_all']}**; top-1 agreement over one-token extends "
+            f"{f['top1_agreement']:.4f}; top token's log-probability gap max {f['max_logprob_gap']:.2e}, median "
+            f"{f['median_logprob_gap']:.2e}.\n\n"
         )
         rows = [[r["prompt_tokens"], r["greedy_identical"], r["agree"], max(r["gaps"])] for r in f["prompts"]]
         md.append(
@@ -177,22 +186,24 @@ def plot(p: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2 if "fidelity" in p else 1, figsize=(10 if "fidelity" in p else 5, 3.6), squeeze=False)
-    if "kernel" in p:
-        ax, k = axes[0][0], p["kernel"]
-        for name in ("gemv_f32", "split", "F.linear"):
-            ax.plot(ROWS, [k["ms"][str(r)][name] for r in ROWS], marker="o", label=name)
-        ax.set(
-            xscale="log", xlabel="rows", ylabel="ms per decode step (linears)", title="float32 linears, cold weights"
-        )
+    kernel, fidelity = p.get("kernel", {}), p.get("fidelity", {})
+    n = len(kernel) + bool(fidelity)
+    fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.6), squeeze=False)
+    for ax, (dtype, k) in zip(axes[0], kernel.items()):
+        for name in ("gemv", "split", "F.linear"):
+            label = GEMV[dtype] if name == "gemv" else name
+            ax.plot(ROWS, [k["ms"][str(r)][name] for r in ROWS], marker="o", label=label)
+        ax.set(xscale="log", xlabel="rows", ylabel="ms per decode step (linears)", title=f"{dtype} linears, cold")
         ax.set_xticks(ROWS, [str(r) for r in ROWS])
         ax.legend(fontsize=8)
-    if "fidelity" in p:
+    if fidelity:
         ax = axes[0][-1]
-        gaps = [max(g, 1e-9) for r in p["fidelity"]["prompts"] for g in r["gaps"]]  # equal: drawn at 1e-9
-        ax.hist(gaps, bins=[10 ** (e / 4) for e in range(-37, -15)])
+        for dtype, f in fidelity.items():
+            gaps = [max(g, 1e-9) for r in f["prompts"] for g in r["gaps"]]  # equal: drawn at 1e-9
+            ax.hist(gaps, bins=[10 ** (e / 4) for e in range(-37, -3)], alpha=0.6, label=dtype)
         ax.set(xscale="log", xlabel="|top-token logprob gap| vs exact (0 at 1e-9)", ylabel="positions")
         ax.set_title("server fidelity (one-token extends)")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(RESULTS / "gemv.png", dpi=110)
 
@@ -200,6 +211,7 @@ def plot(p: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", default=["kernel", "fidelity"], choices=["kernel", "fidelity"])
+    ap.add_argument("--dtypes", nargs="+", default=list(GEMV), choices=list(GEMV))
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--replot", action="store_true", help="table and plot again from gemv.json")
@@ -209,11 +221,11 @@ def main() -> None:
         write_results("gemv", payload, report_md(payload))
         plot(payload)
         return
-    payload: dict = {"env": environment(), "args": f"--parts {' '.join(args.parts)}"}
+    payload: dict = {"env": environment(), "args": f"--parts {' '.join(args.parts)} --dtypes {' '.join(args.dtypes)}"}
     if "kernel" in args.parts:
-        payload["kernel"] = kernel_part(args.rounds, args.steps)
+        payload["kernel"] = {d: kernel_part(d, args.rounds, args.steps) for d in args.dtypes}
     if "fidelity" in args.parts:
-        payload["fidelity"] = fidelity_part()
+        payload["fidelity"] = {d: fidelity_part(d) for d in args.dtypes}
     write_results("gemv", payload, report_md(payload))
     plot(payload)
     print(report_md(payload))

@@ -72,6 +72,39 @@ static inline void dot_rows(const float* x, int64_t K, const float* wr, float* y
 }
 #endif
 
+#ifdef __AVX512BF16__
+// The bfloat16 twin of dot_rows, on AVX512-BF16's dot product (vdpbf16ps: each float32 lane adds the
+// exact products of one pair of bf16 elements): blocks of 32 elements alternating between two
+// accumulators, a trailing odd block into the first, the masked tail (K % 32) into the second, then
+// acc0 + acc1 and one fixed lane reduction, the same for any MR. Raw float32 sums out: the caller
+// adds the bias and rounds once to bfloat16.
+template <int MR>
+static inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint16_t* wr, float* y) {
+  const int64_t k32 = K / 32 * 32;
+  const __mmask32 tail = (__mmask32)((1ull << (K - k32)) - 1);
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= k32; k += 64) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
+    for (int m = 0; m < MR; ++m) {
+      a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+      a1[m] = _mm512_dpbf16_ps(a1[m], w1, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32));
+    }
+  }
+  if (k < k32) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
+    for (int m = 0; m < MR; ++m) a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
+  }
+  if (tail) {
+    const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + k32);
+    for (int m = 0; m < MR; ++m)
+      a1[m] = _mm512_dpbf16_ps(a1[m], w0, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + k32));
+  }
+  for (int m = 0; m < MR; ++m) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+#endif
+
 bool has_gemv() {
 #ifdef __AVX512F__
   return true;
@@ -117,8 +150,61 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
 #endif
 }
 
+bool has_gemv_bf16() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv_bf16 runs on CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 operands");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x [M, K], w [N, K]");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv_bf16: contiguous operands");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gemv_bf16: bias [N]");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  torch::Tensor out = at::empty({M, N}, x.options());
+  const auto *xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+             *wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(64, (N + threads - 1) / threads);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float y[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint16_t* wr = wp + n * K;
+      const float bn = bp ? bp[n] : 0.f;
+      for (int64_t m = 0; m < M;) {
+        const int64_t mr = std::min<int64_t>(4, M - m);
+        switch (mr) {
+          case 4: dot_rows_bf16<4>(xp + m * K, K, wr, y); break;
+          case 3: dot_rows_bf16<3>(xp + m * K, K, wr, y); break;
+          case 2: dot_rows_bf16<2>(xp + m * K, K, wr, y); break;
+          default: dot_rows_bf16<1>(xp + m * K, K, wr, y); break;
+        }
+        for (int64_t i = 0; i < mr; ++i) yp[(m + i) * N + n] = at::BFloat16(y[i] + bn);  // one rounding (RNE)
+        m += mr;
+      }
+    }
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "gemv_bf16 needs AVX512-BF16 (has_gemv_bf16() is false here)");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_linear", &decode_linear, "x @ w.T (+ bias) for a few rows, w's rows split over torch's threads");
   m.def("has_gemv", &has_gemv, "whether gemv_f32 was compiled (AVX-512)");
   m.def("gemv_f32", &gemv_f32, "x @ w.T (+ bias), float32, few rows, one fixed summation order per output");
+  m.def("has_gemv_bf16", &has_gemv_bf16, "whether gemv_bf16 was compiled (AVX512-BF16)");
+  m.def("gemv_bf16", &gemv_bf16, "x @ w.T (+ bias), bfloat16, few rows, float32 sums in one fixed order");
 }

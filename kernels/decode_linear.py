@@ -9,7 +9,12 @@ linear layers, each a few rows against a weight matrix read from memory once.
   ``tests/unit/test_decode_linear.py``, and a row's result does not depend on the batch around it
   or on the thread count. ``LOOPKV_EXACT_LINEAR=1`` keeps ``F.linear``'s bits (the split below)
   for a server that must reproduce stock SGLang's float32 outputs bit for bit.
-- **otherwise, up to** ``MAX_ROWS`` **rows** (bfloat16, more rows, no AVX-512, or exact mode): the
+- **bfloat16, up to** ``GEMV_MAX_ROWS`` **rows, AVX512-BF16**: ``gemv_bf16``, the same kernel on the
+  CPU's bf16 dot product (float32 sums of exact products, one fixed order, the bias added and the
+  result rounded once to bfloat16, as oneDNN's bf16 linear does). oneDNN reads bf16 weights at ~15
+  GB/s here; this kernel at ~30 (``benchmarks/gemv.py``). Its bits are not oneDNN's either (they
+  differ in the last bf16 place where the two float32 sums round apart); the same switch keeps those.
+- **otherwise, up to** ``MAX_ROWS`` **rows** (more rows, no AVX-512, or exact mode): the
   split, bitwise ``F.linear``: W's output features over torch's threads, each thread running MKL
   on a block of W's rows, which computes every output element as the unsplit call does where MKL
   runs that call on one thread. For some shapes MKL threads the call itself and sums in another
@@ -38,7 +43,8 @@ MAX_ROWS = 256
 #: Rows up to which ``gemv_f32`` beats the split (SmolLM2's 30 layers and LM head, cold weights,
 #: float32, 2 threads, this EPYC; NOTES.md 2026-11-27 late evening, ``benchmarks/gemv.md``): 1.4-2.3x
 #: at 1-4 rows, 1.1-1.35x at 8; at 16 one run had it 1.15x faster and the next 0.8x (the FMAs, not
-#: memory, bound it there and MKL's gemm tiles reuse x better), so 16 stays with the split.
+#: memory, bound it there and MKL's gemm tiles reuse x better), so 16 stays with the split. The same
+#: limit for ``gemv_bf16``: 1.8-2.1x oneDNN at 1-8 rows, ~1.1x at 16 (NOTES.md 2026-11-27 night).
 GEMV_MAX_ROWS = 8
 EXACT_ENV = "LOOPKV_EXACT_LINEAR"
 
@@ -48,17 +54,25 @@ def load():
 
 
 @functools.cache
-def gemv_enabled() -> bool:
-    """``gemv_f32`` was compiled here (AVX-512) and ``LOOPKV_EXACT_LINEAR=1`` (every call
-    ``F.linear``'s bits) is not set. Decided once per process: a decode step makes ~200 calls."""
+def gemv_for(dtype: torch.dtype):
+    """The few-row kernel for ``dtype`` (``gemv_f32``, ``gemv_bf16``), or None: another dtype, not
+    compiled here (no AVX-512 / AVX512-BF16), or ``LOOPKV_EXACT_LINEAR=1`` (every call
+    ``F.linear``'s bits). Decided once per process and dtype: a decode step makes ~200 calls."""
     exact = os.environ.get(EXACT_ENV, "0").lower() in ("1", "true")
-    return not exact and load() is not None and load().has_gemv()
+    module = load()
+    if exact or module is None:
+        return None
+    if dtype == torch.float32 and module.has_gemv():
+        return module.gemv_f32
+    if dtype == torch.bfloat16 and module.has_gemv_bf16():
+        return module.gemv_bf16
+    return None
 
 
 def takes_gemv(rows: int, w: torch.Tensor) -> bool:
     """Whether a call of ``rows`` rows against ``w`` (operands already checked by :func:`applies`)
-    runs ``gemv_f32``."""
-    return rows <= GEMV_MAX_ROWS and w.dtype == torch.float32 and gemv_enabled()
+    runs ``gemv_f32`` / ``gemv_bf16``."""
+    return rows <= GEMV_MAX_ROWS and gemv_for(w.dtype) is not None
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -74,7 +88,7 @@ def applies(x: torch.Tensor, w: torch.Tensor) -> bool:
         and load() is not None
     ):
         return False
-    # the split needs two threads to gain; gemv_f32 gains on one as well (one worker per core)
+    # the split needs two threads to gain; the gemv kernels gain on one as well (one worker per core)
     return torch.get_num_threads() > 1 or takes_gemv(rows, w)
 
 
@@ -105,13 +119,14 @@ def split_is_exact(rows: int, w: torch.Tensor, bias: torch.Tensor | None) -> boo
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)``: ``gemv_f32`` for a few float32 rows (fixed-order sums, not
-    ``F.linear``'s bits), else bitwise, split over torch's threads where that is faster."""
+    """``F.linear(x, w, bias)``: ``gemv_f32`` / ``gemv_bf16`` for a few float32 / bfloat16 rows
+    (fixed-order sums, not ``F.linear``'s bits), else bitwise, split over torch's threads where that
+    is faster."""
     if not applies(x, w):
         return F.linear(x, w, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    if takes_gemv(x2.shape[0], w) and (bias is None or bias.dtype == torch.float32):
-        return load().gemv_f32(x2.contiguous(), w, bias).view(*x.shape[:-1], w.shape[0])
+    if takes_gemv(x2.shape[0], w) and (bias is None or bias.dtype == w.dtype):
+        return gemv_for(w.dtype)(x2.contiguous(), w, bias).view(*x.shape[:-1], w.shape[0])
     if torch.get_num_threads() < 2 or not split_is_exact(x2.shape[0], w, bias):
         return F.linear(x, w, bias)
     if not x2.is_contiguous():

@@ -1,5 +1,5 @@
-"""Decode-step linear layers: ``gemv_f32`` (few float32 rows: closer to the exact sum than
-``F.linear``, the same bits in any batch and thread split), the split over torch's threads (bitwise
+"""Decode-step linear layers: ``gemv_f32`` / ``gemv_bf16`` (few float32 / bfloat16 rows: at least as
+close to the exact sum as ``F.linear``, the same bits in any batch and thread split), the split over torch's threads (bitwise
 ``F.linear``; all of it under ``LOOPKV_EXACT_LINEAR=1``), the rule that picks them, and the SGLang
 hooks' fallbacks."""
 
@@ -26,12 +26,12 @@ def native():
 
 @pytest.fixture
 def exact(monkeypatch):
-    """``LOOPKV_EXACT_LINEAR=1``: every call F.linear's bits (the split, no gemv_f32)."""
+    """``LOOPKV_EXACT_LINEAR=1``: every call F.linear's bits (the split, no gemv kernel)."""
     monkeypatch.setenv(decode_linear.EXACT_ENV, "1")
-    decode_linear.gemv_enabled.cache_clear()
+    decode_linear.gemv_for.cache_clear()
     yield
     monkeypatch.delenv(decode_linear.EXACT_ENV)
-    decode_linear.gemv_enabled.cache_clear()
+    decode_linear.gemv_for.cache_clear()
 
 
 @pytest.fixture
@@ -39,6 +39,14 @@ def gemv(native):
     if not native.has_gemv():
         pytest.skip("gemv_f32 needs AVX-512 (linear() takes the split there)")
     return native
+
+
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def gemv_dtype(native, request):
+    """Each dtype with a gemv kernel compiled here (bf16: AVX512-BF16)."""
+    if not (native.has_gemv() if request.param == torch.float32 else native.has_gemv_bf16()):
+        pytest.skip(f"no gemv kernel for {request.param} on this CPU (linear() takes the split there)")
+    return request.param
 
 
 def test_kernel_builds_where_a_compiler_exists():
@@ -92,19 +100,44 @@ def test_gemv_is_closer_to_the_exact_sum(gemv, shape):
         assert sum(ours) <= 1.05 * sum(mkl), (sum(ours), sum(mkl))
 
 
-def test_gemv_rows_do_not_depend_on_the_batch_or_threads(gemv):
+@pytest.mark.parametrize("shape", [(1536, 576), (576, 1536), (192, 576), (1000, 64), (70, 100), (33, 7), (5, 49)])
+def test_gemv_bf16_is_as_close_to_the_exact_sum(native, shape):
+    """bfloat16 rows 1..GEMV_MAX_ROWS go to gemv_bf16: every output within half a bf16 unit of the
+    float64 sum plus float32's error bound for the sum (a lost block or K % 32 tail would be off by
+    O(1)), and on the whole no farther from it than F.linear (oneDNN): both round one float32 sum."""
+    if not native.has_gemv_bf16():
+        pytest.skip("gemv_bf16 needs AVX512-BF16")
+    g = torch.Generator().manual_seed(shape[1])
+    w, b = torch.randn(*shape, generator=g).bfloat16(), torch.randn(shape[0], generator=g).bfloat16()
+    ours, onednn = [], []
+    for rows in range(1, decode_linear.GEMV_MAX_ROWS + 1):
+        x = torch.randn(rows, shape[1], generator=g).bfloat16()
+        assert decode_linear.takes_gemv(rows, w)
+        for bias in (None, b):
+            y = decode_linear.linear(x, w, bias)
+            assert y.dtype == torch.bfloat16
+            ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+            mag = x.abs().double() @ w.abs().double().T + (0 if bias is None else b.abs().double())
+            bound = ref.abs() * 2.0**-8 + mag * (shape[1] // 32 + 34) * 2.0**-24 * (1 + 2.0**-8)
+            assert ((y.double() - ref).abs() <= bound).all(), (rows, bias is None)
+            ours.append((y.double() - ref).abs().mean())
+            onednn.append((F.linear(x, w, bias).double() - ref).abs().mean())
+    assert sum(ours) <= 1.05 * sum(onednn), (sum(ours), sum(onednn))
+
+
+def test_gemv_rows_do_not_depend_on_the_batch_or_threads(gemv_dtype):
     """A row's result is the same bits alone, in any batch of up to GEMV_MAX_ROWS rows and with one
     or two threads (a decode step's tokens do not change with the requests beside them)."""
     g = torch.Generator().manual_seed(7)
-    w, b = torch.randn(3072, 576, generator=g), torch.randn(3072, generator=g)
-    x = torch.randn(decode_linear.GEMV_MAX_ROWS, 576, generator=g)
+    w, b = torch.randn(3072, 576, generator=g).to(gemv_dtype), torch.randn(3072, generator=g).to(gemv_dtype)
+    x = torch.randn(decode_linear.GEMV_MAX_ROWS, 576, generator=g).to(gemv_dtype)
     alone = torch.cat([decode_linear.linear(x[i : i + 1], w, b) for i in range(len(x))])
     for rows in range(2, decode_linear.GEMV_MAX_ROWS + 1):
         assert torch.equal(decode_linear.linear(x[:rows], w, b), alone[:rows]), rows
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert decode_linear.applies(x, w)  # one thread: still gemv_f32 (nothing to split, but faster than MKL)
+        assert decode_linear.applies(x, w)  # one thread: still gemv (nothing to split, but faster than MKL)
         assert torch.equal(decode_linear.linear(x, w, b), alone)
     finally:
         torch.set_num_threads(prev)
@@ -114,18 +147,19 @@ def test_gemv_rule(gemv, monkeypatch):
     w = torch.randn(64, 32)
     assert decode_linear.takes_gemv(decode_linear.GEMV_MAX_ROWS, w)
     assert not decode_linear.takes_gemv(decode_linear.GEMV_MAX_ROWS + 1, w)  # MKL's gemm tiles (the split)
-    assert not decode_linear.takes_gemv(1, w.to(torch.bfloat16))  # bfloat16: the split
+    assert decode_linear.takes_gemv(1, w.to(torch.bfloat16)) == gemv.has_gemv_bf16()
+    assert not decode_linear.takes_gemv(1, w.to(torch.float16))  # float16: the split
     x3 = torch.randn(2, 3, 32)  # leading dims kept
     assert torch.equal(decode_linear.linear(x3, w), decode_linear.linear(x3.reshape(6, 32), w).view(2, 3, 64))
     monkeypatch.setenv(decode_linear.EXACT_ENV, "1")
-    decode_linear.gemv_enabled.cache_clear()
+    decode_linear.gemv_for.cache_clear()
     try:
-        assert not decode_linear.takes_gemv(1, w)
+        assert not decode_linear.takes_gemv(1, w) and not decode_linear.takes_gemv(1, w.to(torch.bfloat16))
         x = torch.randn(3, 32)
         assert torch.equal(decode_linear.linear(x, w), F.linear(x, w))
     finally:
         monkeypatch.delenv(decode_linear.EXACT_ENV)
-        decode_linear.gemv_enabled.cache_clear()
+        decode_linear.gemv_for.cache_clear()
 
 
 def test_inexact_shape_keeps_f_linear(native, exact, monkeypatch):
