@@ -251,7 +251,7 @@ def plot(p: dict) -> None:
             for pair, f in comps.items():
                 gaps = [max(g, 1e-9) for r in f["prompts"] for g in r["gaps"]]  # equal: drawn at 1e-9
                 label = f"{SHORT[dtype]} {pair.replace('~', ' vs ')}"
-                ax.hist(gaps, bins=[10 ** (e / 4) for e in range(-37, -3)], alpha=0.5, label=label, histtype="step")
+                ax.hist(gaps, bins=[10 ** (e / 4) for e in range(-37, 1)], alpha=0.5, label=label, histtype="step")
         ax.set(xscale="log", xlabel="|top-token logprob gap| vs reference (0 at 1e-9)", ylabel="positions")
         ax.set_title("server fidelity (one-token extends)")
         ax.legend(fontsize=8)
