@@ -110,7 +110,10 @@ WHAT = {
     "stock": "stock SGLang 0.5.23 CPU configuration (`--loopkv-stock`: torch_native attention, stock radix cache)",
     "hf": "HF transformers `generate()` (greedy, bs 1, prefill in the excluded first token)",
     "llamacpp": "llama.cpp server (llama-cpp-python) on the same GGUF: reads Q4_1 weights, ~1/4 of bf16's bytes; bs 1",
-    "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers): the tiered cache's per-step cost",
+    # --loopkv-stock brings SGLang's radix cache and also drops the decode-step hooks (split/gemv
+    # linears, lean forward): its ratio is not the tiered cache's cost alone (a radix-only switch is not built)
+    "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
+    "decode-step hooks (split/gemv linears, lean forward) too",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
     "loopkv-fp32-nodisk": "sgl-loopkv defaults without the disk tier (`--loopkv-disk-dir none`): the disk writer's cost",
     "loopkv-fp32-nolean": "sgl-loopkv defaults with forwards through SGLang's layer modules (`LOOPKV_LEAN_FORWARD=0`)",
@@ -753,7 +756,7 @@ def report_md(p: dict) -> str:
             + f"; min in the default dtype ({hd}) **{_f(sm['tpot_ratio_stock_over_loopkv_min'])}**, over both dtypes "
             f"{_f(sm.get('tpot_ratio_stock_over_loopkv_min_all_dtypes'))}.\n\n"
         )
-    for key, what_ in (("tiered_cache_tpot_ratio", "tiered cache (loopkv-fp32 / loopkv-fp32-radix)"),
+    for key, what_ in (("tiered_cache_tpot_ratio", "tiered cache and decode-step hooks (loopkv-fp32 / loopkv-fp32-radix)"),
                        ("krul_estimator_tpot_ratio", "Krul's estimator (loopkv-fp32-krul / loopkv-fp32)"),
                        ("disk_tier_tpot_ratio", "disk tier's writer (loopkv-fp32 / loopkv-fp32-nodisk)")):  # fmt: skip
         if sm.get(key):

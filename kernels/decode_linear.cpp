@@ -23,6 +23,12 @@
 #include <immintrin.h>
 #endif
 
+// gemv_bf16 needs AVX512-BF16's dot product and AVX512BW's masked 16-bit loads (every CPU with the
+// first has the second; -march=native is the only build, but a hand-set flag list need not be).
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define LOOPKV_GEMV_BF16 1
+#endif
+
 torch::Tensor decode_linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "decode_linear runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "decode_linear: x [M, K], w [N, K]");
@@ -72,7 +78,7 @@ static inline void dot_rows(const float* x, int64_t K, const float* wr, float* y
 }
 #endif
 
-#ifdef __AVX512BF16__
+#ifdef LOOPKV_GEMV_BF16
 // The bfloat16 twin of dot_rows, on AVX512-BF16's dot product (vdpbf16ps: each float32 lane adds the
 // exact products of one pair of bf16 elements): blocks of 32 elements alternating between two
 // accumulators, a trailing odd block into the first, the masked tail (K % 32) into the second, then
@@ -151,7 +157,7 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
 }
 
 bool has_gemv_bf16() {
-#ifdef __AVX512BF16__
+#ifdef LOOPKV_GEMV_BF16
   return true;
 #else
   return false;
@@ -159,7 +165,7 @@ bool has_gemv_bf16() {
 }
 
 torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-#ifdef __AVX512BF16__
+#ifdef LOOPKV_GEMV_BF16
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv_bf16 runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 operands");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "gemv_bf16: x [M, K], w [N, K]");
@@ -197,7 +203,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
   });
   return out;
 #else
-  TORCH_CHECK(false, "gemv_bf16 needs AVX512-BF16 (has_gemv_bf16() is false here)");
+  TORCH_CHECK(false, "gemv_bf16 needs AVX512-BF16 and AVX512BW (has_gemv_bf16() is false here)");
 #endif
 }
 
