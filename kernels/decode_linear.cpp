@@ -48,12 +48,13 @@ torch::Tensor decode_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 }
 
 #ifdef __AVX512F__
-// y[m, n] = x[m] . w[n] (+ b[n]) for MR rows of x against one row of w. The order of every output's
+// y[m] = x[m] . w[n] for MR rows of x against one row of w. The order of every output's
 // sum: two accumulators of 16 lanes, k blocks of 16 alternating between them, a trailing odd block
 // into the first, the masked tail (K % 16) into the second, then acc0 + acc1 and one fixed lane
-// reduction. The same for any MR, so a row's result is the same in any batch.
+// reduction. The same for any MR, so a row's result is the same in any batch. Raw float32 sums out
+// (gemv_rows adds the bias).
 template <int MR>
-static inline void dot_rows(const float* x, int64_t K, const float* wr, float* y, int64_t ldy, float bias) {
+static inline void dot_rows(const float* x, int64_t K, const float* wr, float* y) {
   const int64_t k16 = K / 16 * 16;
   const __mmask16 tail = (__mmask16)((1u << (K - k16)) - 1);
   __m512 a0[MR], a1[MR];
@@ -74,18 +75,18 @@ static inline void dot_rows(const float* x, int64_t K, const float* wr, float* y
     const __m512 w0 = _mm512_maskz_loadu_ps(tail, wr + k16);
     for (int m = 0; m < MR; ++m) a1[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, x + m * K + k16), a1[m]);
   }
-  for (int m = 0; m < MR; ++m) y[m * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m])) + bias;
+  for (int m = 0; m < MR; ++m) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
 }
 #endif
 
 #ifdef LOOPKV_GEMV_BF16
-// The bfloat16 twin of dot_rows, on AVX512-BF16's dot product (vdpbf16ps: each float32 lane adds the
+// The bfloat16 overload of dot_rows, on AVX512-BF16's dot product (vdpbf16ps: each float32 lane adds the
 // exact products of one pair of bf16 elements): blocks of 32 elements alternating between two
 // accumulators, a trailing odd block into the first, the masked tail (K % 32) into the second, then
-// acc0 + acc1 and one fixed lane reduction, the same for any MR. Raw float32 sums out: the caller
+// acc0 + acc1 and one fixed lane reduction, the same for any MR. Raw float32 sums out: gemv_rows
 // adds the bias and rounds once to bfloat16.
 template <int MR>
-static inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint16_t* wr, float* y) {
+static inline void dot_rows(const uint16_t* x, int64_t K, const uint16_t* wr, float* y) {
   const int64_t k32 = K / 32 * 32;
   const __mmask32 tail = (__mmask32)((1ull << (K - k32)) - 1);
   __m512 a0[MR], a1[MR];
@@ -111,6 +112,35 @@ static inline void dot_rows_bf16(const uint16_t* x, int64_t K, const uint16_t* w
 }
 #endif
 
+#ifdef __AVX512F__
+// y[M, N] = x W^T (+ b) for a few rows of x, either dtype: W's rows split over torch's threads, each
+// weight row read once from memory and used for every row of x (4 at a time) while it is in L1; the
+// bias added to each float32 sum and the result converted once to the output type.
+template <typename E, typename O>
+static void gemv_rows(const E* xp, const E* wp, const float* bp, O* yp, int64_t M, int64_t K, int64_t N) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(64, (N + threads - 1) / threads);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    float y[4];
+    for (int64_t n = n0; n < n1; ++n) {
+      const E* wr = wp + n * K;
+      const float bn = bp ? bp[n] : 0.f;
+      for (int64_t m = 0; m < M;) {
+        const int64_t mr = std::min<int64_t>(4, M - m);
+        switch (mr) {
+          case 4: dot_rows<4>(xp + m * K, K, wr, y); break;
+          case 3: dot_rows<3>(xp + m * K, K, wr, y); break;
+          case 2: dot_rows<2>(xp + m * K, K, wr, y); break;
+          default: dot_rows<1>(xp + m * K, K, wr, y); break;
+        }
+        for (int64_t i = 0; i < mr; ++i) yp[(m + i) * N + n] = O(y[i] + bn);  // bf16: one rounding (RNE)
+        m += mr;
+      }
+    }
+  });
+}
+#endif
+
 bool has_gemv() {
 #ifdef __AVX512F__
   return true;
@@ -132,24 +162,8 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
     b = bias->contiguous();
   }
   torch::Tensor out = at::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(64, (N + threads - 1) / threads);
-  // Each weight row is read once from memory and used for every row of x while it is in L1.
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const float* wr = wp + n * K;
-      const float bn = bp ? bp[n] : 0.f;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4) dot_rows<4>(xp + m * K, K, wr, yp + m * N + n, N, bn);
-      switch (M - m) {
-        case 3: dot_rows<3>(xp + m * K, K, wr, yp + m * N + n, N, bn); break;
-        case 2: dot_rows<2>(xp + m * K, K, wr, yp + m * N + n, N, bn); break;
-        case 1: dot_rows<1>(xp + m * K, K, wr, yp + m * N + n, N, bn); break;
-      }
-    }
-  });
+  gemv_rows(x.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+            out.data_ptr<float>(), M, K, N);
   return out;
 #else
   TORCH_CHECK(false, "gemv_f32 needs AVX-512 (has_gemv() is false here)");
@@ -177,30 +191,9 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     b = bias->to(at::kFloat).contiguous();
   }
   torch::Tensor out = at::empty({M, N}, x.options());
-  const auto *xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-             *wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(64, (N + threads - 1) / threads);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float y[4];
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint16_t* wr = wp + n * K;
-      const float bn = bp ? bp[n] : 0.f;
-      for (int64_t m = 0; m < M;) {
-        const int64_t mr = std::min<int64_t>(4, M - m);
-        switch (mr) {
-          case 4: dot_rows_bf16<4>(xp + m * K, K, wr, y); break;
-          case 3: dot_rows_bf16<3>(xp + m * K, K, wr, y); break;
-          case 2: dot_rows_bf16<2>(xp + m * K, K, wr, y); break;
-          default: dot_rows_bf16<1>(xp + m * K, K, wr, y); break;
-        }
-        for (int64_t i = 0; i < mr; ++i) yp[(m + i) * N + n] = at::BFloat16(y[i] + bn);  // one rounding (RNE)
-        m += mr;
-      }
-    }
-  });
+  gemv_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+            reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), b.defined() ? b.data_ptr<float>() : nullptr,
+            out.data_ptr<at::BFloat16>(), M, K, N);
   return out;
 #else
   TORCH_CHECK(false, "gemv_bf16 needs AVX512-BF16 and AVX512BW (has_gemv_bf16() is false here)");

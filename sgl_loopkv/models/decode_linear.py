@@ -5,8 +5,8 @@ matrix streamed from memory; ATen runs those on one thread (MKL's gemv), so stoc
 weights at one core's memory rate. Two AROUND hooks (SGLang's ``HookRegistry``) send the few-row
 calls to :func:`~sgl_loopkv.kernels.decode_linear.linear`: float32 and bfloat16 calls of up to 8
 rows to our AVX-512 kernels (fixed-order sums, at least as close to the exact sum as torch's, not
-``F.linear``'s bits; ``LOOPKV_EXACT_LINEAR=1`` keeps those), the others to the split kernel, which returns bitwise what
-``F.linear`` returns. Every other call, and every other device, goes to SGLang's own code:
+``F.linear``'s bits; ``LOOPKV_EXACT_LINEAR=1`` keeps those), the others to the split kernel, which
+returns bitwise what ``F.linear`` returns. Every other call, and every other device, goes to SGLang's own code:
 
 - ``UnquantizedLinearMethod.apply`` (q/k/v/o, gate/up/down): SGLang's CPU path is ``F.linear``
   unless the layer runs on Intel AMX (``sgl_kernel``'s packed weights, left alone).

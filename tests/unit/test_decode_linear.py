@@ -1,7 +1,7 @@
 """Decode-step linear layers: ``gemv_f32`` / ``gemv_bf16`` (few float32 / bfloat16 rows: at least as
-close to the exact sum as ``F.linear``, the same bits in any batch and thread split), the split over torch's threads (bitwise
-``F.linear``; all of it under ``LOOPKV_EXACT_LINEAR=1``), the rule that picks them, and the SGLang
-hooks' fallbacks."""
+close to the exact sum as ``F.linear``, the same bits in any batch and thread split), the split over
+torch's threads (bitwise ``F.linear``; all of it under ``LOOPKV_EXACT_LINEAR=1``), the rule that
+picks them, and the SGLang hooks' fallbacks."""
 
 from __future__ import annotations
 
