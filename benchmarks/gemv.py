@@ -6,7 +6,7 @@ through the split over torch's threads):
 
 - ``kernel``: in-process, one decode step's linear layers of SmolLM2's geometry (30 x qkv 960x576,
   o 576x576, gate_up 3072x576, down 576x1536, then the 49152x576 LM head; random weights, cold: 540
-  MB in float32, 270 MB in bfloat16, more than the caches) for 1-16 rows: the gemv kernel, the split
+  MB in float32, 270 MB in bfloat16, more than the caches) for 1-64 rows (a decode batch of that many): the gemv kernel, the split
   and unsplit ``F.linear``, the rounds alternated, medians; plus each kernel's mean absolute error
   against the float64 sum.
 - ``fidelity``: two SmolLM2 servers of that dtype, gemv and exact: per prompt (synthetic text of
@@ -45,7 +45,7 @@ from sgl_loopkv.kernels import decode_linear
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
-ROWS = [1, 2, 4, 8, 16]
+ROWS = [1, 2, 4, 8, 16, 24, 32, 64]
 CHAT = [
     "Explain why the sky is blue in two sentences.",
     "List three uses of a river bridge.",
@@ -239,11 +239,12 @@ def plot(p: dict) -> None:
     n = len(kernel) + bool(fidelity)
     fig, axes = plt.subplots(1, n, figsize=(5 * n, 3.6), squeeze=False)
     for ax, (dtype, k) in zip(axes[0], kernel.items()):
+        rows = sorted(int(r) for r in k["ms"])  # each part's own run
         for name in ("gemv", "split", "F.linear"):
             label = GEMV[dtype] if name == "gemv" else name
-            ax.plot(ROWS, [k["ms"][str(r)][name] for r in ROWS], marker="o", label=label)
+            ax.plot(rows, [k["ms"][str(r)][name] for r in rows], marker="o", label=label)
         ax.set(xscale="log", xlabel="rows", ylabel="ms per decode step (linears)", title=f"{dtype} linears, cold")
-        ax.set_xticks(ROWS, [str(r) for r in ROWS])
+        ax.set_xticks(rows, [str(r) for r in rows])
         ax.legend(fontsize=8)
     if fidelity:
         ax = axes[0][-1]

@@ -8,11 +8,13 @@
 // W's rows, so every output element is the same dot product computed the same way as by the
 // unsplit call: the result is bitwise that of F.linear (tests/unit/test_decode_linear.py).
 
-// gemv_f32: the float32 few-row case on AVX-512 without MKL. On CPUs where MKL runs its generic
-// kernels (AMD EPYC here) its gemv reads weights at ~11 GB/s a thread against ~25 GB/s for a plain
-// sum; a decode step is those reads. Each output is one fixed-order sum (below), so a row's result
-// does not depend on the batch it is in or on the thread split; it is not F.linear's bits (MKL sums
-// in its own order): closer to the float64 sum than MKL's in tests/unit/test_decode_linear.py.
+// gemv_f32: the float32 case of up to a few dozen rows on AVX-512 without MKL. On CPUs where MKL runs
+// its generic kernels (AMD EPYC here) its gemv reads weights at ~11 GB/s a thread against ~25 GB/s for
+// a plain sum; a decode step is those reads. With more rows (decode batches, a short turn's extend)
+// the FMAs bound it, and a register tile over both operands (dot_tile) beats MKL's small gemm up to
+// ~32 rows. Each output is one fixed-order sum (below), so a row's result does not depend on the batch
+// it is in or on the thread split; it is not F.linear's bits (MKL sums in its own order): closer to
+// the float64 sum than MKL's in tests/unit/test_decode_linear.py.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -48,95 +50,167 @@ torch::Tensor decode_linear(torch::Tensor x, torch::Tensor w, c10::optional<torc
 }
 
 #ifdef __AVX512F__
-// y[m] = x[m] . w[n] for MR rows of x against one row of w. The order of every output's
-// sum: two accumulators of 16 lanes, k blocks of 16 alternating between them, a trailing odd block
-// into the first, the masked tail (K % 16) into the second, then acc0 + acc1 and one fixed lane
-// reduction. The same for any MR, so a row's result is the same in any batch. Raw float32 sums out
-// (gemv_rows adds the bias).
-template <int MR>
-static inline void dot_rows(const float* x, int64_t K, const float* wr, float* y) {
-  const int64_t k16 = K / 16 * 16;
-  const __mmask16 tail = (__mmask16)((1u << (K - k16)) - 1);
-  __m512 a0[MR], a1[MR];
-  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= k16; k += 32) {
-    const __m512 w0 = _mm512_loadu_ps(wr + k), w1 = _mm512_loadu_ps(wr + k + 16);
-    for (int m = 0; m < MR; ++m) {
-      a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a0[m]);
-      a1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), a1[m]);
-    }
-  }
-  if (k < k16) {
-    const __m512 w0 = _mm512_loadu_ps(wr + k);
-    for (int m = 0; m < MR; ++m) a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), a0[m]);
-  }
-  if (tail) {
-    const __m512 w0 = _mm512_maskz_loadu_ps(tail, wr + k16);
-    for (int m = 0; m < MR; ++m) a1[m] = _mm512_fmadd_ps(w0, _mm512_maskz_loadu_ps(tail, x + m * K + k16), a1[m]);
-  }
-  for (int m = 0; m < MR; ++m) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-}
+// Per dtype, the vector steps of one output's dot product: a block of B elements of w and of x into
+// 16 float32 lanes.
+struct F32 {
+  using E = float;
+  using V = __m512;
+  using Mask = __mmask16;
+  static constexpr int B = 16;
+  static V load(const E* p) { return _mm512_loadu_ps(p); }
+  static V load(Mask t, const E* p) { return _mm512_maskz_loadu_ps(t, p); }
+  static __m512 fma(__m512 acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
+};
 #endif
 
 #ifdef LOOPKV_GEMV_BF16
-// The bfloat16 overload of dot_rows, on AVX512-BF16's dot product (vdpbf16ps: each float32 lane adds the
-// exact products of one pair of bf16 elements): blocks of 32 elements alternating between two
-// accumulators, a trailing odd block into the first, the masked tail (K % 32) into the second, then
-// acc0 + acc1 and one fixed lane reduction, the same for any MR. Raw float32 sums out: gemv_rows
-// adds the bias and rounds once to bfloat16.
-template <int MR>
-static inline void dot_rows(const uint16_t* x, int64_t K, const uint16_t* wr, float* y) {
-  const int64_t k32 = K / 32 * 32;
-  const __mmask32 tail = (__mmask32)((1ull << (K - k32)) - 1);
-  __m512 a0[MR], a1[MR];
-  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 64 <= k32; k += 64) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k), w1 = (__m512bh)_mm512_loadu_si512(wr + k + 32);
-    for (int m = 0; m < MR; ++m) {
-      a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
-      a1[m] = _mm512_dpbf16_ps(a1[m], w1, (__m512bh)_mm512_loadu_si512(x + m * K + k + 32));
-    }
-  }
-  if (k < k32) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wr + k);
-    for (int m = 0; m < MR; ++m) a0[m] = _mm512_dpbf16_ps(a0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
-  }
-  if (tail) {
-    const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + k32);
-    for (int m = 0; m < MR; ++m)
-      a1[m] = _mm512_dpbf16_ps(a1[m], w0, (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * K + k32));
-  }
-  for (int m = 0; m < MR; ++m) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
-}
+// vdpbf16ps: each float32 lane adds the exact products of one pair of bf16 elements.
+struct BF16 {
+  using E = uint16_t;
+  using V = __m512bh;
+  using Mask = __mmask32;
+  static constexpr int B = 32;
+  static V load(const E* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static V load(Mask t, const E* p) { return (__m512bh)_mm512_maskz_loadu_epi16(t, p); }
+  static __m512 fma(__m512 acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
 #endif
 
 #ifdef __AVX512F__
-// y[M, N] = x W^T (+ b) for a few rows of x, either dtype: W's rows split over torch's threads, each
-// weight row read once from memory and used for every row of x (4 at a time) while it is in L1; the
-// bias added to each float32 sum and the result converted once to the output type.
-template <typename E, typename O>
-static void gemv_rows(const E* xp, const E* wp, const float* bp, O* yp, int64_t M, int64_t K, int64_t N) {
-  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  const int64_t grain = std::max<int64_t>(64, (N + threads - 1) / threads);
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    float y[4];
-    for (int64_t n = n0; n < n1; ++n) {
-      const E* wr = wp + n * K;
-      const float bn = bp ? bp[n] : 0.f;
-      for (int64_t m = 0; m < M;) {
-        const int64_t mr = std::min<int64_t>(4, M - m);
-        switch (mr) {
-          case 4: dot_rows<4>(xp + m * K, K, wr, y); break;
-          case 3: dot_rows<3>(xp + m * K, K, wr, y); break;
-          case 2: dot_rows<2>(xp + m * K, K, wr, y); break;
-          default: dot_rows<1>(xp + m * K, K, wr, y); break;
-        }
-        for (int64_t i = 0; i < mr; ++i) yp[(m + i) * N + n] = O(y[i] + bn);  // bf16: one rounding (RNE)
-        m += mr;
-      }
+// Every output is one float32 sum in one order, whatever kernel below computes it: two accumulators of
+// 16 lanes, blocks of B elements alternating between them (even blocks into the first, odd into the
+// second), the masked tail (K % B) last into the second, then acc0 + acc1 and one fixed lane
+// reduction. So a row's result is the same in any batch, on any thread split and through either
+// kernel (tests/unit/test_decode_linear.py).
+
+// One row of w against MR rows of x, one pass over K with both accumulators live: the few-row calls,
+// which memory bounds (one sequential stream per weight row, what the hardware prefetcher follows best).
+template <class T, int MR>
+static inline void dot_stream(const typename T::E* x, int64_t K, const typename T::E* w, float* y) {
+  constexpr int B = T::B;
+  const int64_t kb = K / B * B;
+  const typename T::Mask tail = (typename T::Mask)((1ull << (K - kb)) - 1);
+  __m512 a0[MR], a1[MR];
+  for (int m = 0; m < MR; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 * B <= kb; k += 2 * B) {
+    const typename T::V w0 = T::load(w + k), w1 = T::load(w + k + B);
+    for (int m = 0; m < MR; ++m) {
+      a0[m] = T::fma(a0[m], w0, T::load(x + m * K + k));
+      a1[m] = T::fma(a1[m], w1, T::load(x + m * K + k + B));
     }
+  }
+  if (k < kb) {
+    const typename T::V w0 = T::load(w + k);
+    for (int m = 0; m < MR; ++m) a0[m] = T::fma(a0[m], w0, T::load(x + m * K + k));
+  }
+  if (tail) {
+    const typename T::V w0 = T::load(tail, w + kb);
+    for (int m = 0; m < MR; ++m) a1[m] = T::fma(a1[m], w0, T::load(tail, x + m * K + kb));
+  }
+  for (int m = 0; m < MR; ++m) y[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+
+// Keeps v in a register: without it GCC folds a load into each FMA that uses it (NR or MR loads where
+// one does), and the loads, not the FMAs, bound the loop.
+template <typename V>
+static inline void pin(V& v) {
+  asm volatile("" : "+v"(v));
+}
+
+// acc[j][m] += w[j] . x[m] over the blocks at k0, k0 + 2B, ... below kb, prefetching the same blocks of
+// the rows at pf (a later tile of w) into L2 when pf is set.
+template <class T, int NR, int MR>
+static inline void every_other_block(const typename T::E* x, int64_t K, const typename T::E* w, int64_t k0, int64_t kb,
+                                     __m512 (&acc)[NR][MR], const typename T::E* pf) {
+  for (int64_t k = k0; k + T::B <= kb; k += 2 * T::B) {
+    if (pf)
+      for (int j = 0; j < NR; ++j) _mm_prefetch((const char*)(pf + j * K + k), _MM_HINT_T1);
+    typename T::V wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = T::load(w + j * K + k), pin(wv[j]);
+    for (int m = 0; m < MR; ++m) {
+      typename T::V xv = T::load(x + m * K + k);
+      pin(xv);
+      for (int j = 0; j < NR; ++j) acc[j][m] = T::fma(acc[j][m], wv[j], xv);
+    }
+  }
+}
+
+// y[m * NR + j] = x[m] . w[j] for a tile of MR rows of x and NR rows of w: the calls with more rows,
+// which the FMAs bound. Each x block loaded feeds NR weight rows and each w block MR rows of x; with one
+// weight row at a time all of x streamed from L2 for every weight row (16 rows: 53 ms a SmolLM2 step
+// against ~35 ms tiled). The even blocks, then the odd ones (2 x NR x MR accumulators live would spill).
+template <class T, int NR, int MR>
+static inline void dot_tile(const typename T::E* x, int64_t K, const typename T::E* w, float* y,
+                            const typename T::E* pf) {
+  const int64_t kb = K / T::B * T::B;
+  const typename T::Mask tail = (typename T::Mask)((1ull << (K - kb)) - 1);
+  __m512 a0[NR][MR], a1[NR][MR];
+  for (int j = 0; j < NR; ++j)
+    for (int m = 0; m < MR; ++m) a0[j][m] = a1[j][m] = _mm512_setzero_ps();
+  every_other_block<T, NR, MR>(x, K, w, 0, kb, a0, pf);
+  every_other_block<T, NR, MR>(x, K, w, T::B, kb, a1, pf);
+  if (tail) {
+    typename T::V wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = T::load(tail, w + j * K + kb);
+    for (int m = 0; m < MR; ++m) {
+      const typename T::V xv = T::load(tail, x + m * K + kb);
+      for (int j = 0; j < NR; ++j) a1[j][m] = T::fma(a1[j][m], wv[j], xv);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) y[m * NR + j] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j][m], a1[j][m]));
+}
+
+constexpr int STREAM_ROWS = 2;  // up to here dot_stream (as fast or faster at 1-2 rows, slower from 4)
+constexpr int TILE_W = 4;       // weight rows per tile
+constexpr int TILE_X = 4;       // rows of x per tile (5-6: no faster)
+constexpr int PREFETCH_TILES = 4;  // how far ahead a tile's rows are prefetched (1: 16 rows 38 ms, 4: 34)
+
+// Every row of x (TILE_X at a time) against the NR rows of w at wr (output features n ...): bias added,
+// converted once to O. The first pass over the tile prefetches the rows at pf.
+template <class T, int NR, typename O>
+static inline void tile_rows(const typename T::E* xp, const typename T::E* wr, const float* bp, O* yp, int64_t n,
+                             int64_t M, int64_t K, int64_t N, const typename T::E* pf) {
+  float y[TILE_X * NR];
+  for (int64_t m = 0; m < M; m += TILE_X) {
+    const int64_t mr = std::min<int64_t>(TILE_X, M - m);
+    const typename T::E* p = m == 0 ? pf : nullptr;
+    switch (mr) {
+      case 4: dot_tile<T, NR, 4>(xp + m * K, K, wr, y, p); break;
+      case 3: dot_tile<T, NR, 3>(xp + m * K, K, wr, y, p); break;
+      case 2: dot_tile<T, NR, 2>(xp + m * K, K, wr, y, p); break;
+      default: dot_tile<T, NR, 1>(xp + m * K, K, wr, y, p); break;
+    }
+    for (int64_t i = 0; i < mr; ++i)
+      for (int j = 0; j < NR; ++j) yp[(m + i) * N + n + j] = O(y[i * NR + j] + (bp ? bp[n + j] : 0.f));  // bf16: RNE
+  }
+}
+
+// y[M, N] = x W^T (+ b), either dtype, W's rows split over torch's threads (in whole tiles); the bias
+// added to each float32 sum and the result converted once to the output type.
+template <class T, typename O>
+static void gemv_rows(const typename T::E* xp, const typename T::E* wp, const float* bp, O* yp, int64_t M, int64_t K,
+                      int64_t N) {
+  static_assert(TILE_X == 4, "tile_rows dispatches 1-4 rows of x");
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t grain = std::max<int64_t>(64, ((N + threads - 1) / threads + TILE_W - 1) / TILE_W * TILE_W);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    if (M <= STREAM_ROWS) {
+      float y[STREAM_ROWS];
+      for (int64_t n = n0; n < n1; ++n) {
+        if (M == 2) dot_stream<T, 2>(xp, K, wp + n * K, y);
+        else dot_stream<T, 1>(xp, K, wp + n * K, y);
+        for (int64_t i = 0; i < M; ++i) yp[i * N + n] = O(y[i] + (bp ? bp[n] : 0.f));
+      }
+      return;
+    }
+    int64_t n = n0;
+    for (; n + TILE_W <= n1; n += TILE_W) {
+      const int64_t ahead = n + PREFETCH_TILES * TILE_W;
+      tile_rows<T, TILE_W>(xp, wp + n * K, bp, yp, n, M, K, N, ahead + TILE_W <= n1 ? wp + ahead * K : nullptr);
+    }
+    for (; n < n1; ++n) tile_rows<T, 1>(xp, wp + n * K, bp, yp, n, M, K, N, nullptr);
   });
 }
 #endif
@@ -162,7 +236,7 @@ torch::Tensor gemv_f32(torch::Tensor x, torch::Tensor w, c10::optional<torch::Te
     b = bias->contiguous();
   }
   torch::Tensor out = at::empty({M, N}, x.options());
-  gemv_rows(x.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
+  gemv_rows<F32>(x.data_ptr<float>(), w.data_ptr<float>(), b.defined() ? b.data_ptr<float>() : nullptr,
             out.data_ptr<float>(), M, K, N);
   return out;
 #else
@@ -191,7 +265,7 @@ torch::Tensor gemv_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::T
     b = bias->to(at::kFloat).contiguous();
   }
   torch::Tensor out = at::empty({M, N}, x.options());
-  gemv_rows(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+  gemv_rows<BF16>(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
             reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), b.defined() ? b.data_ptr<float>() : nullptr,
             out.data_ptr<at::BFloat16>(), M, K, N);
   return out;

@@ -4,7 +4,8 @@ linear layers, each a few rows against a weight matrix read from memory once.
 - **float32, up to** ``GEMV_MAX_ROWS`` **rows, AVX-512**: ``gemv_f32``, our own kernel. MKL (inside
   torch) runs these calls on one thread, and on CPUs where it picks its generic kernels (the AMD
   EPYC here) at ~11 GB/s a thread; ``gemv_f32`` streams each weight row once for every row of x, W
-  split over torch's threads. Its sums are not MKL's order, so its bits are not ``F.linear``'s:
+  split over torch's threads, and from 3 rows on computes tiles of 4 weight rows x 4 rows of x in
+  registers (where the FMAs, not memory, bound it: decode batches, a short turn's extend). Its sums are not MKL's order, so its bits are not ``F.linear``'s:
   each output is one fixed-order float32 sum, closer to the exact (float64) sum than MKL's in
   ``tests/unit/test_decode_linear.py``, and a row's result does not depend on the batch around it
   or on the thread count. ``LOOPKV_EXACT_LINEAR=1`` keeps ``F.linear``'s bits (the split below)
@@ -40,12 +41,12 @@ EXTENSION = NativeExtension("decode_linear", "LOOPKV_NATIVE_LINEAR", "decode lin
 #: cores (NOTES.md, 2026-11-24): 1.66x at 1 row, 1.45x at 32, 1.22x at 256, at par at 1024, where
 #: MKL threads the call itself. Covers decode batches, short extends and the LM head's rows.
 MAX_ROWS = 256
-#: Rows up to which ``gemv_f32`` beats the split (SmolLM2's 30 layers and LM head, cold weights,
-#: float32, 2 threads, this EPYC; NOTES.md 2026-11-27 late evening, ``benchmarks/gemv.md``): 1.4-2.3x
-#: at 1-4 rows, 1.1-1.35x at 8; at 16 one run had it 1.15x faster and the next 0.8x (the FMAs, not
-#: memory, bound it there and MKL's gemm tiles reuse x better), so 16 stays with the split. The same
-#: limit for ``gemv_bf16``: 1.8-2.1x oneDNN at 1-8 rows, ~1.1x at 16 (NOTES.md 2026-11-27 night).
-GEMV_MAX_ROWS = 8
+#: Rows up to which ``gemv_f32`` / ``gemv_bf16`` beat the split (SmolLM2's 30 layers of linears and its
+#: LM head's one row, cold weights, 2 threads, this EPYC; ``benchmarks/gemv.md``). Up to 2 rows memory
+#: bounds them (1.4-2.3x the split); from 4 the FMAs do, and the register tile over 4 weight rows x 4
+#: rows of x keeps them ahead of MKL's small gemm to ~32 float32 rows (1.3x at 16, 1.1x at 32, par at
+#: 64) and of oneDNN to ~24 bf16 rows (1.5x at 16, 1.2x at 24, par at 32) (NOTES.md, 2026-11-28).
+GEMV_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 24}
 EXACT_ENV = "LOOPKV_EXACT_LINEAR"
 
 
@@ -72,7 +73,7 @@ def gemv_for(dtype: torch.dtype):
 def takes_gemv(rows: int, w: torch.Tensor) -> bool:
     """Whether a call of ``rows`` rows against ``w`` (operands already checked by :func:`applies`)
     runs ``gemv_f32`` / ``gemv_bf16``."""
-    return rows <= GEMV_MAX_ROWS and gemv_for(w.dtype) is not None
+    return rows <= GEMV_MAX_ROWS.get(w.dtype, 0) and gemv_for(w.dtype) is not None
 
 
 def applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -85,7 +85,7 @@ def test_gemv_is_closer_to_the_exact_sum(gemv, shape):
     g = torch.Generator().manual_seed(shape[1])
     w, b = torch.randn(*shape, generator=g), torch.randn(shape[0], generator=g)
     ours, mkl = [], []
-    for rows in range(1, decode_linear.GEMV_MAX_ROWS + 1):
+    for rows in range(1, decode_linear.GEMV_MAX_ROWS[torch.float32] + 1):
         x = torch.randn(rows, shape[1], generator=g)
         assert decode_linear.takes_gemv(rows, w)
         for bias in (None, b):
@@ -110,7 +110,7 @@ def test_gemv_bf16_is_as_close_to_the_exact_sum(native, shape):
     g = torch.Generator().manual_seed(shape[1])
     w, b = torch.randn(*shape, generator=g).bfloat16(), torch.randn(shape[0], generator=g).bfloat16()
     ours, onednn = [], []
-    for rows in range(1, decode_linear.GEMV_MAX_ROWS + 1):
+    for rows in range(1, decode_linear.GEMV_MAX_ROWS[torch.bfloat16] + 1):
         x = torch.randn(rows, shape[1], generator=g).bfloat16()
         assert decode_linear.takes_gemv(rows, w)
         for bias in (None, b):
@@ -125,15 +125,19 @@ def test_gemv_bf16_is_as_close_to_the_exact_sum(native, shape):
     assert sum(ours) <= 1.05 * sum(onednn), (sum(ours), sum(onednn))
 
 
-def test_gemv_rows_do_not_depend_on_the_batch_or_threads(gemv_dtype):
-    """A row's result is the same bits alone, in any batch of up to GEMV_MAX_ROWS rows and with one
-    or two threads (a decode step's tokens do not change with the requests beside them)."""
+@pytest.mark.parametrize("shape", [(3072, 576), (1001, 120)])
+def test_gemv_rows_do_not_depend_on_the_batch_or_threads(gemv_dtype, shape):
+    """A row's result is the same bits alone (the one-pass kernel), in any batch of up to
+    GEMV_MAX_ROWS rows (the register tiles, every remainder of 4 rows of x) and with one or two threads
+    (a decode step's tokens do not change with the requests beside them). (1001, 120): a remainder of
+    weight rows past the last tile of 4, an odd count of blocks and a tail in both dtypes."""
     g = torch.Generator().manual_seed(7)
-    w, b = torch.randn(3072, 576, generator=g).to(gemv_dtype), torch.randn(3072, generator=g).to(gemv_dtype)
-    x = torch.randn(decode_linear.GEMV_MAX_ROWS, 576, generator=g).to(gemv_dtype)
+    w, b = torch.randn(*shape, generator=g).to(gemv_dtype), torch.randn(shape[0], generator=g).to(gemv_dtype)
+    x = torch.randn(decode_linear.GEMV_MAX_ROWS[gemv_dtype], shape[1], generator=g).to(gemv_dtype)
     alone = torch.cat([decode_linear.linear(x[i : i + 1], w, b) for i in range(len(x))])
-    for rows in range(2, decode_linear.GEMV_MAX_ROWS + 1):
+    for rows in range(2, len(x) + 1):
         assert torch.equal(decode_linear.linear(x[:rows], w, b), alone[:rows]), rows
+        assert torch.equal(decode_linear.linear(x[len(x) - rows :], w, b), alone[len(x) - rows :]), rows
     prev = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -145,8 +149,9 @@ def test_gemv_rows_do_not_depend_on_the_batch_or_threads(gemv_dtype):
 
 def test_gemv_rule(gemv, monkeypatch):
     w = torch.randn(64, 32)
-    assert decode_linear.takes_gemv(decode_linear.GEMV_MAX_ROWS, w)
-    assert not decode_linear.takes_gemv(decode_linear.GEMV_MAX_ROWS + 1, w)  # MKL's gemm tiles (the split)
+    top = decode_linear.GEMV_MAX_ROWS[torch.float32]
+    assert decode_linear.takes_gemv(top, w)
+    assert not decode_linear.takes_gemv(top + 1, w)  # MKL's gemm (the split)
     assert decode_linear.takes_gemv(1, w.to(torch.bfloat16)) == gemv.has_gemv_bf16()
     assert not decode_linear.takes_gemv(1, w.to(torch.float16))  # float16: the split
     x3 = torch.randn(2, 3, 32)  # leading dims kept
