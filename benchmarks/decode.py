@@ -862,11 +862,31 @@ def plot(p: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cfg, res, lim = p["config"], p["grid"], p["limit"]["tpot_ms"]
-    more = [bs for bs in cfg["batch_sizes"] if bs > 1]
-    fig, axes = plt.subplots(1, 2 if more else 1, figsize=(12 if more else 6.5, 4.4), squeeze=False)
     colors = {n: f"C{i}" for i, n in enumerate([*SYSTEMS, "limit-fp32", "limit-bf16"])}
-    styles = {1: "-o", **{bs: s for bs, s in zip(more, ("-s", "--^", ":v"))}}
-    for ax, sizes in zip(axes[0], ([1], more)):
+    if len(cfg["contexts"]) == 1:  # one context: TPOT against the batch size
+        (L,), sizes = cfg["contexts"], cfg["batch_sizes"]
+        fig, ax = plt.subplots(figsize=(6.5, 4.4))
+        for n in SYSTEMS:
+            pts = [(bs, y) for bs in sizes if (y := tpot(res, n, L, bs))]
+            if pts:
+                ax.plot(*zip(*pts), "-o", color=colors[n], label=n, alpha=0.85)
+        for dt, t in lim.items():
+            pts = [(bs, t[f"{L}/{bs}"]) for bs in sizes if f"{L}/{bs}" in t]
+            ax.plot(*zip(*pts), "-", color=colors[f"limit-{SHORT[dt]}"], alpha=0.5, lw=1, label=f"limit {SHORT[dt]}")
+        ax.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="TPOT ms (median)")
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xticks([], minor=True)
+        ax.set_title(f"context {L} tokens")
+        ax.legend(fontsize=7)
+        fig.suptitle("Decode TPOT vs batch (SmolLM2-135M, CPU)")
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        return
+    more = [bs for bs in cfg["batch_sizes"] if bs > 1]
+    panels = ([[1]] if 1 in cfg["batch_sizes"] else []) + ([more] if more else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 0.5, 4.4), squeeze=False)
+    styles = {1: "-o", **{bs: s for bs, s in zip(more, ("-s", "--^", ":v", "-.D"))}}
+    for ax, sizes in zip(axes[0], panels):
         for bs in sizes:
             for n in SYSTEMS:
                 pts = [(L, tpot(res, n, L, bs)) for L in cfg["contexts"]]

@@ -12,7 +12,7 @@ through the split over torch's threads):
 - ``fidelity``: two SmolLM2 servers of that dtype, gemv and exact: per prompt (synthetic text of
   200-3000 tokens and three one-line chat prompts), 64 greedy tokens on each (length of the identical
   prefix), then every position of the exact server's continuation as a one-token extend over the
-  cached prefix (the <= 16-row path): top-1 agreement and the top token's log-probability gap.
+  cached prefix (the one-row path): top-1 agreement and the top token's log-probability gap.
 
     python -m benchmarks.gemv                    # both parts, both dtypes (~9 min)
     python -m benchmarks.gemv --parts kernel --dtypes bfloat16
@@ -197,7 +197,7 @@ def report_md(p: dict) -> str:
     if p.get("fidelity"):
         md.append(
             "\nServer fidelity, SmolLM2: each server's top-1 and top-token log-probability along the reference's "
-            f"{GEN} greedy tokens (one-token extends over the cached prefix: the <= 8-row path), 7 prompts of 38-3000 "
+            f"{GEN} greedy tokens (one-token extends over the cached prefix: the one-row path), 7 prompts of 38-3000 "
             "tokens; `exact` = the same server with `LOOPKV_EXACT_LINEAR=1` (torch's bits), `float32` = an exact "
             "float32 server." + "".join(f"\n{d}:{run_of('fidelity:' + d)}." for d in p["fidelity"]) + "\n\n"
         )

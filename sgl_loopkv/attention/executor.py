@@ -181,6 +181,12 @@ RUNS_MAX_ROWS = 16
 #: chunk-pruned history's page cache is such a fragmented set).
 RUNS_MAX_WORK = 64
 RUNS_MIN_AVG_LEN = 128
+#: New rows up to which an extend on CPU takes the native kernel (``extend_attention`` in
+#: kernels/paged_decode.cpp): one layer, 9/3 heads, D 64, float32, 2 threads (2026-11-28), native /
+#: torch: 16 rows over 416 keys in 16-slot chunks (a chunk-pruned restore) 0.13 / 0.25 ms, 16 over
+#: 4K contiguous 1.3 / 3.9 ms (SDPA's masked path), 5 over 100 0.018 / 0.09, 32 over 2K 1.25 / 1.57,
+#: 63 over 700 0.84 / 1.03; from 64 rows the log-sum-exp merge of the flash op takes over.
+EXTEND_NATIVE_MAX_ROWS = 32
 #: Decode without the native kernel: read the pool through run views when a sequence has at most
 #: this many slot runs, else gather its KV first. Each run costs two small matmuls (~10-20 us of
 #: dispatch on these CPUs) while a gather of a 4K-token prefix costs about as much as reading it
@@ -221,6 +227,22 @@ class TorchDenseExecutor(AttentionExecutor):
         )
         return DecodePath.VIEWS if few_runs else DecodePath.GATHER
 
+    def native_extend(self, plan: AttentionPlan, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether a CPU extend of a few rows takes the native kernel: causal, head dim 64 or 128,
+        rows of the pool contiguous per head (SGLang's CPU pools are)."""
+        return (
+            self.native is not None
+            and plan.causal
+            and k_cache.device.type == "cpu"
+            and q.shape[-1] in (64, 128)
+            and k_cache.dim() == 3
+            and k_cache.stride(2) == 1
+            and k_cache.stride(1) == k_cache.shape[2]
+            and k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and plan.kv_indices.dtype == torch.int64
+            and hasattr(self.native, "extend_attention")
+        )
+
     def run(self, plan, q, k_cache, v_cache, scale, out):
         if plan.is_decode and plan.batch_size:
             return self.run_decode(plan, q, k_cache, v_cache, scale, out)
@@ -231,6 +253,13 @@ class TorchDenseExecutor(AttentionExecutor):
             if q1 - q0 == 1:  # a one-row extend is a decode step: same path, same numbers
                 one = AttentionPlan([0, 1], [0, plan.kv_len(i)], plan.kv_slots(i), plan.causal)
                 self.run_decode(one, q[q0:q1], k_cache, v_cache, scale, out[q0:q1])
+                continue
+            if q1 - q0 <= EXTEND_NATIVE_MAX_ROWS and self.native_extend(plan, q, k_cache):
+                o = out[q0:q1] if out[q0:q1].is_contiguous() else torch.empty_like(out[q0:q1])
+                slots = plan.kv_slots(i)
+                self.native.extend_attention(q[q0:q1].contiguous(), k_cache, v_cache, slots.contiguous(), scale, o)
+                if o.data_ptr() != out[q0:q1].data_ptr():
+                    out[q0:q1] = o
                 continue
             runs = plan.runs(i) if q1 - q0 <= RUNS_MAX_ROWS else None
             if (

@@ -132,3 +132,77 @@ def test_torch_decode_reads_views_when_the_pool_is_not_fragmented():
     torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, few, 0.3), atol=1e-5, rtol=1e-5)
     _, _, _, _, fragmented = fragmented_batch(4, [16 * (DECODE_VIEW_MAX_RUNS + 2)], hq=4, hkv=2, d=8)
     assert ex.decode_path(fragmented, k_cache) is DecodePath.GATHER
+
+
+def extend_reference(q, k_cache, v_cache, slots, scale):
+    """Causal attention of the n rows of ``q`` over ``slots`` (the last n their own) in float64."""
+    n, L = q.shape[0], len(slots)
+    k, v = k_cache[slots].double(), v_cache[slots].double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k) * scale
+    s = s.masked_fill(torch.arange(L)[None, :] > (L - n + torch.arange(n))[:, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "n,L,hq,hkv,d",
+    [
+        (2, 17, 9, 3, 64),
+        (5, 100, 9, 3, 64),
+        (16, 416, 9, 3, 64),
+        (32, 2048, 9, 3, 64),
+        (9, 9, 4, 4, 128),
+        (13, 300, 8, 2, 128),
+    ],
+)
+def test_extend_kernel_matches_causal_attention(native, dtype, n, L, hq, hkv, d):
+    """A few new rows over their keys read in place through scattered 16-slot chunks: every output
+    within the pool dtype's rounding of the float64 reference, causal (row r sees L - n + r + 1 keys;
+    n == L: a square), GQA groups of 1-4, head dims 64 and 128, rows past the last block of 8."""
+    g = torch.Generator().manual_seed(n * 1000 + L)
+    pool = 8192
+    k_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, hkv, d, generator=g).to(dtype)
+    chunks = torch.randperm(pool // 16, generator=g)[: -(-L // 16)]
+    slots = (chunks[:, None] * 16 + torch.arange(16)).flatten()[:L].contiguous()
+    q = torch.randn(n, hq, d, generator=g).to(dtype)
+    out = torch.empty_like(q)
+    native.extend_attention(q, k_cache, v_cache, slots, d**-0.5, out)
+    ref = extend_reference(q, k_cache, v_cache, slots, d**-0.5)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_executor_extends_take_the_native_kernel_up_to_its_rows(native):
+    """The executor sends causal extends of up to EXTEND_NATIVE_MAX_ROWS rows to the kernel and the
+    rest to torch; both give the same outputs within float32 rounding."""
+    from sgl_loopkv.attention import executor as ex
+    from sgl_loopkv.attention.plan import AttentionPlan
+
+    g = torch.Generator().manual_seed(3)
+    k_cache, v_cache = torch.randn(4096, 3, 64, generator=g), torch.randn(4096, 3, 64, generator=g)
+    calls = []
+    real = native.extend_attention
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def extend_attention(self, *args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    for n in (2, ex.EXTEND_NATIVE_MAX_ROWS, ex.EXTEND_NATIVE_MAX_ROWS + 1):
+        L = 700
+        slots = torch.randperm(4096, generator=g)[:L]
+        plan = AttentionPlan([0, n], [0, L], slots, True)
+        q = torch.randn(n, 9, 64, generator=g)
+        executor = TorchDenseExecutor()
+        executor.native = Spy()
+        out = executor.run(plan, q, k_cache, v_cache, 0.125, torch.empty_like(q))
+        torch.testing.assert_close(
+            out.double(), extend_reference(q, k_cache, v_cache, slots, 0.125), atol=1e-5, rtol=1e-5
+        )
+    assert calls == [2, ex.EXTEND_NATIVE_MAX_ROWS]
