@@ -868,8 +868,9 @@ def plot(p: dict, path: Path) -> None:
         fig, ax = plt.subplots(figsize=(6.5, 4.4))
         for n in SYSTEMS:
             pts = [(bs, y) for bs in sizes if (y := tpot(res, n, L, bs))]
-            if pts:
-                ax.plot(*zip(*pts), "-o", color=colors[n], label=n, alpha=0.85)
+            if pts:  # an -exact system dashed in its base system's colour (the colour cycle has 10)
+                base = n.removesuffix("-exact")
+                ax.plot(*zip(*pts), "--s" if base != n else "-o", color=colors[base], label=n, alpha=0.85)
         for dt, t in lim.items():
             pts = [(bs, t[f"{L}/{bs}"]) for bs in sizes if f"{L}/{bs}" in t]
             ax.plot(*zip(*pts), "-", color=colors[f"limit-{SHORT[dt]}"], alpha=0.5, lw=1, label=f"limit {SHORT[dt]}")
