@@ -5,7 +5,8 @@ linear layers, each a few rows against a weight matrix read from memory once.
   torch) runs these calls on one thread, and on CPUs where it picks its generic kernels (the AMD
   EPYC here) at ~11 GB/s a thread; ``gemv_f32`` streams each weight row once for every row of x, W
   split over torch's threads, and from 3 rows on computes tiles of 4 weight rows x 4 rows of x in
-  registers (where the FMAs, not memory, bound it: decode batches, a short turn's extend). Its sums are not MKL's order, so its bits are not ``F.linear``'s:
+  registers (where the FMAs, not memory, bound it: decode batches, a short turn's extend). Its sums
+  are not MKL's order, so its bits are not ``F.linear``'s:
   each output is one fixed-order float32 sum, closer to the exact (float64) sum than MKL's in
   ``tests/unit/test_decode_linear.py``, and a row's result does not depend on the batch around it
   or on the thread count. ``LOOPKV_EXACT_LINEAR=1`` keeps ``F.linear``'s bits (the split below)

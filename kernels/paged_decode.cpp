@@ -267,16 +267,23 @@ void dispatch_q(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 
 }  // namespace
 
-void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_indices,
-                  torch::Tensor kv_indptr, double scale, torch::Tensor out, int64_t min_split) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU tensors");
+// The operands paged_decode and extend_attention share: q / out [rows, Hq, D] contiguous on the CPU,
+// a K and a V pool buffer [P, Hkv, D] with contiguous rows and one layout, dtypes paired.
+void check_attention_operands(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "the attention kernels run on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.is_contiguous() && out.is_contiguous(),
-              "q and out: contiguous [B, Hq, D]");
+              "q and out: contiguous [rows, Hq, D]");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.stride(0) == v_cache.stride(0),
               "k/v cache: [P, Hkv, D] with the same layout");
   TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2), "k/v cache rows must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
               "k/v share a dtype; out has q's dtype");
+}
+
+void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_indices,
+                  torch::Tensor kv_indptr, double scale, torch::Tensor out, int64_t min_split) {
+  check_attention_operands(q, k_cache, v_cache, out);
   TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "head_dim / GQA mismatch");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
                   kv_indices.is_contiguous() && kv_indptr.is_contiguous() && kv_indptr.numel() == q.size(0) + 1,
@@ -572,14 +579,7 @@ void extend_dispatch_q(const torch::Tensor& q, const torch::Tensor& k, const tor
 
 void extend_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_slots,
                       double scale, torch::Tensor out) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "extend_attention runs on CPU tensors");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.is_contiguous() && out.is_contiguous(),
-              "q and out: contiguous [n, Hq, D]");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.stride(0) == v_cache.stride(0),
-              "k/v cache: [P, Hkv, D] with the same layout");
-  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2), "k/v cache rows must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "k/v share a dtype; out has q's dtype");
+  check_attention_operands(q, k_cache, v_cache, out);
   TORCH_CHECK(q.size(2) == k_cache.size(2) && (q.size(2) == 64 || q.size(2) == 128) &&
                   q.size(1) % k_cache.size(1) == 0,
               "extend_attention: head_dim 64 or 128, GQA (Hq a multiple of Hkv)");

@@ -240,12 +240,12 @@ class TorchDenseExecutor(AttentionExecutor):
             and k_cache.stride(1) == k_cache.shape[2]
             and k_cache.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and plan.kv_indices.dtype == torch.int64
-            and hasattr(self.native, "extend_attention")
         )
 
     def run(self, plan, q, k_cache, v_cache, scale, out):
         if plan.is_decode and plan.batch_size:
             return self.run_decode(plan, q, k_cache, v_cache, scale, out)
+        native = self.native_extend(plan, q, k_cache)
         for i in range(plan.batch_size):
             q0, q1 = plan.qo_indptr[i], plan.qo_indptr[i + 1]
             if q0 == q1:
@@ -254,12 +254,14 @@ class TorchDenseExecutor(AttentionExecutor):
                 one = AttentionPlan([0, 1], [0, plan.kv_len(i)], plan.kv_slots(i), plan.causal)
                 self.run_decode(one, q[q0:q1], k_cache, v_cache, scale, out[q0:q1])
                 continue
-            if q1 - q0 <= EXTEND_NATIVE_MAX_ROWS and self.native_extend(plan, q, k_cache):
-                o = out[q0:q1] if out[q0:q1].is_contiguous() else torch.empty_like(out[q0:q1])
-                slots = plan.kv_slots(i)
-                self.native.extend_attention(q[q0:q1].contiguous(), k_cache, v_cache, slots.contiguous(), scale, o)
-                if o.data_ptr() != out[q0:q1].data_ptr():
-                    out[q0:q1] = o
+            if q1 - q0 <= EXTEND_NATIVE_MAX_ROWS and native:
+                dst = out[q0:q1]
+                o = dst if dst.is_contiguous() else torch.empty_like(dst)
+                self.native.extend_attention(
+                    q[q0:q1].contiguous(), k_cache, v_cache, plan.kv_slots(i).contiguous(), scale, o
+                )
+                if o is not dst:
+                    dst.copy_(o)
                 continue
             runs = plan.runs(i) if q1 - q0 <= RUNS_MAX_ROWS else None
             if (

@@ -3,9 +3,9 @@
 A decode step on the CPU is mostly the model's linear layers, each a few rows against a weight
 matrix streamed from memory; ATen runs those on one thread (MKL's gemv), so stock SGLang reads its
 weights at one core's memory rate. Two AROUND hooks (SGLang's ``HookRegistry``) send the few-row
-calls to :func:`~sgl_loopkv.kernels.decode_linear.linear`: float32 and bfloat16 calls of up to 32 / 24
-rows (``GEMV_MAX_ROWS``) to our AVX-512 kernels (fixed-order sums, at least as close to the exact sum as torch's, not
-``F.linear``'s bits; ``LOOPKV_EXACT_LINEAR=1`` keeps those), the others to the split kernel, which
+calls to :func:`~sgl_loopkv.kernels.decode_linear.linear`: float32 and bfloat16 calls of up to
+32 / 24 rows (``GEMV_MAX_ROWS``) to our AVX-512 kernels (fixed-order sums, at least as close to the
+exact sum as torch's, not ``F.linear``'s bits; ``LOOPKV_EXACT_LINEAR=1`` keeps those), the others to the split kernel, which
 returns bitwise what ``F.linear`` returns. Every other call, and every other device, goes to SGLang's own code:
 
 - ``UnquantizedLinearMethod.apply`` (q/k/v/o, gate/up/down): SGLang's CPU path is ``F.linear``
