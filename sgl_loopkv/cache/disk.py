@@ -463,6 +463,15 @@ class DiskSegmentStore:
         Thread-safe (``preadv``)."""
         return self.codec.read_chunks(fd, seg_id, header, layers, chunks)
 
+    def read_chunks_into(self, fd: int, header: dict, layers: range, chunks: list[int], k_rows, v_rows, pages):
+        """:meth:`read_chunks` straight into pool pages (:meth:`SegmentCodec.read_chunks_into`): per
+        layer the chunks that failed, or None when the read cannot go there. Thread-safe."""
+        return self.codec.read_chunks_into(fd, header, layers, chunks, k_rows, v_rows, pages)
+
+    def advise(self, fd: int, header: dict, layers: range, chunks: list[int]) -> int:
+        """Hint a coming :meth:`read_chunks` to the kernel (:meth:`SegmentCodec.advise`)."""
+        return self.codec.advise(fd, header, layers, chunks)
+
     def read_summaries(self, seg_id: str) -> torch.Tensor:
         """Key summaries [L, m, H, 2, D] (``summary_dtype``) of a whole segment."""
         fd = self._open(seg_id)

@@ -31,6 +31,7 @@ read but not used (its read amplification), and nothing is read ahead.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -419,14 +420,18 @@ class PrunedRestore:
         each run of layers of one gate that miss the same chunks (a disk job reads them for all its
         layers at once, so a job spans no more than what a layer's compute waits for anyway)."""
         todo = [chunks[~self.asked[layer, chunks]] for layer in layers]
-        i = 0
+        jobs, i = [], 0
         while i < len(todo):
             j = i + 1
             while j < len(todo) and layers[j] % self.gate and torch.equal(todo[j], todo[i]):
                 j += 1
             if len(todo[i]):
-                self._submit(range(layers[i], layers[i] + j - i), todo[i], prefetch)
+                jobs.append((range(layers[i], layers[i] + j - i), todo[i]))
             i = j
+        if jobs and any(src.fd is not None for src in self.sources):
+            self.reader.advise(self, jobs)  # the reader hints them all before it reads the first
+        for job_layers, job_chunks in jobs:
+            self._submit(job_layers, job_chunks, prefetch)
 
     def _submit(self, layers: range, todo: torch.Tensor, prefetch: bool) -> None:
         self.asked[layers.start : layers.stop, todo] = True
@@ -471,22 +476,35 @@ class PrunedRestore:
                             continue
                 local = (mine - src.first + src.lo).tolist()
                 before = self.disk.codec.bytes_read
-                kvs, bads = self.disk.read_chunks(src.fd, src.seg_id, src.header, layers, local)
+                pages = dst.view(-1, c)[at, 0] // c if self.paged else None
+                bads = None
+                if pages is not None:  # straight into the pool pages, without the GIL (None: cannot here)
+                    k_rows = [self.k_buffers[x] for x in layers]
+                    v_rows = [self.v_buffers[x] for x in layers]
+                    bads = self.disk.read_chunks_into(src.fd, src.header, layers, local, k_rows, v_rows, pages)
+                if bads is not None:
+                    read = [(None, b) for b in bads]  # in place already
+                    if src.cache is not None and not any(bads):
+                        offers.append((src, local, [(self._pages_kv(x, pages), []) for x in layers]))
+                else:
+                    kvs, bads = self.disk.read_chunks(src.fd, src.seg_id, src.header, layers, local)
+                    read = [(kvs[i], bads[i]) for i in range(len(layers))]
+                    if src.cache is not None and not any(bads):
+                        offers.append((src, local, read))
                 self.stats.disk_bytes_read += self.disk.codec.bytes_read - before
-                read = [(kvs[i], bads[i]) for i in range(len(layers))]
                 parts.append((src, at, mine, read))
-                if src.cache is not None and not any(bads):
-                    offers.append((src, local, read))
             with self.copies.copying(after):
                 for i, layer in enumerate(layers):
                     for src, at, mine, read in parts:
                         kv, bad = read[i] if read is not None else (self._host_chunks(src, layer, mine - src.first), [])
-                        kv = kv.reshape(2, len(mine), c, *kv.shape[-2:])  # per chunk (a view: no copy)
+                        if kv is not None:
+                            kv = kv.reshape(2, len(mine), c, *kv.shape[-2:])  # per chunk (a view: no copy)
                         if bad:
                             kv, at, mine = self._drop_bad(src, layer, kv, at, mine, bad)
                             if len(mine) == 0:
                                 continue
-                        self._put(layer, kv, dst.view(-1, c)[at])
+                        if kv is not None:
+                            self._put(layer, kv, dst.view(-1, c)[at])
                         self.loaded[layer, mine] = True
                         self.stats.bytes_loaded += len(mine) * self.layer_bytes
                     self._release(layer, self.copies.copied())
@@ -503,6 +521,27 @@ class PrunedRestore:
             for layer in layers[released:]:
                 self._release(layer)
 
+    def advise(self, jobs: list[tuple[range, torch.Tensor]]) -> None:
+        """Reader thread, before the first of ``jobs`` (one :meth:`_queue`'s: a period's set, or its
+        read-ahead): hint every disk read they will make to the kernel, so that those cold reads
+        are in flight together while the first job's are verified and copied (chunks the host chunk
+        cache holds are left out). A hint only: whatever fails here, the reads still run."""
+        t0 = time.perf_counter()
+        try:
+            for src in self.sources:
+                if src.fd is None:
+                    continue
+                cached = src.cache.cached_chunks(src.seg_id) if src.cache is not None else ()
+                for layers, chunks in jobs:
+                    mine = chunks[(chunks >= src.first) & (chunks < src.first + src.n_chunks)]
+                    local = [j for j in (mine - src.first + src.lo).tolist() if j not in cached]
+                    if local:
+                        self.disk.advise(src.fd, src.header, layers, local)
+        except Exception:
+            logger.debug("loopkv: read hints failed", exc_info=True)
+        finally:
+            self.stats.reader_busy_s += time.perf_counter() - t0
+
     def _host_chunks(self, src: Source, layer: int, local: torch.Tensor) -> torch.Tensor:
         """The host tier's copy of a source's chunks ``local`` (ascending) at one layer: [2, n * c, H, D]."""
         c, kv = self.chunk, src.host_kv[layer]
@@ -510,6 +549,11 @@ class PrunedRestore:
         if hi - lo == len(local) - 1:  # one run (budget 1.0: all of them): a view
             return kv[:, lo * c : (hi + 1) * c]
         return kv[:, (local[:, None] * c + torch.arange(c)).flatten()]
+
+    def _pages_kv(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """Chunks read into pool ``pages`` of ``layer``, as a read returns them: [2, n, c, H, D] (a copy)."""
+        k_buf, v_buf, c = self.k_buffers[layer], self.v_buffers[layer], self.chunk
+        return torch.stack([b.view(-1, c, *b.shape[1:])[pages] for b in (k_buf, v_buf)])
 
     def _put(self, layer: int, kv: torch.Tensor, to: torch.Tensor) -> None:
         """Copy chunks ``kv`` [2, n, c, H, D] (any strides: a view of the read buffer) into the pool
@@ -540,7 +584,7 @@ class PrunedRestore:
             layer,
         )
         good = torch.nonzero(~torch.isin(mine, failed)).flatten()
-        return kv[:, good], at[good], mine[good]
+        return (None if kv is None else kv[:, good]), at[good], mine[good]
 
     def _release(self, layer: int, copied=None) -> None:
         self._bump((layer,))
@@ -616,19 +660,24 @@ class ChunkReader:
         return self._streams[device]
 
     def submit(self, job: PrunedRestore, layers: range, chunks: torch.Tensor, dst: torch.Tensor, after=None) -> None:
+        self._put(functools.partial(job.load, layers, chunks, dst, after))
+
+    def advise(self, job: PrunedRestore, jobs: list[tuple[range, torch.Tensor]]) -> None:
+        self._put(functools.partial(job.advise, jobs))
+
+    def _put(self, work) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="loopkv-chunk-reader", daemon=True)
             self._thread.start()
-        self._queue.put((job, layers, chunks, dst, after))
+        self._queue.put(work)
 
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
         while True:
-            item = self._queue.get()
-            if item is None:
+            work = self._queue.get()
+            if work is None:
                 return
-            job, layers, chunks, dst, after = item
-            job.load(layers, chunks, dst, after)
+            work()
 
     def close(self) -> None:
         if self._thread is not None:

@@ -146,6 +146,10 @@ class LoopKVRadixCache(RadixCache):
         self.pruned_stats = PrunedStats()  # every finished pruned restore, summed
         self._pruned_done: OrderedDict[str, PrunedStats] = OrderedDict()  # rid -> its restore's accounting
         self.chunk_reader = ChunkReader()
+        if self.prefix.enabled and self.store.disk is not None:
+            from sgl_loopkv.kernels import chunk_io
+
+            chunk_io.load()  # built (first start on a machine) or loaded now, not at a restore's first read
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:

@@ -23,6 +23,13 @@ try:  # the same CRC-32 (zlib's polynomial, same values), folded with PCLMUL: 19
 except ImportError:  # requirements/cpu.txt installs it; without it, zlib's
     from zlib import crc32
 
+
+def _chunk_io():
+    from sgl_loopkv.kernels import chunk_io  # built on first use (a C++ extension)
+
+    return chunk_io.load()
+
+
 READS_IN_FLIGHT = 4  # a chunk-pruned restore's reads of one gate issued together
 _READERS = ThreadPoolExecutor(READS_IN_FLIGHT, thread_name_prefix="loopkv-pread")
 LAYER_GROUP = 4  # rows per group when the writer names none (the default prefix gate)
@@ -93,6 +100,7 @@ class SegmentCodec:
     layer_group: int = LAYER_GROUP
     bytes_read: int = field(default=0)
     reads: int = field(default=0)  # extent reads issued (cold reads cost per request here, not per byte)
+    _crc_tables: dict = field(default_factory=dict, repr=False)
 
     def encode(
         self, record: SegmentRecord, kv: torch.Tensor | PackedKV, summaries: torch.Tensor, writer: str
@@ -316,6 +324,72 @@ class SegmentCodec:
         c, H, D = g.chunk_tokens, g.num_kv_heads, g.head_dim
         return raw.view(g.dtype).view(len(chunks), R, 2, c, H, D).permute(1, 2, 0, 3, 4, 5), bad
 
+    def read_chunks_into(
+        self, fd: int, header: dict, rows: range, chunks: list[int], k_rows: list, v_rows: list, pages: torch.Tensor
+    ) -> list[list[int]] | None:
+        """:meth:`read_chunks` straight into KV pool pages, natively and without the GIL
+        (:mod:`sgl_loopkv.kernels.chunk_io`): chunk ``chunks[i]`` of row ``rows[r]`` lands in page
+        ``pages[i]`` of ``k_rows[r]`` / ``v_rows[r]`` ([slots, H, D] pool buffers, one chunk a page).
+        -> per row, the chunks whose extent failed its checksum or was cut short (their pages hold
+        whatever was read: the caller never attends to them); None when this read cannot go there
+        (no native reader, an int8 tier, a pool of another dtype or layout, or reads that do not
+        span every row of ``rows``): the caller uses :meth:`read_chunks`."""
+        g = self.geometry
+        native = _chunk_io()
+        if native is None or g.quantized or not chunks:
+            return None
+        c, half = g.chunk_tokens, g.chunk_tokens * g.num_kv_heads * g.head_dim * g.itemsize
+        for buf in (*k_rows, *v_rows):
+            if buf.device.type != "cpu" or buf.dtype != g.dtype or not buf.is_contiguous() or buf.shape[0] % c:
+                return None
+            if buf[0].numel() * c * buf.element_size() != half:
+                return None
+        layout = self.layout(header)
+        R = len(rows)
+        blocks = layout.blocks(rows, chunks)
+        if any(b.row1 - b.row0 != R for b in blocks):
+            return None
+        # extents in read order: chunk by chunk, each chunk's rows in order (a block is a run of chunks x all rows)
+        r = torch.arange(rows.start, rows.stop)
+        g0 = r - r % layout.group
+        width = torch.clamp(g0 + layout.group, max=layout.rows) - g0
+        j = torch.tensor(chunks)[:, None]
+        index = g0 * layout.n_chunks + j * width + r - g0  # [n, R]: each extent's crc32 index
+        k_base = torch.tensor([b.data_ptr() for b in k_rows])
+        v_base = torch.tensor([b.data_ptr() for b in v_rows])
+        at = pages.to(torch.int64)[:, None] * half
+        targets = torch.stack((k_base + at, v_base + at), dim=-1).reshape(-1, 2)
+        crcs = self._crc_table(header)[index.flatten()]
+        table = torch.tensor([[b.offset, b.n_chunks * R] for b in blocks], dtype=torch.int64)
+        ok, nbytes = native.read_extents(fd, table, targets, crcs, half, g.extent_bytes)
+        self.bytes_read += nbytes
+        self.reads += len(blocks)
+        bad: list[list[int]] = [[] for _ in rows]
+        for i, row in torch.nonzero(~ok.view(len(chunks), R)).tolist():
+            bad[row].append(chunks[i])
+        return bad
+
+    def _crc_table(self, header: dict) -> torch.Tensor:
+        """The header's extent checksums as a tensor, kept for the few headers read last (every
+        read of a restore indexes the same table)."""
+        hit = self._crc_tables.get(id(header))
+        if hit is None or hit[0] is not header:
+            if len(self._crc_tables) >= 16:
+                self._crc_tables.pop(next(iter(self._crc_tables)))
+            hit = self._crc_tables[id(header)] = (header, torch.tensor(header["extent_crc32"], dtype=torch.int64))
+        return hit[1]
+
+    def advise(self, fd: int, header: dict, rows: range, chunks: list[int]) -> int:
+        """Tell the kernel that :meth:`read_chunks` of ``rows x chunks`` comes soon (``WILLNEED`` on
+        exactly its reads, started now and in flight together); -> bytes hinted. On this VM a period's
+        scattered cold reads hinted first took 21 ms instead of 28-35 (the reads then find their pages
+        in the page cache or in flight)."""
+        blocks = self.layout(header).blocks(rows, chunks)
+        eb = self.geometry.extent_bytes
+        for b in blocks:
+            os.posix_fadvise(fd, b.offset, b.length(eb), os.POSIX_FADV_WILLNEED)
+        return sum(b.length(eb) for b in blocks)
+
     def _rows_of_extents(self, raw: torch.Tensor) -> torch.Tensor | QuantKV:
         """[R, n, used bytes] of verified extents -> rows [R, 2, n * c, H, D] (a QuantKV for int8)."""
         g = self.geometry
@@ -364,6 +438,8 @@ class SegmentCodec:
             out = self._summaries(buf, g.num_layers, layout.n_chunks)
             return out if layers is None else out[layers].clone()
         parts = []
+        for layer in layers:  # the scored layers' blocks lie a period apart: in flight together, then read
+            os.posix_fadvise(fd, layout.summary_offset + layer * block, block, os.POSIX_FADV_WILLNEED)
         for layer in layers:
             buf = os.pread(fd, block, layout.summary_offset + layer * block)
             self.bytes_read += len(buf)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -111,7 +112,8 @@ def test_segments_take_the_arena_back_from_the_chunk_cache_and_the_quota_holds(t
     assert store.chunk_cache.offer("s2", range(1), [0], chunk) == 0  # whole in the arena: nothing to add
 
 
-def test_a_second_pruned_restore_takes_cached_chunks_and_attends_to_the_same_bytes(tmp_path):
+@pytest.mark.parametrize("paged", [False, True], ids=["slots", "pages"])  # pages: read natively into the pool
+def test_a_second_pruned_restore_takes_cached_chunks_and_attends_to_the_same_bytes(tmp_path, paged):
     store, rec, kv = stored_segment(tmp_path, seed=9, chunks=24, group=2)
     values = AttentionValuePolicy()
     values.on_access(rec.seg_id, rec.n_chunks)
@@ -120,7 +122,7 @@ def test_a_second_pruned_restore_takes_cached_chunks_and_attends_to_the_same_byt
     for _ in range(2):
         src = disk_source(store, rec)
         src.cache = cache
-        job, pk, pv = restore([src], kv, budget=0.25, period=3, gate=1, disk=store, prefetch=0.0)
+        job, pk, pv = restore([src], kv, budget=0.25, period=3, gate=1, disk=store, prefetch=0.0, paged=paged)
         run_prefill(job, q_seed=4)  # the same turn: the same selections
         for layer in range(L):
             check_layer(job, pk, pv, kv, layer)  # bit-identical, wherever each chunk came from

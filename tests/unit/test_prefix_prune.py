@@ -241,6 +241,35 @@ def test_disk_restore_reads_kept_chunks_verified_and_bit_identical(tmp_path, gro
     job.close()
 
 
+def test_disk_reads_are_hinted_to_the_kernel_exactly_and_before_they_are_made(tmp_path, monkeypatch):
+    """Every disk read of a restore is announced first (``WILLNEED`` on exactly its byte range, all
+    of a selection's reads before the first of them), and the hints change nothing that is read."""
+    store, rec, kv = stored_segment(tmp_path, group=2)
+    log = []
+    real_advise, real_preadv = os.posix_fadvise, os.preadv
+    monkeypatch.setattr(
+        os, "posix_fadvise", lambda fd, off, n, how: log.append(("hint", off, n, how)) or real_advise(fd, off, n, how)
+    )
+
+    def preadv(fd, bufs, off):
+        log.append(("read", off, sum(memoryview(b).nbytes for b in bufs), None))
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    job, pk, pv = restore([disk_source(store, rec)], kv, budget=0.25, period=4, gate=2, disk=store, prefetch=0.0)
+    run_prefill(job)
+    job.settle()
+    for layer in range(L):
+        check_layer(job, pk, pv, kv, layer)
+    hints = [(off, n) for kind, off, n, how in log if kind == "hint" and how == os.POSIX_FADV_WILLNEED]
+    reads = [(off, n) for kind, off, n, _ in log if kind == "read"]
+    assert reads and sorted(hints) == sorted(reads)  # exactly the reads' ranges, each once
+    for i, (kind, off, n, _) in enumerate(log):
+        if kind == "read":
+            assert ("hint", off, n, os.POSIX_FADV_WILLNEED) in log[:i]
+    job.close()
+
+
 def test_admission_reads_only_the_scored_layers_summaries_each_verified(tmp_path):
     """A restore scores chunks at each period's first layer only: admission reads those layers'
     summaries (a fraction of the block), each layer checked by its own crc32; a file written before
