@@ -7,6 +7,9 @@ Measures, per system (medians over --repeats):
 - decode tokens/s on a short chat prompt (128 greedy tokens), and HF ``generate()`` on the same ids;
 - start-up to first answer, and CPU used by an idle server.
 
+The servers run side by side and every TTFT and decode figure is taken from each in turn, the order
+alternated per repeat (one server after the other put minutes of machine drift into the ratios).
+
     python -m benchmarks.serve_smoke            # 1K/2K/4K histories, 3 repeats
     python -m benchmarks.serve_smoke --quick    # 4K only, 1 repeat
 """
@@ -41,33 +44,60 @@ def idle_cpu_fraction(srv: ServerProcess, seconds: float = 5.0) -> float:
     return (cpu() - before) / seconds
 
 
-def measure_server(name: str, flags: list[str], tokenizer, lengths: list[int], repeats: int, bar) -> dict:
-    srv = ServerProcess([*flags, "--max-total-tokens", "32768"], log_path=RESULTS / f"serve_smoke_{name}.log").start()
-    try:
-        out = {"startup_s": srv.startup_s, "idle_cpu_fraction": idle_cpu_fraction(srv), "history": {}}
-        chat_ids = tokenizer(CHAT_PROMPT, add_special_tokens=False)["input_ids"]
-        runs = [timed_generate(srv.url, chat_ids, DECODE_TOKENS) for _ in range(repeats)]
-        bar.update()
-        out["ttft_s"] = median([r["ttft_s"] for r in runs])
-        out["decode_tok_s"] = median([(r["tokens"] - 1) / (r["total_s"] - r["ttft_s"]) for r in runs])
-        for L in lengths:
-            # Distinct seeds -> distinct first tokens -> no radix hit: a full recompute each time.
-            full = [timed_generate(srv.url, synthetic_ids(tokenizer, L, seed=1000 * L + r), 1) for r in range(repeats)]
-            history = synthetic_ids(tokenizer, L, seed=7)
-            turn = lambda r: tokenizer(f"\nUser: question number {r}?", add_special_tokens=False)["input_ids"]  # noqa: E731
-            timed_generate(srv.url, history + turn(-1), 1)  # the conversation's earlier turn: now cached
-            cached = [timed_generate(srv.url, history + turn(r), 1) for r in range(repeats)]
-            assert all(c["meta_info"]["cached_tokens"] >= L for c in cached), "history was not served from cache"
-            out["history"][L] = {
-                "full_ttft_s": median([f["ttft_s"] for f in full]),
-                "cached_ttft_s": median([c["ttft_s"] for c in cached]),
-                "new_tokens": len(turn(0)),
-            }
-            out["history"][L]["speedup"] = out["history"][L]["full_ttft_s"] / out["history"][L]["cached_ttft_s"]
-            bar.update()
-        return out
-    finally:
+def measure_servers(tokenizer, lengths: list[int], repeats: int, bar) -> dict:
+    """Every system's server up side by side, each measurement taken from all of them in turn (the
+    order alternated per repeat): this machine's speed drifts 20-40% within minutes, which one
+    server after the other would put into the ratios."""
+    servers, out = {}, {}
+    make = lambda name: ServerProcess(  # noqa: E731
+        [*SYSTEMS[name], "--max-total-tokens", "32768"], log_path=RESULTS / f"serve_smoke_{name}.log"
+    )
+    for name in SYSTEMS:  # start-up alone: a server started beside another starts slower
+        srv = make(name).start()
         srv.stop()
+        out[name] = {"startup_s": srv.startup_s, "history": {}}
+    try:
+        for name in SYSTEMS:
+            servers[name] = make(name).start()
+        for name, srv in servers.items():
+            out[name]["idle_cpu_fraction"] = idle_cpu_fraction(srv)
+        order = lambda r: list(servers) if r % 2 == 0 else list(servers)[::-1]  # noqa: E731
+        chat_ids = tokenizer(CHAT_PROMPT, add_special_tokens=False)["input_ids"]
+        runs = {n: [] for n in servers}
+        for r in range(repeats):
+            for name in order(r):
+                runs[name].append(timed_generate(servers[name].url, chat_ids, DECODE_TOKENS))
+        for name, rs in runs.items():
+            out[name]["ttft_s"] = median([x["ttft_s"] for x in rs])
+            out[name]["decode_tok_s"] = median([(x["tokens"] - 1) / (x["total_s"] - x["ttft_s"]) for x in rs])
+        bar.update()
+        turn = lambda r: tokenizer(f"\nUser: question number {r}?", add_special_tokens=False)["input_ids"]  # noqa: E731
+        for L in lengths:
+            full, cached = {n: [] for n in servers}, {n: [] for n in servers}
+            history = synthetic_ids(tokenizer, L, seed=7)
+            for r in range(repeats):
+                # Distinct seeds -> distinct first tokens -> no radix hit: a full recompute each time.
+                ids = synthetic_ids(tokenizer, L, seed=1000 * L + r)
+                for name in order(r):
+                    full[name].append(timed_generate(servers[name].url, ids, 1))
+            for srv in servers.values():
+                timed_generate(srv.url, history + turn(-1), 1)  # the conversation's earlier turn: now cached
+            for r in range(repeats):
+                for name in order(r):
+                    cached[name].append(timed_generate(servers[name].url, history + turn(r), 1))
+            for name in servers:
+                assert all(c["meta_info"]["cached_tokens"] >= L for c in cached[name]), "history was not cached"
+                h = out[name]["history"][L] = {
+                    "full_ttft_s": median([f["ttft_s"] for f in full[name]]),
+                    "cached_ttft_s": median([c["ttft_s"] for c in cached[name]]),
+                    "new_tokens": len(turn(0)),
+                }
+                h["speedup"] = h["full_ttft_s"] / h["cached_ttft_s"]
+            bar.update()
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    return out
 
 
 def measure_hf(model_dir, tokenizer, repeats: int) -> dict:
@@ -101,6 +131,7 @@ def plot(results: dict, lengths: list[int], path) -> None:
         ax1.plot(lengths, [h[L]["cached_ttft_s"] for L in lengths], style, label=f"{name}: history cached", alpha=0.6)
     ax1.set(xscale="log", yscale="log", xlabel="history length (tokens)", ylabel="TTFT (s, median)")
     ax1.set_xticks(lengths, [str(L) for L in lengths])
+    ax1.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # the log axis's own labels overlap ours
     ax1.set_title("Next-turn TTFT")
     ax1.legend(fontsize=8)
     names = ["loopkv", "torch_native", "hf_transformers"]
@@ -130,10 +161,9 @@ def main() -> None:
     for f in Path(model_dir).rglob("*"):
         if f.is_file():
             f.read_bytes()
-    with tqdm(total=len(SYSTEMS) * (len(lengths) + 1) + 1, desc="serve_smoke") as bar:
-        for name, flags in SYSTEMS.items():
-            bar.set_postfix_str(name)
-            results[name] = measure_server(name, flags, tokenizer, lengths, repeats, bar)
+    with tqdm(total=len(lengths) + 2, desc="serve_smoke") as bar:
+        bar.set_postfix_str(" and ".join(SYSTEMS))
+        results.update(measure_servers(tokenizer, lengths, repeats, bar))
         bar.set_postfix_str("hf_transformers")
         results["hf_transformers"] = measure_hf(model_dir, tokenizer, repeats)
         bar.update()
@@ -148,19 +178,39 @@ def main() -> None:
         "cached_4k_speedup_torch_native": native["history"][4096]["speedup"],
         "cached_4k_ttft_s_loopkv": ours["history"][4096]["cached_ttft_s"],
         "cached_4k_ttft_s_torch_native": native["history"][4096]["cached_ttft_s"],
+        "full_4k_ttft_loopkv_over_torch_native": ours["history"][4096]["full_ttft_s"]
+        / native["history"][4096]["full_ttft_s"],
         "startup_s": ours["startup_s"],
         "idle_cpu_fraction": ours["idle_cpu_fraction"],
     }
     payload = {"summary": summary, "systems": results, "lengths": lengths, "repeats": repeats, "env": environment()}
     rows = [
-        [n, L, r["history"][L]["full_ttft_s"], r["history"][L]["cached_ttft_s"], r["history"][L]["speedup"]]
+        [
+            n,
+            L,
+            r["history"][L]["full_ttft_s"],
+            r["history"][L]["full_ttft_s"] / native["history"][L]["full_ttft_s"],
+            r["history"][L]["cached_ttft_s"],
+            r["history"][L]["speedup"],
+        ]
         for n, r in (("loopkv", ours), ("torch_native", native))
         for L in lengths
     ]
     md = (
         f"# serve_smoke ({payload['env']['when']}, {repeats} repeats, medians)\n\n"
-        "Next-turn TTFT with the history cached vs recomputed (default model, bs=1):\n\n"
-        + md_table(["attention", "history tokens", "full recompute TTFT s", "cached TTFT s", "speedup x"], rows)
+        "Next-turn TTFT with the history cached vs recomputed (default model, bs=1; both servers up side by "
+        "side, every measurement taken from each in turn):\n\n"
+        + md_table(
+            [
+                "attention",
+                "history tokens",
+                "full recompute TTFT s",
+                "full recompute / torch_native's",
+                "cached TTFT s",
+                "speedup x",
+            ],
+            rows,
+        )  # fmt: skip
         + "\nDecode and start-up:\n\n"
         + md_table(
             ["system", "decode tok/s", "TTFT s (chat prompt)", "start-up to first answer s", "idle CPU (cores)"],
