@@ -124,6 +124,8 @@ BLOCK = 64  # the IMPRESS-style baseline's read unit
 HIST_SEED = 15
 TARGET_AGREEMENT = 0.95
 KL_EXACT = 1e-6  # "first-token KL ~0"
+MT_PER_TASK = 3  # multi-turn conversations per task: at 1 a question position had 4-5 turns, too few for a ratio
+MT_TURNS_PER_TASK = 3  # about (14 turns at 1 per task): the progress bar's estimate
 PREFIX = PrefixConfig()  # the defaults the servers run: period, gate, local, min tokens
 COMMON = ["--enable-metrics", "--loopkv-restore-planner", "load_all"]
 P = "loopkv_prefix_bytes_total"
@@ -525,18 +527,18 @@ def run_inprocess(tok, model_dir, hist_all: list[int], lengths: list[int], budge
 
 
 # --- multi-turn ---------------------------------------------------------------------------------------
-def run_multiturn(tok, budgets: list[float], bar) -> dict:
+def run_multiturn(tok, budgets: list[float], bar, per_task: int = MT_PER_TASK) -> dict:
     from benchmarks import decode as dec
     from benchmarks import multiturn as mt
 
-    convs, hist, pool, host_bytes = dec.quick_multiturn(tok)
+    convs, hist, pool, host_bytes = dec.quick_multiturn(tok, per_task)
     systems = [mt.System("reprefill_mt_dense", (), "dense")]
     for b in budgets:
         flags = ("--loopkv-prefix-budget", str(b), "--loopkv-prefix-min-tokens", "512")
         if b >= 1.0:
             flags += ("--loopkv-prefix-stream",)
         systems.append(mt.System(f"reprefill_mt_b{b:g}", flags, f"budget {b:g}"))
-    out = {"config": {"pool": pool, "host_bytes": host_bytes, "conversations": len(convs)}}
+    out = {"config": {"pool": pool, "host_bytes": host_bytes, "conversations": len(convs), "per_task": per_task}}
     for s in systems:
         rows = mt.run_system(s, convs, hist, pool, host_bytes, bar)["turns"]
         log = (RESULTS / f"multiturn_{s.name}.log").read_text(errors="replace")
@@ -1002,6 +1004,8 @@ def main() -> None:
     ap.add_argument("--prefetch", type=float, default=None, help="--loopkv-prefix-prefetch of the pruned servers")
     ap.add_argument("--mt-budgets", type=float, nargs="+", default=None,
                     help="budgets of the multi-turn part (default: the recommended one)")  # fmt: skip
+    ap.add_argument("--mt-per-task", type=int, default=MT_PER_TASK,
+                    help="multi-turn conversations per task (more turns per question position)")  # fmt: skip
     ap.add_argument("--add", action="store_true", help="with --parts multiturn: add to <name>.json's multi-turn part")
     ap.add_argument("--impress-budgets", type=float, nargs="*", default=None,
                     help="budgets of the IMPRESS-style servers (default: every budget below 1.0; none: skip them)")  # fmt: skip
@@ -1015,7 +1019,7 @@ def main() -> None:
         return
     if args.add:
         assert args.parts == ["multiturn"], "--add runs the multi-turn part only (the rest is read from the JSON)"
-        add_multiturn(name, args.mt_budgets)
+        add_multiturn(name, args.mt_budgets, args.mt_per_task)
         return
     if args.quick:
         args.lengths, args.repeats, args.budgets = [4096], 1, QUICK_BUDGETS
@@ -1036,7 +1040,8 @@ def main() -> None:
     impress = budgets if args.impress_budgets is None else sorted(b for b in args.impress_budgets if b < 1.0)
     units = len(lengths) * (1 + ("disk" in args.tiers) + len(args.tiers) * (1 + len(budgets) + len(impress)))
     units += ("disk" in args.tiers) * (1 + (0.1 in budgets))
-    units += ("inprocess" in args.parts) * len(lengths) + ("multiturn" in args.parts) * 28
+    units += ("inprocess" in args.parts) * len(lengths)
+    units += ("multiturn" in args.parts) * MT_TURNS_PER_TASK * args.mt_per_task * 2
     root = Path(tempfile.mkdtemp(prefix="loopkv-reprefill-"))
     payload: dict = {
         "config": {
@@ -1088,7 +1093,8 @@ def main() -> None:
                 payload["inprocess"] = run_inprocess(tok, model_dir, b.hist_all, lengths, [*budgets, 1.0], bar)
                 save(name, payload, load_start)
             if "multiturn" in args.parts:
-                payload["multiturn"] = run_multiturn(tok, args.mt_budgets or default_mt_budgets(payload), bar)
+                mt_budgets = args.mt_budgets or default_mt_budgets(payload)
+                payload["multiturn"] = run_multiturn(tok, mt_budgets, bar, args.mt_per_task)
                 save(name, payload, load_start)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -1103,7 +1109,7 @@ def default_mt_budgets(payload: dict) -> list[float]:
     return [rec] + ([max(below, key=lambda x: (agree[str(x)] or 0, x))] if rec >= 1.0 and below else [])
 
 
-def add_multiturn(name: str, budgets: list[float] | None) -> None:
+def add_multiturn(name: str, budgets: list[float] | None, per_task: int) -> None:
     """Multi-turn runs added to an existing result (dense run again: the ratios come from one invocation)."""
     from transformers import AutoTokenizer
 
@@ -1111,8 +1117,8 @@ def add_multiturn(name: str, budgets: list[float] | None) -> None:
     budgets = budgets or default_mt_budgets(payload)
     tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
     load_start = os.getloadavg()
-    with tqdm(total=14 * (1 + len(budgets)), desc="reprefill multiturn") as bar:
-        new = run_multiturn(tok, budgets, bar)
+    with tqdm(total=MT_TURNS_PER_TASK * per_task * (1 + len(budgets)), desc="reprefill multiturn") as bar:
+        new = run_multiturn(tok, budgets, bar, per_task)
     payload["multiturn"] = {**(payload.get("multiturn") or {}), **new}
     payload["config"].setdefault("runs", []).append(
         {"command": "python -m benchmarks.reprefill " + " ".join(sys.argv[1:])}
