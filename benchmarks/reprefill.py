@@ -59,11 +59,12 @@ same count of chunks chosen by their exact mass at the period's first layer (mea
 rows) instead of the summaries' estimate.
 
 Recommended budget: the smallest budget whose teacher-forced agreement is >= 0.95 at every length
-and tier (1.0 when none below reaches it). Multi-turn: benchmarks.multiturn's quick suite (the
-conversations decode_sparse plays) on dense sgl-loopkv and on ``--loopkv-prefix-budget R
---loopkv-prefix-min-tokens 512``; the pruned run's server log must show chunk-pruned resumes.
+and tier (1.0 when none below reaches it). Multi-turn: benchmarks.multiturn's quick suite at
+``--mt-per-task`` conversations per task (default 3: 15 conversations, 40 turns) on dense
+sgl-loopkv and on ``--loopkv-prefix-budget R --loopkv-prefix-min-tokens 512``; the pruned run's
+server log must show chunk-pruned resumes.
 
-    python -m benchmarks.reprefill                   # 2K/4K/8K, 5 budgets, host + disk, 5 repeats (~23 min)
+    python -m benchmarks.reprefill                   # 2K/4K/8K, 5 budgets, host + disk, 5 repeats (~40 min)
     python -m benchmarks.reprefill --quick           # 4K only, 1 repeat, budgets 0.1/0.5/1.0 -> reprefill_quick.*
     python -m benchmarks.reprefill --parts servers inprocess   # no multi-turn run
     python -m benchmarks.reprefill --parts multiturn --add --mt-budgets 0.1 0.25 1.0   # more multi-turn budgets
