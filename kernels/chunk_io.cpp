@@ -5,6 +5,9 @@
 // runs of extents with preadv, each extent's K and V landing in the pool pages chosen for it (the
 // padding in a scratch buffer), then checks every extent's crc32 over the bytes it read. All of it
 // runs without the GIL: the forward's Python thread keeps it while a restore reads.
+//
+// copy_spans copies a host-tier history's chunks into their pool pages the same way (one memcpy
+// per chunk's K or V rows, no gathered temporary, no GIL).
 #include <torch/extension.h>
 
 #include <dlfcn.h>
@@ -118,9 +121,21 @@ std::tuple<torch::Tensor, int64_t> read_extents(
   return {ok, bytes};
 }
 
+// spans [n, 2] int64: destination and source addresses of ``nbytes`` each (they never overlap).
+void copy_spans(const torch::Tensor& spans, int64_t nbytes) {
+  TORCH_CHECK(spans.dtype() == torch::kInt64 && spans.dim() == 2 && spans.size(1) == 2 && spans.is_contiguous(),
+              "spans must be contiguous int64 [n, 2]");
+  TORCH_CHECK(nbytes > 0, "nbytes must be positive");
+  const int64_t* s = spans.data_ptr<int64_t>();
+  for (int64_t i = 0, n = spans.size(0); i < n; ++i)
+    std::memcpy(reinterpret_cast<void*>(s[2 * i]), reinterpret_cast<const void*>(s[2 * i + 1]), nbytes);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("use_crc32", &use_crc32, "Take the crc32 function from a shared library");
   m.def("available", &available, "A crc32 was found");
   m.def("read_extents", &read_extents, "Read and verify segment extents into KV pool pages (CPU)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("copy_spans", &copy_spans, "Copy equal-sized spans between addresses (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

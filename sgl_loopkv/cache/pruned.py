@@ -44,6 +44,7 @@ import torch
 
 from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.cache.copy_stream import CopyStream
+from sgl_loopkv.kernels import chunk_io
 from sgl_loopkv.platform import keep_torch_on_this_thread
 from sgl_loopkv.selection.chunks import (
     always_kept,
@@ -496,7 +497,12 @@ class PrunedRestore:
             with self.copies.copying(after):
                 for i, layer in enumerate(layers):
                     for src, at, mine, read in parts:
-                        kv, bad = read[i] if read is not None else (self._host_chunks(src, layer, mine - src.first), [])
+                        if read is not None:
+                            kv, bad = read[i]
+                        elif self._copy_host(src, layer, mine - src.first, dst.view(-1, c)[at]):
+                            kv, bad = None, []  # in place already
+                        else:
+                            kv, bad = self._host_chunks(src, layer, mine - src.first), []
                         if kv is not None:
                             kv = kv.reshape(2, len(mine), c, *kv.shape[-2:])  # per chunk (a view: no copy)
                         if bad:
@@ -548,7 +554,42 @@ class PrunedRestore:
         lo, hi = int(local[0]), int(local[-1])
         if hi - lo == len(local) - 1:  # one run (budget 1.0: all of them): a view
             return kv[:, lo * c : (hi + 1) * c]
-        return kv[:, (local[:, None] * c + torch.arange(c)).flatten()]
+        # whole chunks, not token rows: half the time of a gather by token index (benchmarks/results/NOTES.md)
+        return kv.unflatten(1, (-1, c)).index_select(1, local).flatten(1, 2)
+
+    def _copy_host(self, src: Source, layer: int, local: torch.Tensor, to: torch.Tensor) -> bool:
+        """Copy a source's host chunks ``local`` of one layer straight into their pool pages ``to``
+        [n, c], natively: one memcpy per chunk's K or V rows, no gathered temporary, no GIL (the
+        gather-then-copy it replaces cost a 4K history at budget 0.5 about twice a whole-history
+        copy, on the forward's two cores). False when they cannot go that way (no native copier,
+        places not aligned pool pages, a GPU pool, another dtype, rows not contiguous): the caller
+        gathers and copies."""
+        native = chunk_io.load() if self.paged else None
+        if native is None:
+            return False
+        x, k_buf, v_buf = src.host_kv[layer], self.k_buffers[layer], self.v_buffers[layer]
+        H, D = k_buf.shape[1:]
+        if not (
+            x.device.type == k_buf.device.type == v_buf.device.type == "cpu"
+            and x.dtype == k_buf.dtype == v_buf.dtype
+            and x.shape[1:] == (src.n_chunks * self.chunk, H, D)
+            and x.stride()[1:] == (H * D, D, 1)
+            and k_buf.is_contiguous()
+            and v_buf.is_contiguous()
+        ):
+            return False
+        span = self.chunk * H * D * x.element_size()  # one chunk's K (or V) rows, in the pool and in x
+        pages = to[:, 0].cpu() // self.chunk * span
+        rows = local * span
+        v_src = x.data_ptr() + x.stride(0) * x.element_size()
+        spans = torch.cat(
+            (
+                torch.stack((k_buf.data_ptr() + pages, x.data_ptr() + rows), dim=1),
+                torch.stack((v_buf.data_ptr() + pages, v_src + rows), dim=1),
+            )
+        )
+        native.copy_spans(spans, span)
+        return True
 
     def _pages_kv(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
         """Chunks read into pool ``pages`` of ``layer``, as a read returns them: [2, n, c, H, D] (a copy)."""

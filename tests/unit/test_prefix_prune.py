@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from sgl_loopkv.cache.disk import CorruptSegment
 from sgl_loopkv.cache.layout import key_summaries
 from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, Source
+from sgl_loopkv.kernels import chunk_io
 from sgl_loopkv.selection.chunks import (
     always_kept,
     chunk_scores,
@@ -62,11 +63,26 @@ def test_scores_find_the_chunk_that_holds_the_queried_key():
     assert torch.isclose(scores.sum(), torch.tensor(1.0)) and int(scores.argmax()) == 17
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["slots", "pages"])
-def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_period(paged):
-    kv = kv_of(0, 20)
-    job, pk, pv = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3, paged=paged)
+@pytest.mark.parametrize("copy", ["slots", "pages-torch", "pages-native"])
+def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_period(copy, monkeypatch):
+    native = chunk_io.load()
+    if copy == "pages-native" and native is None:
+        pytest.skip("no C++ compiler for the chunk_io extension")
+    calls = []
+
+    class Spy:  # the native copier, counted; None: the torch gather-and-copy path
+        def copy_spans(self, spans, nbytes):
+            calls.append(len(spans))
+            native.copy_spans(spans, nbytes)
+
+    monkeypatch.setattr(chunk_io, "load", lambda: Spy() if copy == "pages-native" else None)
+    # the host tier's view of a node: a token range of a longer segment (its rows strided, not contiguous)
+    kv = kv_of(0, 24)[:, :, 2 * C : 22 * C]
+    job, pk, pv = restore([Source("s", 2, 22, 0, host_kv=kv)], kv, budget=0.3, period=3, paged=copy != "slots")
     run_prefill(job)
+    # natively: a span per loaded chunk's K and one per its V (each layer's); otherwise none
+    spans = 2 * job.account().bytes_loaded // job.layer_bytes
+    assert spans > 0 and sum(calls) == (spans if copy == "pages-native" else 0)
     assert job.cache_tokens == keep_count(20, 0.3) * C  # the device holds the kept chunks, not the history
     for layer in range(L):
         pos = check_layer(job, pk, pv, kv, layer)
