@@ -586,8 +586,13 @@ def agreement_at(p: dict, b: float) -> float | None:
     return min(vals) if vals else None
 
 
+def systems_of(p: dict) -> dict:
+    """system -> tier -> results, both tiers present (empty in a run of one: ``--tiers host``)."""
+    return {system: {"host": {}, "disk": {}} | tiers for system, tiers in p["systems"].items()}
+
+
 def summarize(p: dict) -> dict:
-    s, inproc, mt = p["systems"], p.get("inprocess") or {}, p.get("multiturn") or {}
+    s, inproc, mt = systems_of(p), p.get("inprocess") or {}, p.get("multiturn") or {}
     budgets = table_budgets(p)
     agree = {str(b): agreement_at(p, b) for b in [*budgets, 1.0]}
     ok = [b for b in budgets if agree[str(b)] is not None and agree[str(b)] >= TARGET_AGREEMENT]
@@ -677,7 +682,7 @@ def _f(v, nd=3):
 
 
 def report_md(p: dict) -> str:
-    s, sm, cfg, env = p["systems"], p["summary"], p["config"], p["env"]
+    s, sm, cfg, env = systems_of(p), p["summary"], p["config"], p["env"]
     pd = cfg["prefix_defaults"]
     inproc = p.get("inprocess") or {}
     lengths, budgets = cfg["lengths"], table_budgets(p)
@@ -946,7 +951,7 @@ def plot(p: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s, lengths, budgets = p["systems"], p["config"]["lengths"], table_budgets(p)
+    s, lengths, budgets = systems_of(p), p["config"]["lengths"], table_budgets(p)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
     for ax, tier in zip(axes[:2], ("host", "disk")):
         for i, L in enumerate(map(str, lengths)):

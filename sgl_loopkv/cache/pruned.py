@@ -499,10 +499,12 @@ class PrunedRestore:
                     for src, at, mine, read in parts:
                         if read is not None:
                             kv, bad = read[i]
-                        elif self._copy_host(src, layer, mine - src.first, dst.view(-1, c)[at]):
-                            kv, bad = None, []  # in place already
-                        else:
-                            kv, bad = self._host_chunks(src, layer, mine - src.first), []
+                        else:  # a packed row decodes at each lookup: once here
+                            kv, bad = src.host_kv[layer], []
+                            if self._copy_host(kv, layer, mine - src.first, dst.view(-1, c)[at]):
+                                kv = None  # in place already
+                            else:
+                                kv = self._host_chunks(kv, mine - src.first)
                         if kv is not None:
                             kv = kv.reshape(2, len(mine), c, *kv.shape[-2:])  # per chunk (a view: no copy)
                         if bad:
@@ -548,31 +550,30 @@ class PrunedRestore:
         finally:
             self.stats.reader_busy_s += time.perf_counter() - t0
 
-    def _host_chunks(self, src: Source, layer: int, local: torch.Tensor) -> torch.Tensor:
-        """The host tier's copy of a source's chunks ``local`` (ascending) at one layer: [2, n * c, H, D]."""
-        c, kv = self.chunk, src.host_kv[layer]
+    def _host_chunks(self, kv: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Chunks ``local`` (ascending) of a source's host KV ``kv`` at one layer: [2, n * c, H, D]."""
+        c = self.chunk
         lo, hi = int(local[0]), int(local[-1])
         if hi - lo == len(local) - 1:  # one run (budget 1.0: all of them): a view
             return kv[:, lo * c : (hi + 1) * c]
         # whole chunks, not token rows: half the time of a gather by token index (benchmarks/results/NOTES.md)
         return kv.unflatten(1, (-1, c)).index_select(1, local).flatten(1, 2)
 
-    def _copy_host(self, src: Source, layer: int, local: torch.Tensor, to: torch.Tensor) -> bool:
-        """Copy a source's host chunks ``local`` of one layer straight into their pool pages ``to``
-        [n, c], natively: one memcpy per chunk's K or V rows, no gathered temporary, no GIL (the
-        gather-then-copy it replaces cost a 4K history at budget 0.5 about twice a whole-history
-        copy, on the forward's two cores). False when they cannot go that way (no native copier,
-        places not aligned pool pages, a GPU pool, another dtype, rows not contiguous): the caller
-        gathers and copies."""
+    def _copy_host(self, x: torch.Tensor, layer: int, local: torch.Tensor, to: torch.Tensor) -> bool:
+        """Copy chunks ``local`` (ascending) of a source's host KV ``x`` [2, T, H, D] at ``layer``
+        straight into their pool pages ``to`` [n, c], natively: one memcpy per chunk's K or V rows, no
+        gathered temporary, no GIL (gathering then copying took twice as long, on the cores the
+        forward runs on). False when they cannot go that way (no native copier, places not aligned
+        pool pages, a GPU pool, another dtype, rows not contiguous): the caller gathers and copies."""
         native = chunk_io.load() if self.paged else None
         if native is None:
             return False
-        x, k_buf, v_buf = src.host_kv[layer], self.k_buffers[layer], self.v_buffers[layer]
+        k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
         H, D = k_buf.shape[1:]
         if not (
             x.device.type == k_buf.device.type == v_buf.device.type == "cpu"
             and x.dtype == k_buf.dtype == v_buf.dtype
-            and x.shape[1:] == (src.n_chunks * self.chunk, H, D)
+            and x.shape[2:] == (H, D)
             and x.stride()[1:] == (H * D, D, 1)
             and k_buf.is_contiguous()
             and v_buf.is_contiguous()
@@ -581,6 +582,12 @@ class PrunedRestore:
         span = self.chunk * H * D * x.element_size()  # one chunk's K (or V) rows, in the pool and in x
         pages = to[:, 0].cpu() // self.chunk * span
         rows = local * span
+        # raw addresses: every span inside its tensor, or no copy at all
+        if (
+            int(local[-1] + 1) * self.chunk > x.shape[1]
+            or int(pages.max()) + span > k_buf.numel() * k_buf.element_size()
+        ):
+            raise IndexError(f"chunks {int(local[-1])} / pages {int(pages.max()) // span} out of range")
         v_src = x.data_ptr() + x.stride(0) * x.element_size()
         spans = torch.cat(
             (

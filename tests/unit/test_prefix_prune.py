@@ -99,6 +99,19 @@ def test_host_restore_loads_only_kept_chunks_bit_exactly_and_reuses_a_set_per_pe
     job.close()
 
 
+def test_native_host_copy_refuses_spans_outside_its_tensors():
+    if chunk_io.load() is None:
+        pytest.skip("no C++ compiler for the chunk_io extension")
+    kv = kv_of(0, 20)
+    job, pk, _ = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3, paged=True)
+    to = job.slots.view(-1, C)[:2]
+    with pytest.raises(IndexError):  # a chunk past the host rows: never a raw read beyond them
+        job._copy_host(kv[0, :, : 4 * C], 0, torch.tensor([1, 4]), to)
+    assert job._copy_host(kv[0], 0, torch.tensor([1, 4]), to)
+    assert torch.equal(pk[0][to.flatten()], kv[0, 0].view(-1, C, H, D)[[1, 4]].flatten(0, 1))
+    job.close()
+
+
 @pytest.mark.parametrize("prefetch", [0.0, 0.5, 1.0])
 def test_prefetch_reads_ahead_the_always_kept_then_the_best_scored_share(prefetch):
     """``prefetch`` of a period's set is read ahead for the next: the first and nearest chunks always
