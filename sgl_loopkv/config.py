@@ -388,7 +388,8 @@ class PrefixConfig:
         metadata={
             "help": "Fraction of a returning history's 16-token chunks the new turn attends to (rounded up to whole "
             "chunks; the first chunk and the --loopkv-prefix-local nearest ones always among them). 1.0: every "
-            "chunk, exactly as a full load (streamed with --loopkv-prefix-stream).",
+            "chunk, exactly as a full load (streamed with --loopkv-prefix-stream). On SmolLM2 answers hold at 0.9; "
+            "lower budgets restore faster and cost answers (benchmarks/results/reprefill.md).",
             "type": float,
         },
     )
