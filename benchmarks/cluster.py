@@ -482,7 +482,7 @@ def failover_line(s: dict, x: str = "") -> str:
     )
 
 
-def report_md(p: dict) -> str:
+def report_md(p: dict, name: str = "cluster") -> str:
     s, cfg = p["summary"], p["config"]
     env = p["env"]
     text = (
@@ -496,15 +496,23 @@ def report_md(p: dict) -> str:
             "## LoopServe-style shape (benchmarks/conversations.py: each turn brings new context and its "
             "question)\n\n" + shape_table(s["per_config"])
         )
-        text += (
-            f"\n{rr_line(s)}\n\ncache_aware: "
+        ca = (
+            "\n\ncache_aware: "
             + (
                 f"TTFT ratio {fmt(s['ttft_ratio_private_over_shared_ca'])}x"
                 if s.get("ttft_ratio_private_over_shared_ca") is not None
                 else "no returning turn changed worker"
             )
-            + ". A second worker on the same 2 cores: "
-            f"{fmt(s.get('second_worker_turns_per_min_ratio_rr'))}x the turns/min of one." + failover_line(s) + "\n"
+            + ". "
+            if "2w-shared-ca" in s["per_config"]
+            else "\n\n"
+        )
+        second = s.get("second_worker_turns_per_min_ratio_rr")  # needs the 1w run
+        text += (
+            f"\n{rr_line(s)}{ca}"
+            + (f"A second worker on the same 2 cores: {fmt(second)}x the turns/min of one." if second else "")
+            + failover_line(s)
+            + "\n"
         )
     if s.get("per_config_followup"):
         text += (
@@ -515,7 +523,7 @@ def report_md(p: dict) -> str:
             + failover_line(s, "_followup")
             + "\n"
         )
-    return text + "\n![cluster](cluster.png)\n"
+    return text + f"\n![cluster]({name}.png)\n"
 
 
 def plot(p: dict, path: Path) -> None:
@@ -582,7 +590,7 @@ def main() -> None:
     if args.report_only:
         payload = json.loads((RESULTS / f"{args.out}.json").read_text())
         payload["summary"] = summarize(payload["results"], payload.get("results_followup"))
-        write_results(args.out, payload, report_md(payload))
+        write_results(args.out, payload, report_md(payload, args.out))
         plot(payload, RESULTS / f"{args.out}.png")
         return
 
@@ -634,7 +642,7 @@ def main() -> None:
         "results_followup": results["followup"],
         "env": env,
     }
-    md = report_md(payload)
+    md = report_md(payload, args.out)
     json_path, _ = write_results(args.out, payload, md)
     plot(payload, RESULTS / f"{args.out}.png")
     print(md)
