@@ -67,7 +67,7 @@ position (without a multi-turn run that does: the smallest meeting the agreement
 none below does). Budgets 0.75 and 0.9 are beyond the issue's list: on SmolLM2 the answers hold
 only there (2026-11-29).
 
-    python -m benchmarks.reprefill                   # 2K/4K/8K, 7 budgets, host + disk, 5 repeats (~50 min)
+    python -m benchmarks.reprefill                   # 2K/4K/8K, 7 budgets, host + disk, 5 repeats (~35 min)
     python -m benchmarks.reprefill --quick           # 4K only, 1 repeat, budgets 0.1/0.5/1.0 -> reprefill_quick.*
     python -m benchmarks.reprefill --parts servers inprocess   # no multi-turn run
     python -m benchmarks.reprefill --parts multiturn --add --mt-budgets 0.1 0.25 1.0   # more multi-turn budgets
