@@ -971,11 +971,13 @@ def targets_md(sm: dict) -> list[str]:
     return [f"- {what}: {_f(v)} (target {tgt}): {ok(c)}; {note}" for what, v, tgt, c, note in rows]
 
 
-# the budget axis: log-like at small budgets, stretched near 1 (0.75, 0.9 and 1.0 apart on a log axis they touch)
-BUDGET_AXIS = (
-    lambda b: np.log(np.clip(b, 1e-3, 1.04)) - np.log(1.05 - np.clip(b, 1e-3, 1.04)),
-    lambda y: 1.05 * np.exp(y) / (1 + np.exp(y)),
-)
+def _budget_axis(b):
+    """The plots' budget axis: log-like at small budgets, stretched near 1 (0.75, 0.9 and 1.0 touch on a log axis)."""
+    b = np.clip(b, 1e-3, 1.04)
+    return np.log(b) - np.log(1.05 - b)
+
+
+BUDGET_AXIS = (_budget_axis, lambda y: 1.05 * np.exp(y) / (1 + np.exp(y)))  # the axis and its inverse
 
 
 def plot(p: dict, path: Path) -> None:
