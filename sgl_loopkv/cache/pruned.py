@@ -277,11 +277,14 @@ class PrunedRestore:
 
     def _surest(self, chunks: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The part of a period's set read ahead for the next period: the always-kept chunks (first,
-        nearest: certain to be kept again), then the best scored, ``prefetch`` of the set in all.
-        Consecutive periods of SmolLM2 share about half their chunks, and the best scored are only
-        slightly likelier to stay (benchmarks/results/prefetch_survival.md)."""
+        nearest: certain to be kept again), then the best scored, ``prefetch`` of the set in all,
+        and never fewer than two sets of ``keep`` out of ``n_chunks`` must share (2 keep - n_chunks:
+        at budget 0.9 eight in nine of the set, at 0.5 and below none). Consecutive periods of
+        SmolLM2 share about half their chunks at budget 0.1, and the best scored are only slightly
+        likelier to stay (benchmarks/results/prefetch_survival.md); at 0.75-0.9 reading nothing
+        ahead left each period's reads waiting (NOTES.md, 2026-11-29)."""
         forced = always_kept(self.n_chunks, self.keep, self.local)[chunks]
-        n = max(int(forced.sum()), round(self.prefetch * len(chunks)))
+        n = max(int(forced.sum()), round(self.prefetch * len(chunks)), 2 * self.keep - self.n_chunks)
         order = torch.argsort(scores[chunks].masked_fill(forced, torch.inf), descending=True, stable=True)
         return chunks[order[:n]].sort().values
 

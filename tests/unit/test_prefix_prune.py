@@ -124,7 +124,7 @@ def test_prefetch_reads_ahead_the_always_kept_then_the_best_scored_share(prefetc
     ahead = torch.nonzero(job.prefetched[3]).flatten()  # read ahead for period 1 (layers 3..5)
     forced = torch.nonzero(always_kept(40, job.keep, 2)).flatten()
     assert torch.isin(forced, ahead).all() and torch.isin(ahead, chunks).all()
-    assert len(ahead) == max(len(forced), round(prefetch * len(chunks)))
+    assert len(ahead) == max(len(forced), round(prefetch * len(chunks)))  # 2 x 12 - 40 < 0: no floor
     scores = chunk_scores(q, job.summaries[0], 0.3, C)
     rest = chunks[~torch.isin(chunks, forced)]
     if 0 < len(ahead) - len(forced) < len(rest):  # the best scored of the rest, none worse left behind
@@ -136,6 +136,25 @@ def test_prefetch_reads_ahead_the_always_kept_then_the_best_scored_share(prefetc
     assert st.prefetched_bytes >= len(ahead) * 3 * job.layer_bytes
     if prefetch == 0.0:
         assert st.wasted_prefetch_bytes == 0  # only the always-kept chunks were read ahead
+    job.close()
+
+
+@pytest.mark.parametrize("budget", [0.5, 0.75, 0.9])
+def test_a_large_set_reads_ahead_at_least_what_the_next_period_must_share_with_it(budget):
+    """Two sets of ``keep`` out of ``n`` chunks share at least 2 keep - n: that many of the best
+    scored are read ahead whatever ``prefetch`` says (none at budget 0.5), and every layer still
+    attends to exactly its kept chunks' stored KV."""
+    kv = kv_of(7, 40)
+    job, pk, pv = restore([Source("s", 0, 40, 0, host_kv=kv)], kv, budget=budget, period=3, prefetch=0.0)
+    chunks = job.select(0, torch.randn(5, 2 * H, D, generator=torch.Generator().manual_seed(1)), 0.3)
+    ahead = torch.nonzero(job.prefetched[3]).flatten()
+    forced = torch.nonzero(always_kept(40, job.keep, 2)).flatten()
+    assert len(ahead) == max(len(forced), 2 * job.keep - 40) and torch.isin(ahead, chunks).all()
+    run_prefill(job)
+    for layer in range(L):
+        check_layer(job, pk, pv, kv, layer)
+    st = job.account()
+    assert st.wasted_prefetch_bytes <= st.prefetched_bytes
     job.close()
 
 
