@@ -420,7 +420,8 @@ class PrefixConfig:
             "(ContiguousKV's inter-period prefetch): the first and nearest chunks (always kept) and then the "
             "best scored ones. 1.0: the whole set (the paper); lower: fewer bytes read for nothing when consecutive "
             "periods choose differently, less I/O hidden behind compute; 0 (default, measured best on SmolLM2: "
-            "consecutive periods share half their chunks, benchmarks/results/NOTES.md): only the always-kept chunks.",
+            "consecutive periods share half their chunks, benchmarks/results/NOTES.md): only the always-kept chunks. "
+            "Never fewer than two sets of the budget's size must share (2 x kept - chunks: none up to budget 0.5).",
             "type": float,
         },
     )
