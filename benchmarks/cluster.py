@@ -13,6 +13,9 @@ router (``/generate``, greedy), against each configuration in one run:
   two clients at most two turns run at once), where a conversation's turn finds a worker that
   served it three turns before, or none of it (summary keys ending ``_3w``);
 
+- ``4w-shared-rr`` / ``4w-private-rr`` (opt-in, ``--configs``): four workers, two per core, where
+  most worker-changing turns find a worker that never saw the conversation (keys ending ``_4w``);
+
 - ``2w-shared-ca-failover`` / ``2w-private-ca-failover``: the failover drill. Two workers under
   ``cache_aware`` play every conversation's turns before turn ``FAILOVER_TURN``; then the worker that
   served the most of those conversations last is killed with ``kill -9``, the router's health checks
@@ -90,6 +93,9 @@ CONFIGS = [
     # a third worker: a conversation's turn lands on a worker that saw it three turns before, or never
     Config("3w-shared-rr", 3, True, "round_robin", "three workers x 1 thread (two share a core), shared tier"),
     Config("3w-private-rr", 3, False, "round_robin", "three workers x 1 thread (two share a core), private tiers"),
+    # four: a worker-changing turn mostly finds a worker that never saw the conversation (opt-in, ~20 min)
+    Config("4w-shared-rr", 4, True, "round_robin", "four workers x 1 thread (two per core), shared tier"),
+    Config("4w-private-rr", 4, False, "round_robin", "four workers x 1 thread (two per core), private tiers"),
     # a worker lost: its conversations move to the survivor
     Config(
         "2w-shared-ca-failover",
@@ -109,6 +115,8 @@ CONFIGS = [
     ),
 ]
 FAILOVER_PAIR = ("2w-shared-ca-failover", "2w-private-ca-failover")
+OPT_IN = ("4w-shared-rr", "4w-private-rr")  # not in a default run
+EXTRA_RR = {3: "_3w", 4: "_4w"}  # round_robin pairs beyond two workers: their summary keys' suffix
 
 
 SHAPES = ("loopserve", "followup")
@@ -355,8 +363,8 @@ def summarize_shape(results: dict) -> dict:
     per = {name: config_summary(res) for name, res in results.items()}
     answers = {name: {(x["conv"], x["turn"]): x["answer"] for x in res["turns"]} for name, res in results.items()}
     summary: dict = {"per_config": per, "turns_per_min": {n: p["turns_per_min"] for n, p in per.items()}}
-    # the two-worker pairs under the plain keys, the three-worker pair's with "_3w" appended
-    for workers, pol, x in ((2, "rr", ""), (2, "ca", ""), (3, "rr", "_3w")):
+    # the two-worker pairs under the plain keys, the larger round_robin pairs' with "_3w" / "_4w" appended
+    for workers, pol, x in ((2, "rr", ""), (2, "ca", ""), *((n, "rr", x) for n, x in EXTRA_RR.items())):
         shared, private = f"{workers}w-shared-{pol}", f"{workers}w-private-{pol}"
         if shared in results and private in results:
             cross = [(t["conv"], t["turn"]) for t in results[shared]["turns"] if t["cross"]]
@@ -377,8 +385,8 @@ def summarize_shape(results: dict) -> dict:
         summary["ttft_ratio_private_over_shared_failover"] = ratio(
             per[fo_private]["failover_ttft_p50_s"], per[fo_shared]["failover_ttft_p50_s"]
         )
-    for x in ("", "_3w"):
-        rr = per.get(f"{3 if x else 2}w-shared-rr", {})
+    for n, x in {2: "", **EXTRA_RR}.items():
+        rr = per.get(f"{n}w-shared-rr", {})
         summary[f"cross_worker_hit_fraction_round_robin{x}"] = rr.get("cross_worker_hit_fraction")
         summary[f"ttft_ratio_private_over_shared_round_robin{x}"] = summary.get(f"ttft_ratio_private_over_shared_rr{x}")
     ident = summary.get("cross_worker_answers_identical_rr", "0/0").split("/")
@@ -446,9 +454,9 @@ def shape_table(per: dict) -> str:
 
 
 def rr_line(s: dict, x: str = "") -> str:
-    """The round_robin verdicts of one shape (``x``: the summary keys' suffix), two workers then three."""
+    """The round_robin verdicts of one shape (``x``: the summary keys' suffix), two workers then more."""
     lines = []
-    for n, w in (("two", ""), ("three", "_3w")):
+    for n, w in (("two", ""), ("three", "_3w"), ("four", "_4w")):
         hit = s.get(f"cross_worker_hit_fraction_round_robin{w}{x}")
         r = s.get(f"ttft_ratio_private_over_shared_round_robin{w}{x}")
         if hit is None and r is None:
@@ -573,7 +581,14 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=2, help="conversations played at once")
     names = [c.name for c in CONFIGS]
     ap.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES), help="conversation shapes to play")
-    ap.add_argument("--configs", nargs="+", choices=names, default=names, help="configurations, LoopServe-style shape")
+    default = [n for n in names if n not in OPT_IN]
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        choices=names,
+        default=default,
+        help=f"configurations, LoopServe-style shape (opt-in: {' '.join(OPT_IN)})",
+    )
     ap.add_argument(
         "--followup-configs",
         nargs="+",
