@@ -356,6 +356,12 @@ def ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
+def _turns(res: dict, keys=None) -> dict:
+    """A run's turns by (conversation, turn); with ``keys``, only its cross-worker turns among them."""
+    by = {(t["conv"], t["turn"]): t for t in res["turns"]}
+    return by if keys is None else {k for k in keys if k in by and by[k]["cross"]}
+
+
 def summarize_shape(results: dict) -> dict:
     """One conversation shape's summary (``results``: configuration name -> run_config's result)."""
     for res in results.values():
@@ -375,6 +381,14 @@ def summarize_shape(results: dict) -> dict:
             )
             summary[f"ttft_ratio_private_over_shared_{pol}_first_visit{x}"] = ratio(
                 per[private]["first_visit_ttft_p50_s"], per[shared]["first_visit_ttft_p50_s"]
+            )
+            # Timing decides which turns change worker, so the p50s above compare different sets of
+            # turns; the paired figure compares the same turns: those that changed worker in both runs.
+            both = _turns(results[private], cross)
+            summary[f"cross_worker_turns_paired_{pol}{x}"] = len(both)
+            summary[f"ttft_ratio_private_over_shared_{pol}_paired{x}"] = ratio(
+                pct([_turns(results[private])[k]["ttft_s"] for k in both], 0.5),
+                pct([_turns(results[shared])[k]["ttft_s"] for k in both], 0.5),
             )
     fo_shared, fo_private = FAILOVER_PAIR
     if fo_shared in results and fo_private in results:
@@ -464,7 +478,9 @@ def rr_line(s: dict, x: str = "") -> str:
         lines.append(
             f"round_robin, {n} workers: {fmt(hit)} of the cross-worker turns resumed from the shared tier "
             f"(target >= 0.9: {verdict(hit, 0.9)}); their TTFT p50 private / shared = {fmt(r)}x (target >= 3x: "
-            f"{verdict(r, 3.0)}), {fmt(s.get(f'ttft_ratio_private_over_shared_rr_first_visit{w}{x}'))}x for those "
+            f"{verdict(r, 3.0)}); over the {s.get(f'cross_worker_turns_paired_rr{w}{x}', '-')} turns that changed worker "
+            f"in both runs {fmt(s.get(f'ttft_ratio_private_over_shared_rr_paired{w}{x}'))}x; "
+            f"{fmt(s.get(f'ttft_ratio_private_over_shared_rr_first_visit{w}{x}'))}x for those "
             f"on a worker that had served none of the conversation before; answers of those turns identical to "
             f"the private run's (recomputed): {s.get(f'cross_worker_answers_identical_rr{w}{x}', '-')}."
         )

@@ -52,3 +52,15 @@ def test_a_four_worker_round_robin_pair_is_summarised_under_its_own_keys_beside_
     assert s["cross_worker_hit_fraction_round_robin_4w"] == 1.0
     assert s["cross_worker_answers_identical_rr_4w"] == "3/3"
     assert s["ttft_ratio_private_over_shared_round_robin_3w"] is None  # no three-worker pair played
+
+
+def test_the_paired_ratio_compares_only_the_turns_that_changed_worker_in_both_runs():
+    s = summarize_shape(
+        {
+            "2w-shared-rr": played(["w1", "w2", "w1", "w2"], [9, 1, 2, 3], True),
+            "2w-private-rr": played(["w1", "w1", "w2", "w1"], [9, 1, 8, 6], False),  # turn 1 stayed
+        }
+    )
+    assert s["cross_worker_turns_paired_rr"] == 2  # turns 2 and 3
+    assert s["ttft_ratio_private_over_shared_rr_paired"] == 7 / 2.5
+    assert s["ttft_ratio_private_over_shared_rr"] == 7 / 2  # p50 over {8, 6} vs over {1, 2, 3}
