@@ -70,7 +70,15 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks import conversations as conv
-from benchmarks.common import RESULTS, environment, md_table, synthetic_ids, teacher_forced_top1, write_results
+from benchmarks.common import (
+    RESULTS,
+    environment,
+    md_table,
+    prebuild_kernels,
+    synthetic_ids,
+    teacher_forced_top1,
+    write_results,
+)
 from sgl_loopkv import platform
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
@@ -964,6 +972,7 @@ def main() -> None:
         help="run only the multi-turn part and add it to the existing decode.json (its run recorded beside the grid's)",
     )
     args = ap.parse_args()
+    prebuild_kernels()  # not inside the first server's timed start-up
     if args.replot or args.add_multiturn:
         payload = json.loads((RESULTS / f"{args.name}.json").read_text())
         if args.add_multiturn:
