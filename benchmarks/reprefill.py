@@ -1054,7 +1054,6 @@ def main() -> None:
     ap.add_argument("--impress-budgets", type=float, nargs="*", default=None,
                     help="budgets of the IMPRESS-style servers (default: those of --budgets up to 0.5; none: skip them)")  # fmt: skip
     args = ap.parse_args()
-    prebuild_kernels()  # not inside the first server's timed start-up
     name = args.name or ("reprefill_quick" if args.quick else "reprefill")
     if args.replot:
         payload = json.loads((RESULTS / f"{name}.json").read_text())
@@ -1062,6 +1061,7 @@ def main() -> None:
         write_results(name, payload, report_md(payload))
         plot(payload, RESULTS / f"{name}.png")
         return
+    prebuild_kernels()  # not inside the first server's timed start-up
     if args.add:
         assert args.parts == ["multiturn"], "--add runs the multi-turn part only (the rest is read from the JSON)"
         add_multiturn(name, args.mt_budgets, args.mt_per_task)
