@@ -26,7 +26,10 @@ def _build_key(source: Path) -> str:
     between machines must not hand one CPU's binary to another. The source's path and torch's
     version: ninja rebuilds whenever the build command changes, and the command names both, so two
     checkouts (a CI checkout and a developer's, a benchmark's worktree) sharing one directory would
-    rebuild each other's kernels (~60 s on 2 cores) at every server start that follows the other's."""
+    rebuild each other's kernels (~60 s on 2 cores) at every server start that follows the other's.
+    torch's path as the command spells it (its include dirs): a worktree that links the same venv
+    under another path would otherwise flip the command, and rebuild, at every start that follows
+    a start from the other path (seen 2026-11-29: 65 s start-ups)."""
     import torch
 
     flags = ""
@@ -35,7 +38,7 @@ def _build_key(source: Path) -> str:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    key = "\0".join((platform.machine(), flags, str(source), torch.__version__))
+    key = "\0".join((platform.machine(), flags, str(source), torch.__version__, os.path.abspath(torch.__file__)))
     return hashlib.sha256(key.encode()).hexdigest()[:10]
 
 

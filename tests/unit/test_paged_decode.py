@@ -206,3 +206,16 @@ def test_executor_extends_take_the_native_kernel_up_to_its_rows(native):
             out.double(), extend_reference(q, k_cache, v_cache, slots, 0.125), atol=1e-5, rtol=1e-5
         )
     assert calls == [2, ex.EXTEND_NATIVE_MAX_ROWS]
+
+
+def test_the_kernels_build_cache_is_keyed_by_source_and_torch_path(monkeypatch, tmp_path):
+    """Two checkouts, or one venv seen under two paths (a worktree's symlink), build apart instead
+    of rebuilding each other's kernels at every start (the build command names both paths)."""
+    from sgl_loopkv.kernels.native import _build_key
+
+    src = tmp_path / "paged_decode.cpp"
+    key = _build_key(src)
+    assert _build_key(src) == key
+    assert _build_key(tmp_path / "other" / "paged_decode.cpp") != key
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv-link" / "torch" / "__init__.py"))
+    assert _build_key(src) != key
