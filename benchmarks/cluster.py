@@ -356,12 +356,6 @@ def ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
-def _turns(res: dict, keys=None) -> dict:
-    """A run's turns by (conversation, turn); with ``keys``, only its cross-worker turns among them."""
-    by = {(t["conv"], t["turn"]): t for t in res["turns"]}
-    return by if keys is None else {k for k in keys if k in by and by[k]["cross"]}
-
-
 def summarize_shape(results: dict) -> dict:
     """One conversation shape's summary (``results``: configuration name -> run_config's result)."""
     for res in results.values():
@@ -384,11 +378,11 @@ def summarize_shape(results: dict) -> dict:
             )
             # Timing decides which turns change worker, so the p50s above compare different sets of
             # turns; the paired figure compares the same turns: those that changed worker in both runs.
-            both = _turns(results[private], cross)
+            sh, pr = ({(t["conv"], t["turn"]): t for t in results[n]["turns"]} for n in (shared, private))
+            both = [k for k in cross if k in pr and pr[k]["cross"]]
             summary[f"cross_worker_turns_paired_{pol}{x}"] = len(both)
             summary[f"ttft_ratio_private_over_shared_{pol}_paired{x}"] = ratio(
-                pct([_turns(results[private])[k]["ttft_s"] for k in both], 0.5),
-                pct([_turns(results[shared])[k]["ttft_s"] for k in both], 0.5),
+                pct([pr[k]["ttft_s"] for k in both], 0.5), pct([sh[k]["ttft_s"] for k in both], 0.5)
             )
     fo_shared, fo_private = FAILOVER_PAIR
     if fo_shared in results and fo_private in results:
