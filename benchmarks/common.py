@@ -110,7 +110,7 @@ def median(xs) -> float:
 
 def prebuild_kernels() -> float:
     """Compile this checkout's C++ kernels before any server is started and timed; the seconds it
-    took (~0 when they are built). Their build cache is keyed by the source's path
+    took (~2 s when they are built). Their build cache is keyed by the source's and torch's paths
     (kernels/native.py), so in a fresh checkout or a benchmark's worktree the first server would
     otherwise compile them (~40-60 s on 2 cores) inside its start-up, which install.sh does ahead of
     time for a user (a 2026-11-29 serve_smoke run timed sgl-loopkv's start-up at 65 s vs stock's 21)."""
