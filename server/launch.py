@@ -17,9 +17,11 @@ import argparse
 import os
 import socket
 import sys
+import textwrap
 
 from sgl_loopkv.config import LoopKVConfig
-from sgl_loopkv.models import sglang_archs
+from sgl_loopkv.flags import BYTES_HELP
+from sgl_loopkv.models import DEFAULT_MODEL_NAME, sglang_archs
 from sgl_loopkv.platform import activate_cpu_standin, default_cpu_dtype, has_cuda, use_cpu_engine
 
 CPU_DEFAULTS: dict[str, str | None] = {
@@ -62,22 +64,81 @@ def with_defaults(argv: list[str], defaults: dict[str, str | None]) -> list[str]
     return out
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's, without breaking a line inside a flag name (``--loopkv-prefix-`` / ``stream``)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(
+            " ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False
+        )
+
+
 def loopkv_parser(add_help: bool) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sgl_loopkv.launch_server",
+        usage="%(prog)s [--loopkv-FLAG VALUE ...] [sglang.launch_server flags ...]",
         add_help=add_help,
+        formatter_class=_HelpFormatter,
         description="SGLang server with sgl-loopkv. All sglang.launch_server flags are accepted; "
-        "without --model-path the embedded SmolLM2-135M-Instruct is served.",
+        f"without --model-path the embedded {DEFAULT_MODEL_NAME} is served. {BYTES_HELP}",
     )
     LoopKVConfig.add_cli_args(parser)
     return parser
 
 
+def sglang_defaults() -> dict[str, tuple[str | None, str | None, str | None]]:
+    """Each SGLang flag the launcher sets when it is not given -> its value on CPU, on CPU with
+    ``--loopkv-stock`` and on a GPU (None: not set there; ``""``: a switch that is set)."""
+    cpu, stock = cpu_defaults(False), cpu_defaults(True)
+    model = f"the embedded {DEFAULT_MODEL_NAME} (converted into --loopkv-cache-dir)"
+    out = {"--model-path": (model,) * 3, "--served-model-name": (DEFAULT_MODEL_NAME,) * 3}
+    for flag in dict.fromkeys([*cpu, *stock, *GPU_DEFAULTS]):
+        out[flag] = tuple(d[flag] or "" if flag in d else None for d in (cpu, stock, GPU_DEFAULTS))
+    return out
+
+
+def sglang_defaults_help() -> str:
+    lines = ["SGLang flags the launcher sets unless given (CPU / CPU with --loopkv-stock / GPU; '-': not set):"]
+    for flag, values in sglang_defaults().items():
+        shown = ["-" if v is None else (v or "on") for v in values]
+        lines.append(f"  {flag} {shown[0]}" if len(set(shown)) == 1 else f"  {flag} {' / '.join(shown)}")
+    return "\n".join(lines)
+
+
+def print_help(argv: list[str]) -> None:
+    """sgl-loopkv's flags, the SGLang defaults it changes, then SGLang's own flags. Builds SGLang's
+    parser without importing its server (whose import-time warnings about CUDA-only quantization and
+    Triton say nothing about the flags)."""
+    loopkv_parser(add_help=False).print_help()
+    print("\n" + sglang_defaults_help())
+    build_sglang_argv(argv)  # a bad --loopkv-* value fails here, as it would when serving
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs, add_attention_backend_choices
+
+    if CPU_DEFAULTS["--attention-backend"] not in ATTENTION_BACKEND_CHOICES:  # what the plugin registers
+        add_attention_backend_choices([CPU_DEFAULTS["--attention-backend"]])
+    sglang = argparse.ArgumentParser(
+        prog="sglang.launch_server",
+        usage=argparse.SUPPRESS,
+        add_help=False,
+        description="SGLang's own flags follow, all accepted unchanged (--model-path is optional here).",
+    )
+    ServerArgs.add_cli_args(sglang)
+    print()
+    sglang.print_help()
+
+
 def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     """Split argv into sgl-loopkv's config and SGLang's argv (with defaults and the model filled
     in). Sets up this process for the chosen device. Returns (config, sglang argv, on_gpu)."""
-    ns, rest = loopkv_parser(add_help=False).parse_known_args(argv)
-    config = LoopKVConfig.from_cli_args(ns)
+    parser = loopkv_parser(add_help=False)
+    ns, rest = parser.parse_known_args(argv)
+    try:
+        config = LoopKVConfig.from_cli_args(ns)
+    except ValueError as e:  # a section's own check: a usage error like argparse's, not a traceback
+        parser.error(str(e))
     if not config.stock:  # before SGLang is imported here or in a subprocess: see sglang_archs
         os.environ.setdefault(sglang_archs.ENV, sglang_archs.PACKAGE)
     on_gpu = config.device == "cuda" or (config.device == "auto" and has_cuda())
@@ -86,7 +147,7 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     config.to_env()
     activate_cpu_standin()
     if not _given(rest, "--model-path") and not {"-h", "--help"} & set(rest):
-        from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
+        from sgl_loopkv.models import ensure_default_model
 
         rest = ["--model-path", str(ensure_default_model(config.resolved_cache_dir))] + rest
         if not _given(rest, "--served-model-name"):
@@ -116,8 +177,8 @@ def refuse_a_taken_port(host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
-        loopkv_parser(add_help=False).print_help()
-        print("\nSGLang's own flags follow (all accepted unchanged):\n")
+        print_help(argv)
+        return
     config, sglang_argv, _ = build_sglang_argv(argv)
 
     from sglang.launch_server import run_server

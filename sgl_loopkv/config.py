@@ -4,8 +4,12 @@
 family; a component gets its own section, never the whole config (the restore planner gets
 :class:`RestoreConfig`, a prefill selection policy :class:`SparsePrefillConfig`). Every field of
 every section is a flag: ``--loopkv-`` + the section's ``flag_prefix`` + the field name
-(``RestoreConfig.planner`` -> ``--loopkv-restore-planner``); its help text is the field's ``help``
-metadata.
+(``RestoreConfig.planner`` -> ``--loopkv-restore-planner``). Its argparse type comes from the
+annotation (``Bytes`` for a byte quota: it takes units), its help from the ``help`` metadata (one or
+two sentences: what it does, units, when to use it; the why goes on the mechanism's docs page), and
+:mod:`sgl_loopkv.flags` says what else a field may declare (``metavar``, ``default_text``,
+``baseline`` for a flag only benchmarks use). Each section is one group of ``--help`` and of
+``docs/configuration.md`` (generated: ``python -m sgl_loopkv.server.config_docs --write``).
 
 A flag that picks a component by name takes its choices from that component's registry
 (``registry`` metadata, ``"module:NAME"``, looked up when the parser is built, like a deferred
@@ -23,11 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pkgutil
 from collections.abc import Iterator
-from dataclasses import Field, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
+
+from sgl_loopkv.flags import Bytes, Option
 
 ENV_VAR = "LOOPKV_CONFIG"
 
@@ -40,60 +45,62 @@ def default_cache_dir() -> Path:
 
 @dataclass(slots=True)
 class TierConfig:
-    """The loopkv radix cache's host and disk tiers."""
+    """The loopkv radix cache's host and disk tiers: where conversations evicted from the KV pool are
+    kept, and what survives a restart."""
 
     flag_prefix: ClassVar[str] = ""
+    title: ClassVar[str] = "host and disk tiers"
 
-    host_bytes: int = field(
+    host_bytes: Bytes = field(
         default=2 << 30,
-        metadata={"help": "Byte quota of the host-RAM tier of the loopkv radix cache (default 2 GiB).", "type": int},
+        metadata={
+            "help": "Byte quota of the host-RAM tier, which keeps the KV of conversations evicted from the pool."
+        },
     )
     disk_dir: str = field(
         default="auto",
         metadata={
-            "help": "Directory of the disk tier; reusing it after a restart resumes the stored conversations. "
-            "'auto' (default): <cache-dir>/kv; 'none': no disk tier. Several servers (workers of a cluster, "
-            "on one machine or on a shared filesystem) may share it: each resumes what the others stored."
+            "help": "Directory of the disk tier; conversations stored there are resumed after a restart. 'auto': "
+            "<cache-dir>/kv; 'none': no disk tier. Several servers may share one directory (a cluster's workers, "
+            "or servers on a shared filesystem): each resumes what the others stored.",
+            "metavar": "DIR",
         },
     )
-    disk_bytes: int = field(
+    disk_bytes: Bytes = field(
         default=20 << 30,
-        metadata={"help": "Byte quota of the disk tier (default 20 GiB).", "type": int},
+        metadata={"help": "Byte quota of the disk tier."},
     )
     disk_free_share: float = field(
         default=0.5,
         metadata={
-            "help": "The disk tier's quota never exceeds this share of its filesystem's free space at start-up "
-            "(plus what the tier already holds there).",
-            "type": float,
+            "help": "Cap on the disk tier's quota: this share, in (0, 1], of its filesystem's free space at "
+            "start-up plus what the tier already holds there."
         },
     )
     disk_read: str = field(
         default="background",
         metadata={
-            "help": "How a returning history that only the disk tier holds is read: 'background' (default: on a "
-            "thread while the request waits in the queue, the server's other requests running meanwhile; then it "
-            "loads like a host-tier hit) or 'inline' (read and verified inside the scheduler's match, every other "
-            "request waiting for it). Chunk-pruned restores (--loopkv-prefix-budget, --loopkv-prefix-stream) read "
-            "their own chunks either way.",
+            "help": "How a returning history that only the disk tier holds is read: 'background' (on a thread "
+            "while the request waits in the queue, the other requests running meanwhile) or 'inline' (inside the "
+            "scheduler's prefix match, every other request waiting). Chunk-pruned restores "
+            "(--loopkv-prefix-budget, --loopkv-prefix-stream) read their own chunks either way.",
             "choices": ["background", "inline"],
         },
     )
     value_policy: str = field(
         default="attention",
         metadata={
-            "help": "What the host/disk tiers evict last: 'attention' (attention importance x accesses, "
-            "decayed) or 'lru'.",
+            "help": "What the host and disk tiers evict first: 'attention' (the lowest attention importance x "
+            "accesses, decayed) or 'lru' (the least recently used).",
             "registry": "sgl_loopkv.cache.value:VALUE_POLICIES",
         },
     )
     store_dtype: str = field(
         default="pool",
         metadata={
-            "help": "dtype of the KV kept in the host and disk tiers: 'pool' (the KV pool's own, exact) or a "
-            "narrower one ('bfloat16', 'float16': half the bytes of an fp32 pool; 'int8': 8-bit values with a "
-            "float32 scale per token and KV head; bytes per token: benchmarks/results/store_codecs.md; lossy; "
-            "loads decode back).",
+            "help": "dtype of the KV kept in the host and disk tiers: 'pool' (the KV pool's own, exact), "
+            "'bfloat16' or 'float16' (half the bytes of a float32 pool, lossy) or 'int8' (8-bit values with a "
+            "float32 scale per token and KV head, lossy). Loads decode back to the pool's dtype.",
             "choices": ["pool", "bfloat16", "float16", "int8"],
         },
     )
@@ -113,36 +120,42 @@ class TierConfig:
 
 @dataclass(slots=True)
 class RestoreConfig:
-    """How a returning history is restored (Krul): the planner and its parameters."""
+    """How a returning history is restored (Krul): which layers' KV is loaded and which recomputed."""
 
     flag_prefix: ClassVar[str] = "restore_"
+    title: ClassVar[str] = "restore planner"
 
     planner: str = field(
         default="krul",
         metadata={
-            "help": "How a returning history is restored per layer: 'krul' (recompute/load split chosen from a cost "
-            "model calibrated on this machine), 'load_all', 'recompute_all', or 'fixed' (--loopkv-restore-ratio of "
-            "the front recomputed in every layer).",
+            "help": "How a returning history is restored, layer by layer: 'krul' (the recompute/load split a cost "
+            "model calibrated on this machine picks), 'load_all', 'recompute_all' or 'fixed' "
+            "(--loopkv-restore-ratio of the front recomputed in every layer). The last three are baselines.",
             "registry": "sgl_loopkv.restore.plan:PLANNERS",
         },
     )
     ratio: float = field(
         default=0.4,
-        metadata={"help": "Front share recomputed in every layer by the 'fixed' restore planner.", "type": float},
+        metadata={
+            "help": "Share of a history's front, in [0, 1], that the 'fixed' restore planner recomputes in every layer.",
+            "baseline": True,
+        },
     )
 
 
 @dataclass(slots=True)
 class SharingConfig:
-    """Krul's cross-layer sharing of stored KV (defaults chosen in benchmarks/results/krul_select.md)."""
+    """Krul's cross-layer sharing: paired layers of a finished turn stored as one row (lossy)."""
 
     flag_prefix: ClassVar[str] = "share_"
+    title: ClassVar[str] = "cross-layer KV sharing"
 
     layers: str = field(
         default="none",
         metadata={
-            "help": "Store paired layers of a finished turn as one row: 'none' (off), 'reuse' (the deep layer reuses "
-            "the shallow one's KV) or 'minicache' (SLERP-merged directions, per-token magnitudes, outliers kept).",
+            "help": "Store paired layers of a finished turn as one row: 'none' (off), 'reuse' (the deeper layer "
+            "reuses the shallower one's KV) or 'minicache' (SLERP-merged directions, per-token magnitudes, "
+            "outliers kept).",
             "registry": "sgl_loopkv.krul.codec:CODECS",
             "off": "none",
         },
@@ -150,26 +163,26 @@ class SharingConfig:
     gamma: float = field(
         default=0.5,  # 90% of SmolLM2's layers; uniform attention scores 0.2
         metadata={
-            "help": "Layers whose initial+recent attention mass reaches this are sharing candidates (Krul's I-R layers).",
-            "type": float,
+            "help": "Layers whose attention mass on the initial and recent tokens reaches this share, in [0, 1], "
+            "are sharing candidates (Krul's I-R layers)."
         },
     )
     ratio: float = field(
         default=0.25,  # the largest r_l keeping greedy agreement >= 0.9 on SmolLM2
-        metadata={"help": "Share of all layers that may end up in a pair (Krul's r_l).", "type": float},
+        metadata={"help": "Share of all layers, in [0, 1], that may end up in a pair (Krul's r_l)."},
     )
     pairing: str = field(
         default="optimal",
         metadata={
-            "help": "How pairs are picked: 'greedy' (Krul Alg. 1) or 'optimal' (min-distance matching).",
+            "help": "How pairs are picked: 'greedy' (Krul's Algorithm 1) or 'optimal' (minimum-distance matching).",
             "registry": "sgl_loopkv.krul.pairing:PAIRINGS",
         },
     )
     stride: int = field(
         default=4,  # 0.25% distance error, same pairs, 1/4 of the exact cost
         metadata={
-            "help": "Similarity estimator: count the rows at positions that are multiples of n, prefill and decode (1 = exact).",
-            "type": int,
+            "help": "Layer similarity is estimated from the token positions that are multiples of this, in "
+            "prefill and decode (1: every position, exact)."
         },
     )
 
@@ -184,81 +197,76 @@ class SharingConfig:
 
 @dataclass(slots=True)
 class SparsePrefillConfig:
-    """Sparse prefill: the selection policy, its parameters and the executor of its plans."""
+    """Sparse prefill: which keys each query block of a long extend attends to, and what computes it."""
 
     flag_prefix: ClassVar[str] = ""
+    title: ClassVar[str] = "sparse prefill"
 
     prefill_policy: str = field(
         default="dense",
         metadata={
-            "help": "Sparse prefill policy for extends longer than --loopkv-sparse-min-len new tokens: 'dense' "
-            "(off), 'loopserve' (online vertical/slash lines), 'lserve' (streaming heads), 'block' (block top-mass).",
+            "help": "Sparse prefill policy for extends of more than --loopkv-sparse-min-len new tokens: 'dense' "
+            "(off), 'loopserve' (online vertical and slash lines), 'lserve' (streaming heads) or 'block' (block "
+            "top-mass).",
             "registry": "sgl_loopkv.attention.policies:POLICIES",
             "off": "dense",
         },
     )
     alpha: float = field(
         default=0.95,
-        metadata={"help": "Attention-mass coverage of the loopserve and block policies (1 = dense).", "type": float},
+        metadata={"help": "Share of attention mass, in (0, 1], the loopserve and block plans cover (1: dense)."},
     )
     block_size: int = field(
         default=64,
-        metadata={"help": "Block size (tokens) of sparse prefill plans.", "type": int},
+        metadata={"help": "Block size of sparse prefill plans, in tokens."},
     )
     sparse_min_len: int = field(
         default=2048,
-        metadata={
-            "help": "Extends with at most this many new tokens stay dense (decode always does): on CPU a sparse "
-            "plan costs more than it saves below a few thousand tokens (the prefill table: "
-            "benchmarks/results/prefill.md).",
-            "type": int,
-        },
+        metadata={"help": "Extends of at most this many new tokens stay dense (decode always does)."},
     )
     sparse_dense_tail: int = field(
         default=64,
         metadata={
-            "help": "loopserve/block: the query blocks holding the last this many new rows attend to every key "
-            "(they produce the first token).",
-            "type": int,
+            "help": "loopserve and block: the query blocks holding the last this many new tokens attend to every "
+            "key (they produce the first output token)."
         },
     )
     sparse_tail_samples: int = field(
         default=16,
-        metadata={"help": "loopserve: how many of the 48 sampled rows are the last rows.", "type": int},
+        metadata={"help": "loopserve: how many of the 48 sampled query rows are the extend's last rows."},
     )
     sparse_full_density: float = field(
         default=0.6,
-        metadata={
-            "help": "loopserve/block: a KV head whose plan reaches this density runs dense (1 = never).",
-            "type": float,
-        },
+        metadata={"help": "loopserve and block: a KV head whose plan reaches this density runs dense (1: never)."},
     )
     streaming_fraction: float = field(
         default=0.5,
-        metadata={"help": "lserve: fraction of (layer, KV head) pairs that stream.", "type": float},
+        metadata={"help": "lserve: share of (layer, KV head) pairs, in [0, 1], that are streaming heads."},
     )
     streaming_sink: int = field(
         default=64,
-        metadata={"help": "lserve: sink tokens a streaming head sees (a multiple of the block size).", "type": int},
+        metadata={"help": "lserve: first tokens a streaming head attends to; a multiple of --loopkv-block-size."},
     )
     streaming_local: int = field(
         default=1024,
         metadata={
-            "help": "lserve: tokens before the diagonal block a streaming head sees (a multiple of the block size).",
-            "type": int,
+            "help": "lserve: tokens before the diagonal block a streaming head attends to; a multiple of "
+            "--loopkv-block-size."
         },
     )
     streaming_calibration: str | None = field(
         default=None,
         metadata={
-            "help": "lserve: the model's streaming-head calibration JSON (default: the bundled file named after "
-            "the model folder; make one with python -m sgl_loopkv.attention.calibration)."
+            "help": "lserve: the model's streaming-head calibration JSON; make one with "
+            "python -m sgl_loopkv.attention.calibration.",
+            "metavar": "FILE",
+            "default_text": "the bundled file named after the model folder",
         },
     )
     sparse_executor: str = field(
         default="torch",
         metadata={
-            "help": "Executor of sparse prefill plans ('flashinfer' and 'triton' need CUDA).",
+            "help": "Executor of sparse prefill plans: 'torch' (any device); 'flashinfer' and 'triton' need CUDA.",
             "registry": "sgl_loopkv.attention.sparse:SPARSE_EXECUTORS",
         },
     )
@@ -278,81 +286,76 @@ class SparsePrefillConfig:
 
 @dataclass(slots=True)
 class SparseDecodeConfig:
-    """Sparse decode: which pages of a long history each KV head reads per step (flags
-    ``--loopkv-decode-*``). Defaults: the papers' settings scaled to SmolLM2's 8K context
-    (README "Sparse decode")."""
+    """Sparse decode: which pages of a long history each KV head reads per decode step. The defaults are
+    the papers' settings scaled to SmolLM2's 8K context."""
 
     flag_prefix: ClassVar[str] = "decode_"
+    title: ClassVar[str] = "sparse decode"
 
     policy: str = field(
         default="dense",
         metadata={
             "help": "Sparse decode policy for sequences of at least --loopkv-decode-min-context tokens: 'dense' "
-            "(off), 'lserve' (page min/max scores, reused for --loopkv-decode-reuse steps), 'freekv' (speculative "
-            "selection from the previous query, corrected below --loopkv-decode-tau), 'loopserve' (re-selection "
-            "from the attention of the last --loopkv-decode-n-d generated tokens).",
+            "(off), 'lserve' (page scores from key min/max, reused for --loopkv-decode-reuse steps), 'freekv' "
+            "(speculative selection from the previous step's query, corrected below --loopkv-decode-tau) or "
+            "'loopserve' (re-selection from the attention of the last --loopkv-decode-n-d generated tokens).",
             "registry": "sgl_loopkv.attention.decode:DECODE_POLICIES",
             "off": "dense",
         },
     )
     budget: int = field(
         default=1024,
-        metadata={"help": "Tokens each KV head reads per decode step, sink and local window included.", "type": int},
+        metadata={
+            "help": "Tokens each KV head reads per decode step, sink and local window included; at least sink + "
+            "local + one page."
+        },
     )
     page_size: int = field(
         default=64,
-        metadata={"help": "Physical page (tokens): the unit selected and read.", "type": int},
+        metadata={"help": "Physical page, in tokens: the unit that is selected and read."},
     )
     logical_page: int = field(
         default=16,
-        metadata={
-            "help": "Logical page (tokens) of the key min/max summaries; divides --loopkv-decode-page-size.",
-            "type": int,
-        },
+        metadata={"help": "Logical page of the key min/max summaries, in tokens; divides --loopkv-decode-page-size."},
     )
     sink: int = field(
         default=64,
-        metadata={"help": "First tokens every step reads (attention sink).", "type": int},
+        metadata={"help": "First tokens of the sequence every step reads (attention sink)."},
     )
     local: int = field(
         default=128,
-        metadata={
-            "help": "Last tokens every step reads (local window; tokens generated since a selection too).",
-            "type": int,
-        },
+        metadata={"help": "Last tokens every step reads (local window), as well as any generated since a selection."},
     )
     reuse: int = field(
         default=4,
-        metadata={"help": "lserve: decode steps one page selection is reused for.", "type": int},
+        metadata={"help": "lserve: decode steps one page selection is reused for."},
     )
     tau: float = field(
         default=0.9,
         metadata={
             "help": "freekv: re-select with the current query when its cosine similarity to the previous step's "
-            "falls below this (> 1: always, i.e. non-speculative).",
-            "type": float,
+            "query falls below this (above 1: every step, non-speculative)."
         },
     )
     n_d: int = field(
         default=16,
-        metadata={"help": "loopserve: re-select every this many steps from the last this many queries.", "type": int},
+        metadata={"help": "loopserve: re-select every this many steps, from the last this many queries."},
     )
     dense_steps: int = field(
         default=16,
         metadata={
-            "help": "loopserve: a sequence's first this many decode steps read every key (LoopServe's 'decoding "
-            "size' 16), its first selection is made from their queries; 0: select at the first step from its query.",
-            "type": int,
+            "help": "loopserve: a sequence's first this many decode steps read every key, and its first selection "
+            "is made from their queries (0: select at the first step, from its query)."
         },
     )
     min_context: int = field(
         default=2048,
-        metadata={"help": "Sequences shorter than this decode densely.", "type": int},
+        metadata={"help": "Sequences shorter than this many tokens decode densely."},
     )
     executor: str = field(
         default="auto",
         metadata={
-            "help": "Executor of sparse decode plans: 'native' (CPU kernel), 'reference' (torch), 'triton' or "
+            "help": "Executor of sparse decode plans: 'native' (the CPU kernel), 'reference' (torch), 'triton' or "
             "'flashinfer' (CUDA); 'auto': native on CPU, triton on CUDA.",
             "choices": ["auto", "native", "reference", "triton", "flashinfer"],
         },
@@ -378,64 +381,53 @@ class SparseDecodeConfig:
 
 @dataclass(slots=True)
 class PrefixConfig:
-    """Chunk-pruned re-prefill (ContiguousKV): a returning history is loaded chunk by chunk, only
-    the chunks the new turn's queries need, selected once per period of layers."""
+    """Chunk-pruned re-prefill (ContiguousKV): a returning history is loaded chunk by chunk, only the
+    chunks the new turn's queries need, selected once per period of layers."""
 
     flag_prefix: ClassVar[str] = "prefix_"
+    title: ClassVar[str] = "chunk-pruned re-prefill"
 
     budget: float = field(
         default=1.0,
         metadata={
-            "help": "Fraction of a returning history's 16-token chunks the new turn attends to (rounded up to whole "
-            "chunks; the first chunk and the --loopkv-prefix-local nearest ones always among them). 1.0: every "
-            "chunk, exactly as a full load (streamed with --loopkv-prefix-stream). On SmolLM2 answers hold at 0.9; "
-            "lower budgets restore faster and cost answers (benchmarks/results/reprefill.md).",
-            "type": float,
+            "help": "Share, in (0, 1], of a returning history's 16-token chunks the new turn attends to, rounded up "
+            "to whole chunks; the first chunk and the --loopkv-prefix-local nearest are always among them. 1.0: "
+            "every chunk, exactly a full load; lower budgets restore faster and may change answers."
         },
     )
     period: int = field(
         default=8,
-        metadata={
-            "help": "Layers one chunk selection is reused for (selected at the period's first layer).",
-            "type": int,
-        },
+        metadata={"help": "Layers one chunk selection is reused for (it is made at the period's first layer)."},
     )
     gate: int = field(
         default=4,
         metadata={
-            "help": "Layers of a period whose reads a layer's compute waits for together (sub-period gate); also "
-            "the layer grouping of the disk segments this server writes unless --loopkv-prefix-layer-group says "
-            "otherwise.",
-            "type": int,
+            "help": "Layers of a period whose reads a layer's compute waits for together; also the layer grouping "
+            "of the disk segments this server writes, unless --loopkv-prefix-layer-group sets one."
         },
     )
     local: int = field(
         default=4,
-        metadata={"help": "Chunks nearest the new turn always kept.", "type": int},
+        metadata={"help": "Chunks nearest the new turn that are always kept."},
     )
     prefetch: float = field(
         default=0.0,
         metadata={
-            "help": "Share of a period's selected chunks read ahead for the next period before its own selection "
-            "(ContiguousKV's inter-period prefetch): the first and nearest chunks (always kept) and then the "
-            "best scored ones. 1.0: the whole set (the paper); lower: fewer bytes read for nothing when consecutive "
-            "periods choose differently, less I/O hidden behind compute; 0 (default, measured best on SmolLM2: "
-            "consecutive periods share half their chunks, benchmarks/results/NOTES.md): only the always-kept chunks. "
-            "Never fewer than two sets of the budget's size must share (2 x kept - chunks: none up to budget 0.5).",
-            "type": float,
+            "help": "Share, in [0, 1], of a period's selected chunks read ahead for the next period before its own "
+            "selection: the always-kept chunks first, then the best scored (1.0: the whole set, ContiguousKV's "
+            "inter-period prefetch; 0: only the always-kept chunks)."
         },
     )
     min_tokens: int = field(
         default=1024,
-        metadata={"help": "Histories shorter than this are loaded whole (pruning saves nothing there).", "type": int},
+        metadata={"help": "Histories shorter than this many tokens are loaded whole."},
     )
     stream: bool = field(
         default=False,
         metadata={
             "help": "At budget 1.0 too, restore a returning history chunk by chunk: a disk hit is admitted from its "
-            "header and its chunks read period by period during the new turn's prefill, each extent verified before "
-            "use (default at 1.0: the history is read and verified whole, then copied layer by layer, with the "
-            "restore planner's front recompute).",
+            "header and its chunks read period by period during the new turn's prefill, each verified before use "
+            "(off: the history is read and verified whole, then loaded with the restore planner's recompute).",
             "action": "store_true",
         },
     )
@@ -443,31 +435,29 @@ class PrefixConfig:
     selection: str = field(
         default="chunks",
         metadata={
-            "help": "How a period's history is chosen under a budget below 1.0. chunks (default, ContiguousKV): whole "
-            "16-token chunks scored on their stored key min/max, no key read. impress: the baseline ContiguousKV "
-            "compares with (IMPRESS-style): the period's first layer reads every history key (a synchronous probe), "
-            "keeps the tokens of highest exact attention mass and reads every 64-token block holding one; its page "
-            "cache holds the whole history (a benchmark baseline, not a mode to serve with).",
+            "help": "How a period's history is chosen below budget 1.0: 'chunks' (ContiguousKV: whole chunks "
+            "scored on their stored key min/max) or 'impress' (the IMPRESS-style baseline: the period's first "
+            "layer reads every history key and keeps each 64-token block holding a token of highest attention "
+            "mass).",
             "choices": ["chunks", "impress"],
+            "baseline": True,
         },
     )
     layer_group: int = field(
         default=0,
         metadata={
-            "help": "Layers grouped together in the disk segments this server writes (0: --loopkv-prefix-gate): a "
-            "chunk's extents of a group's layers are adjacent, so a chunk-pruned restore reads a run of selected "
-            "chunks for a whole gate at once. 1: layer-major (one layer's whole history contiguous: what "
-            "--loopkv-prefix-selection impress probes). Any server reads any grouping.",
-            "type": int,
+            "help": "Layers grouped together in the disk segments this server writes (0: --loopkv-prefix-gate; "
+            "1: layer-major, which the 'impress' selection probes). Any server reads any grouping.",
+            "baseline": True,
         },
     )
     no_host_cache: bool = field(
         default=False,
         metadata={
-            "help": "Do not keep the chunks that chunk-pruned restores read from disk in the host arena's free room "
-            "(default: kept, the least valuable by attention importance x accesses evicted first, so the next "
-            "restore of that history reads only what it did not select before).",
+            "help": "Do not keep the chunks that chunk-pruned restores read from disk in the host tier's free room "
+            "(kept by default, so the next restore of that history reads only what it did not read before).",
             "action": "store_true",
+            "baseline": True,
         },
     )
 
@@ -496,43 +486,38 @@ class PrefixConfig:
 
 @dataclass(slots=True)
 class LimitsConfig:
-    """What one request may ask of the server, and how long a stopping server waits for requests.
+    """What one request may ask of the server, and how long a stopping server waits for requests; only in
+    servers started by this launcher.
 
-    Applied only to servers started through ``python -m sgl_loopkv.launch_server``: the plugin leaves
-    a plain ``sglang.launch_server`` as SGLang made it (:mod:`sgl_loopkv.server.limits`)."""
+    A plain ``sglang.launch_server`` stays as SGLang made it (:mod:`sgl_loopkv.server.limits`)."""
 
     flag_prefix: ClassVar[str] = ""
+    title: ClassVar[str] = "request limits"
 
     max_n: int = field(
         default=8,
-        metadata={
-            "help": "Largest number of choices (OpenAI 'n', sampling 'n') one request may ask for; more gets a 400.",
-            "type": int,
-        },
+        metadata={"help": "Most choices (OpenAI 'n', sampling 'n') one request may ask for; more gets HTTP 400."},
     )
     default_max_tokens: int = field(
         default=1024,
         metadata={
-            "help": "Tokens generated for a request that sets no max_tokens / max_new_tokens (SGLang would "
-            "generate up to the whole context). A request may still ask for more, up to the context length.",
-            "type": int,
+            "help": "Tokens generated for a request that sets no max_tokens or max_new_tokens (SGLang alone would "
+            "generate up to the context length); a request may still ask for more, up to the context length."
         },
     )
     max_client_requests: int = field(
         default=64,
         metadata={
-            "help": "Requests one client address may have in flight at once (streams count until they end); "
-            "more get a 429. 0: no limit. Behind a router every request comes from the router's address: "
-            "raise it or set 0 there.",
-            "type": int,
+            "help": "Requests one client address may have in flight at once (a stream counts until it ends); more "
+            "get HTTP 429 (0: no limit). Behind a router every request comes from the router's address: raise it "
+            "or set 0 there."
         },
     )
     shutdown_grace_s: float = field(
         default=30.0,
         metadata={
-            "help": "After SIGTERM, seconds the server lets running requests finish before it aborts them "
-            "and exits (SGLang alone waits for every queued request).",
-            "type": float,
+            "help": "Seconds a server lets running requests finish after SIGTERM before it aborts them and exits "
+            "(SGLang alone waits for every queued request)."
         },
     )
 
@@ -556,39 +541,23 @@ SECTIONS: dict[str, type] = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class Option:
-    """One flag: ``section`` (None = a top-level field) and the dataclass field behind it."""
-
-    section: str | None
-    field: Field
-    prefix: str = ""
-
-    @property
-    def name(self) -> str:
-        """The flag without ``--loopkv-``, snake_case (``restore_planner``); also the argparse dest suffix."""
-        return self.prefix + self.field.name
-
-    @property
-    def flag(self) -> str:
-        return "--loopkv-" + self.name.replace("_", "-")
-
-    def choices(self) -> list[str] | None:
-        """The registry's names (plus the ``off`` value first), or the literal ``choices``."""
-        meta = self.field.metadata
-        if "registry" in meta:
-            registry = pkgutil.resolve_name(meta["registry"])
-            return ([meta["off"]] if "off" in meta else []) + registry.names()
-        return meta.get("choices")
-
-
 @dataclass(slots=True)
 class LoopKVConfig:
+    """Where sgl-loopkv keeps its files, which device it serves on, and what computes its attention."""
+
+    title: ClassVar[str] = "files and device"
+    baselines: ClassVar[str] = (
+        "Flags only the benchmarks use, to measure a mechanism against its baseline or with a part of it off; "
+        "not meant for serving."
+    )
+
     cache_dir: str | None = field(
         default=None,
         metadata={
-            "help": "Directory for sgl-loopkv's caches, e.g. the converted default model "
-            "(default: $XDG_CACHE_HOME/sgl-loopkv or ~/.cache/sgl-loopkv)."
+            "help": "Directory of sgl-loopkv's own files: the converted default model and, with "
+            "--loopkv-disk-dir auto, the disk tier.",
+            "metavar": "DIR",
+            "default_text": "$XDG_CACHE_HOME/sgl-loopkv, else ~/.cache/sgl-loopkv",
         },
     )
     device: str = field(
@@ -601,16 +570,17 @@ class LoopKVConfig:
     attention_executor: str = field(
         default="torch",
         metadata={
-            "help": "Executor that runs the loopkv attention backend's plans.",
+            "help": "Executor that computes the loopkv attention backend's plans.",
             "registry": "sgl_loopkv.attention.executor:EXECUTORS",
         },
     )
     stock: bool = field(
         default=False,
         metadata={
-            "help": "Serve with none of sgl-loopkv's components (SGLang's own attention and radix cache): "
-            "the baseline the benchmarks compare against.",
+            "help": "Serve with none of sgl-loopkv's components (SGLang's own attention and radix cache, the same "
+            "dtype): the baseline the benchmarks compare against.",
             "action": "store_true",
+            "baseline": True,
         },
     )
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -666,20 +636,19 @@ class LoopKVConfig:
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        group = parser.add_argument_group("sgl-loopkv")
-        for o in cls.options():
-            kwargs = {"default": o.field.default, "help": o.field.metadata["help"], "dest": f"loopkv_{o.name}"}
-            for opt in ("type", "action"):
-                if opt in o.field.metadata:
-                    kwargs[opt] = o.field.metadata[opt]
-            choices = o.choices()
-            if choices is not None:
-                kwargs["choices"] = choices
-            group.add_argument(o.flag, **kwargs)
+        """One argument group per section (in :meth:`options` order), the benchmark baselines last."""
+        groups: dict[str | None, Any] = {}
+        for o in sorted(cls.options(), key=lambda o: o.baseline):  # stable: the baselines after the rest
+            key = "baselines" if o.baseline else o.section
+            if key not in groups:
+                owner = SECTIONS.get(o.section, cls)
+                title, doc = ("benchmark baselines", cls.baselines) if o.baseline else (owner.title, owner.__doc__)
+                groups[key] = parser.add_argument_group(f"sgl-loopkv {title}", " ".join(doc.split("\n\n")[0].split()))
+            groups[key].add_argument(o.flag, **o.argparse_kwargs())
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> LoopKVConfig:
-        return cls.from_flat(**{o.name: getattr(ns, f"loopkv_{o.name}") for o in cls.options()})
+        return cls.from_flat(**{o.name: getattr(ns, o.dest) for o in cls.options()})
 
     # --- hand-over to SGLang's subprocesses -------------------------------------------------------
     def to_env(self) -> None:

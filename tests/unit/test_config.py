@@ -1,9 +1,11 @@
 """The ``--loopkv-*`` flags: every registry has its flag and every name-choosing flag lists exactly its
-registry's names; flag names are stable; sections round-trip through the CLI and the environment."""
+registry's names; flag names are stable; every flag documents itself (type, default, help); byte
+quotas take units; sections round-trip through the CLI and the environment."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pkgutil
 import re
 from pathlib import Path
@@ -12,6 +14,7 @@ import pytest
 
 import sgl_loopkv
 from sgl_loopkv.config import LoopKVConfig, RestoreConfig, SharingConfig, SparsePrefillConfig, TierConfig
+from sgl_loopkv.flags import Bytes, Option, format_bytes, parse_bytes
 
 #: Every flag users and scripts may already pass (removing or renaming one breaks them).
 FLAGS = """
@@ -115,3 +118,86 @@ def test_disk_tier_is_on_by_default_under_the_cache_dir_and_none_turns_it_off(tm
     assert parse("--loopkv-cache-dir", str(tmp_path / "c")).tiers.disk_path == tmp_path / "c" / "kv"
     assert parse("--loopkv-disk-dir", "none").tiers.disk_path is None
     assert parse("--loopkv-disk-dir", str(tmp_path / "d")).tiers.disk_path == tmp_path / "d"
+
+
+def test_every_flag_shows_its_type_default_and_help():
+    problems = [p for o in LoopKVConfig.options() for p in o.problems()]
+    assert not problems, "\n".join(problems)
+    parser = argparse.ArgumentParser(add_help=False)
+    LoopKVConfig.add_cli_args(parser)
+    by_flag = {a.option_strings[0]: a for a in parser._actions}
+    for o in LoopKVConfig.options():
+        action = by_flag[o.flag]
+        assert action.help.endswith(f"(default: {o.default_text()})"), o.flag
+        assert action.choices or action.metavar or o.switch, o.flag  # the type, as --help shows it
+    help_text = " ".join(parser.format_help().split())
+    assert help_text.count("(default: ") == len(list(LoopKVConfig.options()))
+    assert "--loopkv-host-bytes BYTES Byte quota" in help_text and "(default: 2GiB)" in help_text
+
+
+def test_the_self_documentation_check_names_what_a_new_flag_lacks():
+    @dataclasses.dataclass
+    class New:
+        no_help: int = dataclasses.field(default=1, metadata={})
+        key_file: str | None = dataclasses.field(default=None, metadata={"help": "The key file."})
+        quota_bytes: int = dataclasses.field(default=0, metadata={"help": "A quota."})
+        ok_bytes: Bytes = dataclasses.field(default=3 << 20, metadata={"help": "A quota."})
+
+    problems = {f.name: Option("new", f).problems() for f in dataclasses.fields(New)}
+    assert "'help'" in problems["no_help"][0]
+    assert "'default_text'" in problems["key_file"][0]
+    assert "annotate it 'Bytes'" in problems["quota_bytes"][0]
+    assert problems["ok_bytes"] == [] and Option("new", dataclasses.fields(New)[3]).default_text() == "3MiB"
+
+
+def test_benchmark_only_flags_are_listed_apart_and_keep_working():
+    parser = argparse.ArgumentParser(add_help=False)
+    LoopKVConfig.add_cli_args(parser)
+    baselines = next(g for g in parser._action_groups if g.title.endswith("benchmark baselines"))
+    assert parser._action_groups[-1] is baselines
+    flags = {a.option_strings[0] for a in baselines._group_actions}
+    assert {"--loopkv-stock", "--loopkv-prefix-selection", "--loopkv-restore-ratio"} <= flags
+    assert flags == {o.flag for o in LoopKVConfig.options() if o.baseline}
+    cfg = parse("--loopkv-stock", "--loopkv-prefix-selection", "impress", "--loopkv-restore-ratio", "0.7")
+    assert cfg.stock and cfg.prefix.selection == "impress" and cfg.restore.ratio == 0.7
+
+
+@pytest.mark.parametrize(
+    "text, n",
+    [
+        ("123", 123),
+        ("2_000", 2000),
+        ("2GiB", 2 << 30),
+        ("2gib", 2 << 30),
+        ("2 GiB", 2 << 30),
+        ("500MB", 500 * 10**6),
+        ("1.5G", 1_500_000_000),
+        ("1.5GB", 1_500_000_000),
+        ("0.5KiB", 512),
+        ("1.1k", 1100),
+        ("3Ti", 3 << 40),
+        ("7B", 7),
+        ("0", 0),
+    ],
+)
+def test_byte_sizes_take_si_and_iec_units(text, n):
+    assert parse_bytes(text) == n
+
+
+@pytest.mark.parametrize("text", ["lots", "", "2XB", "GiB", "1e9", "-1", "-2GiB", "1..5G", "nan", "inf"])
+def test_nonsense_byte_sizes_are_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_bytes(text)
+
+
+def test_byte_flags_take_units_and_refuse_nonsense_with_a_clear_error(capsys):
+    cfg = parse("--loopkv-host-bytes", "512MiB", "--loopkv-disk-bytes=1.5GB")
+    assert cfg.tiers.host_bytes == 512 << 20 and cfg.tiers.disk_bytes == 1_500_000_000
+    assert parse("--loopkv-host-bytes", "123").tiers.host_bytes == 123
+    with pytest.raises(SystemExit) as e:
+        parse("--loopkv-host-bytes", "lots")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "error: argument --loopkv-host-bytes: 'lots' is not a byte size" in err
+    assert [format_bytes(n) for n in (2 << 30, 20 << 30, 3072, 1536, 1000, 0)] == [
+        *("2GiB", "20GiB", "3KiB", "1536", "1000", "0")
+    ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from sgl_loopkv.server.launch import CPU_DEFAULTS, with_defaults
 from tests.helpers import run_fresh
 
@@ -121,3 +123,33 @@ def test_stock_mode_and_a_users_own_model_package_keep_sglangs_registry_as_it_is
         drop_env=("SGLANG_EXTERNAL_MODEL_PACKAGE",),
     )
     assert out == [None, "my_models"]
+
+
+def test_help_lists_every_loopkv_flag_with_its_default_first_and_prints_no_warnings():
+    """``--help``: sgl-loopkv's groups first (each flag with its type and default), the SGLang defaults
+    the launcher changes, then SGLang's own flags; nothing on stderr (SGLang's server modules warn
+    at import about CUDA-only quantization and Triton: the help path does not import them)."""
+    from sgl_loopkv.config import LoopKVConfig
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "sgl_loopkv.launch_server", "--help"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-4000:]
+    ours, _, sglang = proc.stdout.partition("SGLang's own flags follow")
+    flat = " ".join(ours.split())
+    for o in LoopKVConfig.options():
+        assert o.flag in flat and f"(default: {o.default_text()})" in flat, o.flag
+    assert flat.count("(default: ") == len(list(LoopKVConfig.options()))
+    assert "--attention-backend loopkv / torch_native / -" in flat and "--page-size 16 / - / -" in flat
+    assert "--chunked-prefill-size" in sglang and "loopkv" in sglang  # SGLang's flags, our backend among them
+
+
+def test_a_section_check_failing_is_a_usage_error_not_a_traceback(capsys):
+    from sgl_loopkv.server.launch import build_sglang_argv
+
+    with pytest.raises(SystemExit) as e:
+        build_sglang_argv(["--model-path", "/m", "--loopkv-alpha", "2"])
+    assert e.value.code == 2 and "error: --loopkv-alpha must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        build_sglang_argv(["--model-path", "/m", "--loopkv-disk-bytes", "20 gigs"])
+    assert e.value.code == 2 and "argument --loopkv-disk-bytes: '20 gigs' is not a byte size" in capsys.readouterr().err
