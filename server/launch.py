@@ -112,9 +112,9 @@ def print_help(argv: list[str]) -> None:
     """sgl-loopkv's flags, the SGLang defaults it changes, then SGLang's own flags. Builds SGLang's
     parser without importing its server (whose import-time warnings about CUDA-only quantization and
     Triton say nothing about the flags)."""
+    build_sglang_argv(argv)  # a bad --loopkv-* value fails here, as it would when serving
     loopkv_parser(add_help=False).print_help()
     print("\n" + sglang_defaults_help())
-    build_sglang_argv(argv)  # a bad --loopkv-* value fails here, as it would when serving
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, ServerArgs, add_attention_backend_choices
 
     if CPU_DEFAULTS["--attention-backend"] not in ATTENTION_BACKEND_CHOICES:  # what the plugin registers
