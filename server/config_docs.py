@@ -2,7 +2,8 @@
 
 ``python -m sgl_loopkv.server.config_docs`` prints the page; ``--write`` replaces the file (atomically).
 ``tests/unit/test_config_docs.py`` fails while the committed page differs from what this prints.
-The page is MyST Markdown: one table per argument group, every character Markdown would read as
+The page is MyST Markdown: one table per argument group under a label other pages link to
+(``[](#configuration-sparse-decode)``, :func:`target`), every character Markdown would read as
 syntax escaped, and no raw HTML.
 """
 
@@ -30,6 +31,11 @@ def text(s: str) -> str:
     """Prose for a table cell: flags become code spans, Markdown syntax characters are escaped."""
     parts = _FLAG.split(" ".join(s.split()))
     return "".join(f"`{p}`" if i % 2 else _SYNTAX.sub(r"\\\1", p) for i, p in enumerate(parts))
+
+
+def target(title: str) -> str:
+    """The MyST label of a section (``configuration-host-and-disk-tiers``): other pages link to it."""
+    return "configuration-" + re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-")
 
 
 def code(s: str) -> str:
@@ -70,10 +76,11 @@ def render() -> str:
         "",
     ]
     for title, description, options in groups(loopkv_parser(add_help=False)):
-        lines += [f"## {title}", "", text(description), ""]
+        lines += [f"({target(title)})=", f"## {title}", "", text(description), ""]
         lines += ["| Flag | Type | Default | Description |", "| --- | --- | --- | --- |"]
         lines += [option_row(o) for o in options] + [""]
     lines += [
+        f"({target('SGLang flags')})=",
         "## SGLang flags the launcher sets",
         "",
         "Each is set only when the command line does not give it; `on`: a switch that is set, -: not set (SGLang's "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import sgl_loopkv
-from sgl_loopkv.config import LoopKVConfig, RestoreConfig, SharingConfig, SparsePrefillConfig, TierConfig
+from sgl_loopkv.config import SECTIONS, LoopKVConfig, RestoreConfig, SharingConfig, SparsePrefillConfig, TierConfig
 from sgl_loopkv.flags import Bytes, Option, format_bytes, parse_bytes
 
 #: Every flag users and scripts may already pass (removing or renaming one breaks them).
@@ -123,6 +123,8 @@ def test_disk_tier_is_on_by_default_under_the_cache_dir_and_none_turns_it_off(tm
 def test_every_flag_shows_its_type_default_and_help():
     problems = [p for o in LoopKVConfig.options() for p in o.problems()]
     assert not problems, "\n".join(problems)
+    for section in (LoopKVConfig, *SECTIONS.values()):  # each is a group of --help and of the docs page
+        assert "title" in vars(section) and section.__doc__.strip(), section
     parser = argparse.ArgumentParser(add_help=False)
     LoopKVConfig.add_cli_args(parser)
     by_flag = {a.option_strings[0]: a for a in parser._actions}
