@@ -140,12 +140,12 @@ class Option:
         if self.switch:
             kwargs["action"] = "store_true"
             return kwargs
-        kwargs["type"] = self.meta.get("type") or FIELD_TYPES[self.field.type][0]
+        kwargs["type"] = self.meta.get("type") or FIELD_TYPES.get(self.field.type, (None, None))[0]  # None: str
         choices = self.choices()
         if choices is not None:
             kwargs["choices"] = choices
         else:
-            kwargs["metavar"] = self.meta.get("metavar") or self.type_name().upper()
+            kwargs["metavar"] = self.meta.get("metavar") or (self.type_name() or "value").upper()
         return kwargs
 
     def problems(self) -> list[str]:
