@@ -48,13 +48,17 @@ def parser(bench: Benchmark, doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
-def render(bench: Benchmark, out: str, payload: dict) -> str:
-    """Write ``<out>.json``/``.md``/``.png`` from ``payload``; returns the markdown."""
+def markdown(bench: Benchmark, out: str, payload: dict) -> str:
+    """The report of ``payload`` as ``<out>.md`` holds it (the summary recomputed first, in place)."""
     if bench.refresh:
         bench.refresh(payload)
     md = bench.report(payload) + folded_md(payload)
-    if bench.plot:
-        md += f"\n![{bench.name}]({Path(out).name}.png)\n"
+    return md + (f"\n![{bench.name}]({Path(out).name}.png)\n" if bench.plot else "")
+
+
+def render(bench: Benchmark, out: str, payload: dict) -> str:
+    """Write ``<out>.json``/``.md``/``.png`` from ``payload``; returns the markdown."""
+    md = markdown(bench, out, payload)
     write_results(out, payload, md)
     if bench.plot:
         bench.plot(payload, RESULTS / f"{out}.png")
