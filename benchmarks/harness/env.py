@@ -5,6 +5,7 @@ threads, load average, and the Python/torch/SGLang versions."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -43,10 +44,11 @@ def cpu_flags() -> dict:
     return {k: k in flags for k in FLAGS} | {"native_bf16": lp.cpu_has_native_bf16(flags)}
 
 
-def _version(module: str) -> str | None:
+def _version(dist: str) -> str | None:
+    """The installed distribution's version, read from its metadata (importing SGLang takes seconds)."""
     try:
-        return __import__(module).__version__
-    except Exception:  # an absent or broken package is a fact to record, not a failure
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
         return None
 
 

@@ -15,8 +15,7 @@ import pytest
 from benchmarks import pages
 from benchmarks.harness import cli
 from benchmarks.harness.registry import SPECS
-from benchmarks.harness.results import RESULTS, folded_md
-from benchmarks.harness.stats import nearest_rank, percentile, ratio
+from benchmarks.harness.results import RESULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "docs" / "_ext"))
@@ -47,23 +46,6 @@ def test_a_page_has_one_title_and_no_raw_second_level_heading_from_the_report():
     text = pages.page(SPECS["cluster"], json.loads((RESULTS / "cluster.json").read_text()), md)
     assert [ln for ln in text.splitlines() if ln.startswith("# ")] == ["# Cluster"]
     assert [ln for ln in text.splitlines() if ln.startswith("## ")] == ["## Results"]  # ...one level down here
-
-
-def test_folded_parts_are_listed_with_their_own_record():
-    p = {
-        "parts": {
-            "four_workers": {"env": {"when": "2026-11-29", "command": "python -m x", "git": {"commit": "a" * 40}}}
-        }
-    }
-    md = folded_md(p)
-    assert "`parts.four_workers` | 2026-11-29 | aaaaaaaaaa | `python -m x`" in md
-    assert folded_md({}) == ""
-
-
-def test_stats():
-    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) != percentile([], 50)  # nan when empty
-    assert nearest_rank([1, 2, 3, 4, 5], 0.9) == 5 and nearest_rank([], 0.5) is None
-    assert ratio(1, 0) is None and ratio(None, 2) is None and ratio(3, 2) == 1.5
 
 
 def _git(*args):
