@@ -17,7 +17,9 @@ def main() -> None:
         if not found:
             raise SystemExit(f"README.md shows results:{name}, but benchmarks/results has no {name}.md")
         md = (ROOT / "benchmarks" / "results" / found[0] / f"{name}.md").read_text()
-        md = md.replace("](", f"](benchmarks/results/{found[0]}").replace("# ", "### ", 1)  # links relative to the README
+        md = md.replace("](", f"](benchmarks/results/{found[0]}").replace(
+            "# ", "### ", 1
+        )  # links relative to the README
         block = f"<!-- results:{name} -->\n{md}\n<!-- /results:{name} -->"
         text = re.sub(rf"<!-- results:{name} -->.*?<!-- /results:{name} -->", lambda _, b=block: b, text, flags=re.S)
     readme.write_text(text)

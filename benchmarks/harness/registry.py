@@ -58,7 +58,7 @@ SPECS = {
             "Which sparse-decode policy keeps answers at what speed-up over dense decode?",
             "python -m benchmarks.decode_sparse",
             None,
-            ("sgl_loopkv/attention/decode/", "sgl_loopkv/attention/", "kernels/"),
+            ("sgl_loopkv/attention/", "kernels/"),
         ),
         Spec(
             "prefill",
@@ -66,7 +66,7 @@ SPECS = {
             "How much faster is a long prompt's prefill with a sparse policy, and what does it cost in fidelity?",
             "python -m benchmarks.prefill",
             "python -m benchmarks.prefill --quick",
-            ("sgl_loopkv/attention/sparse/", "sgl_loopkv/attention/", "kernels/block_sparse_attn.py"),
+            ("sgl_loopkv/attention/", "kernels/block_sparse_attn.py"),
         ),
         Spec(
             "restore",
