@@ -4,13 +4,14 @@ its plot copied beside it) for each maintained benchmark, and ``docs/benchmarks/
     python -m benchmarks.pages            # write the pages
     python -m benchmarks.pages --check    # exit 1 when a committed page differs from the results
 
-Only ``benchmarks/results/<name>.{json,md,png}`` are read: nothing is run, nothing imported beyond
-the registry. Whether a result is stale depends on later commits, so the page carries a
+Only ``benchmarks/results/<name>.{json,md,png}`` and the benchmarks' docstrings are read: nothing
+is run, nothing imported beyond the registry. Whether a result is stale depends on later commits, so the page carries a
 ``bench-staleness`` directive (docs/_ext/bench_staleness.py) that decides it at build time."""
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import shutil
@@ -26,6 +27,12 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 def _minutes(s) -> str:
     return f"{s / 60:.0f} min" if s else "not recorded"
+
+
+def method(name: str) -> str:
+    """The benchmark module's docstring (what it measures and how), read without importing it."""
+    src = (Path(__file__).resolve().parent / f"{name}.py").read_text()
+    return (ast.get_docstring(ast.parse(src)) or "").strip()
 
 
 def _body(md: str) -> tuple[str, str]:
@@ -90,6 +97,12 @@ def page(spec: Spec, payload: dict, md: str) -> str:
             f"Report: {heading}",
             "",
             body,
+            "## How it measures",
+            "",
+            f"From `benchmarks/{spec.name}.py`:",
+            "",
+            method(spec.name),
+            "",
         ]
     )
 
