@@ -49,13 +49,10 @@ Two conversation shapes (``--shapes``, default both), the same documents and que
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import os
 import queue
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -66,8 +63,12 @@ from pathlib import Path
 import requests
 
 from benchmarks import conversations as conv
-from benchmarks.common import RESULTS, environment, md_table, prebuild_kernels, write_results
-from benchmarks.multiturn import _git_state
+from benchmarks.harness import cli
+from benchmarks.harness.env import load1
+from benchmarks.harness.plot import figure
+from benchmarks.harness.results import md_table
+from benchmarks.harness.stats import nearest_rank as pct
+from benchmarks.harness.stats import ratio
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import ensure_default_model
 from sgl_loopkv.server.cluster import Cluster
@@ -301,14 +302,6 @@ def run_config(cfg: Config, convs, clients: int, worker_flags: list[str], log_di
     return {"config": asdict(cfg), "startup_s": startup_s, "wall_s": wall, "turns": turns, **drill}
 
 
-def pct(xs: list[float], q: float) -> float | None:
-    """The median (q = 0.5) or the nearest-rank ``q`` quantile; None for no samples."""
-    xs = sorted(xs)
-    if not xs:
-        return None
-    return float(statistics.median(xs)) if q == 0.5 else xs[min(int(q * len(xs)), len(xs) - 1)]
-
-
 def config_summary(res: dict) -> dict:
     turns = res["turns"]
     back = [x for x in turns if x["turn"] > 0]
@@ -350,10 +343,6 @@ def failover_summary(res: dict) -> dict:
         "failover_history_tokens_p50": pct([x["cached_tokens"] or 0 for x in moved], 0.5),
         "routed_around_s": res["routed_around_s"],
     }
-
-
-def ratio(a, b) -> float | None:
-    return a / b if a is not None and b else None
 
 
 def summarize_shape(results: dict) -> dict:
@@ -500,13 +489,13 @@ def failover_line(s: dict, x: str = "") -> str:
     )
 
 
-def report_md(p: dict, name: str = "cluster") -> str:
+def report_md(p: dict) -> str:
     s, cfg = p["summary"], p["config"]
     env = p["env"]
     text = (
         f"# cluster ({env['when']}; `python -m benchmarks.cluster{cfg['argv']}`; {cfg['model']}, "
         f"{cfg['n_convs']} conversations / {cfg['n_turns']} turns, {cfg['clients']} clients at once; "
-        f"{env['cpu_count']} cores; load avg {env['loadavg_start']:.1f} -> {env['loadavg_end']:.1f}; "
+        f"{env['cpu_count']} cores; load avg {load1(env['loadavg_start']):.1f} -> {load1(env['loadavg_end']):.1f}; "
         f"{env['wall_s'] / 60:.1f} min wall)\n\n"
     )
     if s["per_config"]:
@@ -541,15 +530,10 @@ def report_md(p: dict, name: str = "cluster") -> str:
             + failover_line(s, "_followup")
             + "\n"
         )
-    return text + f"\n![cluster]({name}.png)\n"
+    return text
 
 
 def plot(p: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     s = p["summary"]
     shapes = [
         (title, per)
@@ -559,7 +543,11 @@ def plot(p: dict, path: Path) -> None:
         )
         if per
     ]
-    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 4.2 * len(shapes)), squeeze=False)
+    with figure(path, len(shapes), 2, size=(12, 4.2 * len(shapes)), squeeze=False) as (fig, axes):
+        _bars(fig, axes, shapes)
+
+
+def _bars(fig, axes, shapes) -> None:
     bars = (
         ("ttft_p50_s", "all turns"),
         ("cross_worker_ttft_p50_s", "cross-worker turns"),
@@ -579,12 +567,64 @@ def plot(p: dict, path: Path) -> None:
         for ax in row:
             ax.tick_params(axis="x", labelsize=8, rotation=15)
     fig.suptitle("sgl-loopkv workers behind sglang-router: shared vs private tiers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+
+
+def run(args, env: dict) -> dict:
+    from transformers import AutoTokenizer
+
+    model_dir = Path(args.model_path) if args.model_path else ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
+    convs = conv.suite(conv.TASKS, args.convs_per_task, args.lengths, tuple(args.turns), args.seed, count)
+    played = {"loopserve": convs, "followup": [followup(c) for c in convs]}
+    todo = [
+        (shape, c)
+        for shape in args.shapes
+        for c in CONFIGS
+        if c.name in (args.configs if shape == "loopserve" else args.followup_configs)
+    ]
+    worker_flags = ["--max-total-tokens", str(args.max_total_tokens)]
+    if args.model_path:
+        worker_flags += ["--model-path", str(model_dir)]
+    log_dir = Path(tempfile.mkdtemp(prefix="loopkv-cluster-logs-"))
+    results: dict[str, dict] = {shape: {} for shape in SHAPES}
+    for shape, cfg in todo:
+        print(f"[cluster] {shape} {cfg.name}: {cfg.what}", flush=True)
+        res = run_config(cfg, played[shape], args.clients, worker_flags, log_dir / shape, tok)
+        results[shape][cfg.name] = res
+        print(f"[cluster] {shape} {cfg.name}: {config_summary(res)}", flush=True)
+    argv = " ".join(sys.argv[1:])
+    return {
+        "summary": summarize(results["loopserve"], results["followup"]),
+        "config": {
+            "argv": f" {argv}" if argv else "",
+            "model": model_dir.name,
+            "n_convs": len(convs),
+            "n_turns": sum(len(c.turns) for c in convs),
+            "shapes": args.shapes,
+            "followup_configs": args.followup_configs if "followup" in args.shapes else [],
+            "clients": args.clients,
+            "lengths": args.lengths,
+            "turns": args.turns,
+            "convs_per_task": args.convs_per_task,
+            "max_total_tokens": args.max_total_tokens,
+            "seed": args.seed,
+            "logs": str(log_dir),
+        },
+        "results": results["loopserve"],  # the LoopServe-style shape
+        "results_followup": results["followup"],
+    }
+
+
+def refresh(p: dict) -> None:
+    p["summary"] = summarize(p["results"], p.get("results_followup"))
+
+
+BENCH = cli.Benchmark("cluster", run, report_md, plot, refresh)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(BENCH, __doc__)
     ap.add_argument("--convs-per-task", type=int, default=1)
     ap.add_argument("--lengths", type=int, nargs="+", default=[3072, 4096], help="conversation lengths (tokens)")
     ap.add_argument("--turns", type=int, nargs=2, default=[5, 6], help="turns per conversation (min max)")
@@ -609,70 +649,7 @@ def main() -> None:
     ap.add_argument("--model-path", help="a local model folder (default: the embedded SmolLM2)")
     ap.add_argument("--max-total-tokens", type=int, default=16384, help="each worker's KV pool")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="cluster")
-    ap.add_argument("--report-only", action="store_true", help="re-render the table and plot from <out>.json")
-    args = ap.parse_args()
-    if args.report_only:
-        payload = json.loads((RESULTS / f"{args.out}.json").read_text())
-        payload["summary"] = summarize(payload["results"], payload.get("results_followup"))
-        write_results(args.out, payload, report_md(payload, args.out))
-        plot(payload, RESULTS / f"{args.out}.png")
-        return
-    prebuild_kernels()  # not inside the first server's timed start-up
-
-    from transformers import AutoTokenizer
-
-    model_dir = Path(args.model_path) if args.model_path else ensure_default_model(LoopKVConfig().resolved_cache_dir)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    count = lambda s: len(tok(s, add_special_tokens=False)["input_ids"])  # noqa: E731
-    convs = conv.suite(conv.TASKS, args.convs_per_task, args.lengths, tuple(args.turns), args.seed, count)
-    played = {"loopserve": convs, "followup": [followup(c) for c in convs]}
-    todo = [
-        (shape, c)
-        for shape in args.shapes
-        for c in CONFIGS
-        if c.name in (args.configs if shape == "loopserve" else args.followup_configs)
-    ]
-    worker_flags = ["--max-total-tokens", str(args.max_total_tokens)]
-    if args.model_path:
-        worker_flags += ["--model-path", str(model_dir)]
-    env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
-    t_start = time.monotonic()
-    log_dir = Path(tempfile.mkdtemp(prefix="loopkv-cluster-logs-"))
-    results: dict[str, dict] = {shape: {} for shape in SHAPES}
-    for shape, cfg in todo:
-        print(f"[cluster] {shape} {cfg.name}: {cfg.what}", flush=True)
-        res = run_config(cfg, played[shape], args.clients, worker_flags, log_dir / shape, tok)
-        results[shape][cfg.name] = res
-        print(f"[cluster] {shape} {cfg.name}: {config_summary(res)}", flush=True)
-    env |= {"loadavg_end": os.getloadavg()[0], "wall_s": time.monotonic() - t_start, "git_end": _git_state()}
-    argv = " ".join(sys.argv[1:])
-    payload = {
-        "summary": summarize(results["loopserve"], results["followup"]),
-        "config": {
-            "argv": f" {argv}" if argv else "",
-            "model": model_dir.name,
-            "n_convs": len(convs),
-            "n_turns": sum(len(c.turns) for c in convs),
-            "shapes": args.shapes,
-            "followup_configs": args.followup_configs if "followup" in args.shapes else [],
-            "clients": args.clients,
-            "lengths": args.lengths,
-            "turns": args.turns,
-            "convs_per_task": args.convs_per_task,
-            "max_total_tokens": args.max_total_tokens,
-            "seed": args.seed,
-            "logs": str(log_dir),
-        },
-        "results": results["loopserve"],  # the LoopServe-style shape
-        "results_followup": results["followup"],
-        "env": env,
-    }
-    md = report_md(payload, args.out)
-    json_path, _ = write_results(args.out, payload, md)
-    plot(payload, RESULTS / f"{args.out}.png")
-    print(md)
-    print(f"-> {json_path}")
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,17 @@
-"""Shared benchmark plumbing: timed requests, synthetic token streams, medians, and the
-JSON + markdown + PNG outputs every benchmark writes under benchmarks/results/."""
+"""What benchmarks and tests send to a server: timed requests and chat turns, synthetic token
+streams, metric readers, and the facts of the served model. The harness (results files,
+environment, command line) is :mod:`benchmarks.harness`."""
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import random
-import statistics
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import requests
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 _WORDS = (
     "the river city morning report council water bridge market season letter garden road winter museum "
@@ -99,15 +95,6 @@ def cpu_pool_dtype(server_flags: list[str] = ()) -> tuple[str, int]:
     return name, getattr(torch, name).itemsize
 
 
-def machine_label() -> str:
-    """``x86_64 CPU (2 cores)``: this machine, for result headers."""
-    return f"{platform.machine()} CPU ({os.cpu_count()} cores)"
-
-
-def median(xs) -> float:
-    return float(statistics.median(xs))
-
-
 def prebuild_kernels() -> float:
     """Compile this checkout's C++ kernels before any server is started and timed; the seconds it
     took (~2 s when they are built). Their build cache is keyed by the source's and torch's paths
@@ -124,36 +111,13 @@ def prebuild_kernels() -> float:
     return _KERNEL_BUILD_S
 
 
-_KERNEL_BUILD_S: float | None = None  # environment() reports it: a run's results say the build was not timed
+_KERNEL_BUILD_S: float | None = None
 
 
-def environment() -> dict:
-    import torch
-
-    return {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "kernel_prebuild_s": _KERNEL_BUILD_S,
-    }
-
-
-def write_results(name: str, payload: dict, markdown: str) -> tuple[Path, Path]:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = RESULTS / f"{name}.json", RESULTS / f"{name}.md"
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    md_path.write_text(markdown)
-    return json_path, md_path
-
-
-def md_table(header: list[str], rows: list[list]) -> str:
-    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+def kernel_build_seconds() -> float | None:
+    """What :func:`prebuild_kernels` took in this process (None: not run, so a server's start-up
+    may have included the build)."""
+    return _KERNEL_BUILD_S
 
 
 def teacher_forced_top1(url: str, prompt: list[int], ref: list[int]) -> list[int]:
@@ -173,3 +137,87 @@ def teacher_forced_top1(url: str, prompt: list[int], ref: list[int]) -> list[int
     inputs = m["input_top_logprobs"][1:]  # the predictions of ref[0 .. n-2]
     assert len(inputs) == len(ref) - 1, (len(inputs), len(ref))
     return [int(e[0][1]) for e in inputs] + [int(m["output_top_logprobs"][0][0][1])]
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's ``loopkv_*`` Prometheus samples, labels summed away per full sample name."""
+    out: dict[str, float] = {}
+    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("loopkv_") and not line.startswith("#"):
+            key, val = line.rsplit(" ", 1)
+            out[key] = out.get(key, 0.0) + float(val)
+    return out
+
+
+def tier_bytes(url: str) -> dict[str, float]:
+    """Bytes held per tier (``loopkv_tier_bytes``); empty when the server has no metrics."""
+    out: dict[str, float] = {}
+    try:
+        for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
+            if line.startswith("loopkv_tier_bytes{"):
+                tier = line.split('tier="', 1)[1].split('"', 1)[0]
+                out[tier] = float(line.rsplit(" ", 1)[1])
+    except requests.RequestException:
+        pass
+    return out
+
+
+def default_model_name() -> str:
+    from sgl_loopkv.models import DEFAULT_MODEL_NAME
+
+    return DEFAULT_MODEL_NAME
+
+
+def chat_turn(url: str, messages: list[dict], max_tokens: int, kind: str) -> dict:
+    """Stream one greedy chat completion; TTFT = first chunk carrying text."""
+    body = {
+        "model": "default" if kind == "sglang" else default_model_name(),  # "default": whatever model is served
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if kind == "sglang":
+        body["return_cached_tokens_details"] = True
+    else:  # llama-cpp-python's server defaults to repeat_penalty 1.1 and top_k 40: plain greedy instead
+        body.update(repeat_penalty=1.0, top_k=1, top_p=1.0, min_p=0.0, seed=0)
+    t0 = time.perf_counter()
+    ttft, text, chunks, usage, details = None, "", 0, None, None
+    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            msg = json.loads(line[6:])
+            usage = msg.get("usage") or usage
+            details = (msg.get("sglext") or {}).get("cached_tokens_details") or details
+            for ch in msg.get("choices") or []:
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    ttft = ttft or time.perf_counter() - t0
+                    text += piece
+                    chunks += 1
+    total = time.perf_counter() - t0
+    n_out = (usage or {}).get("completion_tokens") or chunks
+    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
+    decode_s = total - (ttft or total)
+    return {
+        "ttft_s": ttft if ttft is not None else total,
+        "total_s": total,
+        "completion_tokens": n_out,
+        "tpot_s": decode_s / (n_out - 1) if n_out > 1 else None,
+        "cached_tokens": cached,
+        "cached_details": details,
+        "answer": text,
+    }
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict a disk tier's segment files from the page cache: the next read comes from the device."""
+    for f in root.rglob("seg_*.kv"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)

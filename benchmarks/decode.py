@@ -51,10 +51,7 @@ ratio) is the launcher's default, float32 (bf16 is opt-in: ``platform.default_cp
 
 from __future__ import annotations
 
-import argparse
 import json
-import math
-import os
 import shutil
 import statistics
 import sys
@@ -70,15 +67,12 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks import conversations as conv
-from benchmarks.common import (
-    RESULTS,
-    environment,
-    md_table,
-    prebuild_kernels,
-    synthetic_ids,
-    teacher_forced_top1,
-    write_results,
-)
+from benchmarks.common import synthetic_ids, teacher_forced_top1
+from benchmarks.harness import cli
+from benchmarks.harness.env import cpu_flags, environment, finish
+from benchmarks.harness.plot import figure
+from benchmarks.harness.results import RESULTS, load, md_table
+from benchmarks.harness.stats import percentile
 from sgl_loopkv import platform
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
@@ -149,16 +143,6 @@ SUFFIX = 64  # the requests of a batch differ in their last SUFFIX context token
 
 
 # --- small helpers (tested in tests/unit/test_decode_bench.py) ------------------------------------------
-def percentile(xs, q: float) -> float:
-    """Linear-interpolated percentile (numpy's default), q in [0, 100]."""
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = (len(s) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return float(s[lo] + (s[hi] - s[lo]) * (k - lo))
-
-
 def token_intervals(streams: list[list[tuple[float, int]]], steady: bool = True) -> tuple[list[float], float]:
     """Per-token latencies of concurrent streams, each a list of (arrival time, tokens so far).
 
@@ -228,14 +212,6 @@ def memory_bandwidth(passes: int = 5) -> list[float]:
         x.sum()
         out.append(x.numel() * 4 / (time.perf_counter() - t0))
     del x
-    return out
-
-
-def cpu_flags() -> dict:
-    """The flags that decide the dtype (the launcher's rule: :mod:`sgl_loopkv.platform`)."""
-    flags = platform.cpu_flags()
-    out = {k: k in flags for k in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "amx_int8")}
-    out["native_bf16"] = platform.cpu_has_native_bf16(flags)
     return out
 
 
@@ -702,7 +678,7 @@ def report_md(p: dict) -> str:
     hd = cfg["headline_dtype"]
     head = (
         f"# {cfg.get('name', 'decode')} ({env['when']}; `python -m benchmarks.decode {' '.join(cfg['argv'])}`; git {env['git']['commit'][:10]}"
-        f"{' (dirty)' if env['git']['dirty_files'] else ''}; {env['cores']} cores, torch {env['torch']}, CPU flags "
+        f"{' (dirty)' if env['git']['dirty_files'] else ''}; {env.get('cores') or env['cpu_count']} cores, torch {env['torch']}, CPU flags "
         f"{', '.join(k for k, v in env['cpu_flags'].items() if v) or 'none'}; load avg {env['loadavg_start']:.1f} -> "
         f"{env['loadavg_end']:.1f}; {env['wall_s'] / 60:.1f} min wall)\n\n"
         f"SmolLM2-135M-Instruct, greedy, {cfg['gen']} generated tokens per request (ignore_eos), "
@@ -855,8 +831,7 @@ def report_md(p: dict) -> str:
         )
     md += "".join(f"- `{n}`: {what(n)}, {SYSTEMS[n][1]}\n" for n in names)
     md += "".join(f"- `{n}` failed: {e}\n" for n, e in p.get("failed", {}).items())
-    name = cfg.get("name", "decode")
-    return md + f"\n![{name}]({name}.png)\n"
+    return md
 
 
 def _f(v) -> str:
@@ -864,36 +839,42 @@ def _f(v) -> str:
 
 
 def plot(p: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cfg, res, lim = p["config"], p["grid"], p["limit"]["tpot_ms"]
-    colors = {n: f"C{i}" for i, n in enumerate([*SYSTEMS, "limit-fp32", "limit-bf16"])}
+    cfg = p["config"]
     if len(cfg["contexts"]) == 1:  # one context: TPOT against the batch size
-        (L,), sizes = cfg["contexts"], cfg["batch_sizes"]
-        fig, ax = plt.subplots(figsize=(6.5, 4.4))
-        for n in SYSTEMS:
-            pts = [(bs, y) for bs in sizes if (y := tpot(res, n, L, bs))]
-            if pts:  # an -exact system dashed in its base system's colour (the colour cycle has 10)
-                base = n.removesuffix("-exact")
-                ax.plot(*zip(*pts), "--s" if base != n else "-o", color=colors[base], label=n, alpha=0.85)
-        for dt, t in lim.items():
-            pts = [(bs, t[f"{L}/{bs}"]) for bs in sizes if f"{L}/{bs}" in t]
-            ax.plot(*zip(*pts), "-", color=colors[f"limit-{SHORT[dt]}"], alpha=0.5, lw=1, label=f"limit {SHORT[dt]}")
-        ax.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="TPOT ms (median)")
-        ax.set_xticks(sizes, [str(b) for b in sizes])
-        ax.set_xticks([], minor=True)
-        ax.set_title(f"context {L} tokens")
-        ax.legend(fontsize=7)
-        fig.suptitle("Decode TPOT vs batch (SmolLM2-135M, CPU)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        with figure(path, size=(6.5, 4.4)) as (fig, ax):
+            _plot_batch(p, fig, ax)
         return
     more = [bs for bs in cfg["batch_sizes"] if bs > 1]
     panels = ([[1]] if 1 in cfg["batch_sizes"] else []) + ([more] if more else [])
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 0.5, 4.4), squeeze=False)
+    with figure(path, 1, len(panels), size=(6 * len(panels) + 0.5, 4.4), squeeze=False) as (fig, axes):
+        _plot_context(p, fig, axes, panels, more)
+
+
+def _colors() -> dict:
+    return {n: f"C{i}" for i, n in enumerate([*SYSTEMS, "limit-fp32", "limit-bf16"])}
+
+
+def _plot_batch(p: dict, fig, ax) -> None:
+    cfg, res, lim, colors = p["config"], p["grid"], p["limit"]["tpot_ms"], _colors()
+    (L,), sizes = cfg["contexts"], cfg["batch_sizes"]
+    for n in SYSTEMS:
+        pts = [(bs, y) for bs in sizes if (y := tpot(res, n, L, bs))]
+        if pts:  # an -exact system dashed in its base system's colour (the colour cycle has 10)
+            base = n.removesuffix("-exact")
+            ax.plot(*zip(*pts), "--s" if base != n else "-o", color=colors[base], label=n, alpha=0.85)
+    for dt, t in lim.items():
+        pts = [(bs, t[f"{L}/{bs}"]) for bs in sizes if f"{L}/{bs}" in t]
+        ax.plot(*zip(*pts), "-", color=colors[f"limit-{SHORT[dt]}"], alpha=0.5, lw=1, label=f"limit {SHORT[dt]}")
+    ax.set(xscale="log", yscale="log", xlabel="concurrent requests", ylabel="TPOT ms (median)")
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xticks([], minor=True)
+    ax.set_title(f"context {L} tokens")
+    ax.legend(fontsize=7)
+    fig.suptitle("Decode TPOT vs batch (SmolLM2-135M, CPU)")
+
+
+def _plot_context(p: dict, fig, axes, panels, more) -> None:
+    cfg, res, lim, colors = p["config"], p["grid"], p["limit"]["tpot_ms"], _colors()
     styles = {1: "-o", **{bs: s for bs, s in zip(more, ("-s", "--^", ":v", "-.D"))}}
     for ax, sizes in zip(axes[0], panels):
         for bs in sizes:
@@ -919,68 +900,25 @@ def plot(p: dict, path: Path) -> None:
         ax.set_title("bs 1" if sizes == [1] else "concurrent requests: " + ", ".join(f"bs {b}" for b in sizes))
         ax.legend(fontsize=7)
     fig.suptitle("Decode TPOT vs context (SmolLM2-135M, CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def add_multiturn(payload: dict) -> None:
     """Run the bf16-vs-fp32 multi-turn scores into an existing payload (a later run: its own env record)."""
     from transformers import AutoTokenizer
 
-    from benchmarks.multiturn import _git_state
-
     tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
-    t0, env = time.monotonic(), {**environment(), "git": _git_state(), "argv": sys.argv[1:]}
+    env = environment() | {"argv": sys.argv[1:]}
     with tqdm(total=MT_UNITS, desc="decode multiturn") as bar:
         payload["multiturn_dtypes"] = run_multiturn_dtypes(tok, MT_DTYPES, bar)
-    payload["env"]["multiturn_run"] = {**env, "wall_s": time.monotonic() - t0}
-    payload["summary"] = summarize(payload)
+    payload["env"]["multiturn_run"] = finish(env)
 
 
 # --- main -------------------------------------------------------------------------------------------
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="contexts 512/2048, bs 1/4, 32 tokens, small pressure run")
-    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="grid systems to run (default: all)")
-    ap.add_argument("--parts", nargs="+", default=["grid", "pressure", "fidelity", "multiturn"],
-                    choices=["grid", "pressure", "fidelity", "multiturn"])  # fmt: skip
-    ap.add_argument("--contexts", type=int, nargs="+")
-    ap.add_argument("--batch-sizes", type=int, nargs="+")
-    ap.add_argument("--gen", type=int, help="generated tokens per request (default 64, quick 32)")
-    ap.add_argument("--repeats", type=int, default=2, help="timed batches per grid cell")
-    ap.add_argument("--pressure-convs", type=int)
-    ap.add_argument("--pressure-turns", type=int)
-    ap.add_argument(
-        "--pressure-per-turn",
-        type=int,
-        help="target new tokens per turn (default 940: ~880 measured, histories up to ~3.5K)",
-    )
-    ap.add_argument("--pressure-gen", type=int, help="tokens per answer (default 32)")
-    ap.add_argument(
-        "--distinct-contexts", action="store_true", help="every request of a batch its own whole context (slow prefill)"
-    )
-    ap.add_argument("--force-bf16", action="store_true", help="full bf16 grid even without native bf16")
-    ap.add_argument(
-        "--name",
-        default="decode",
-        help="results stem under benchmarks/results/ (a partial run, e.g. --systems/--parts, goes beside decode.json)",
-    )
-    ap.add_argument("--replot", action="store_true", help="re-render <name>.md/png from <name>.json")
-    ap.add_argument(
-        "--add-multiturn",
-        action="store_true",
-        help="run only the multi-turn part and add it to the existing decode.json (its run recorded beside the grid's)",
-    )
-    args = ap.parse_args()
-    prebuild_kernels()  # not inside the first server's timed start-up
-    if args.replot or args.add_multiturn:
-        payload = json.loads((RESULTS / f"{args.name}.json").read_text())
-        if args.add_multiturn:
-            add_multiturn(payload)
-        payload["summary"] = summarize(payload)  # the summary follows the code that reads the runs
-        write_results(args.name, payload, report_md(payload))
-        plot(payload, RESULTS / f"{args.name}.png")
-        return
+def run(args, env: dict) -> dict:
+    if args.add_multiturn:  # the grid's run keeps its env record; the multi-turn run gets its own
+        payload = load(args.out)
+        add_multiturn(payload)
+        return payload
     q = args.quick
     contexts = sorted(args.contexts or ([512, 2048] if q else [512, 2048, 4096, 8000]))
     batch_sizes = sorted(args.batch_sizes or ([1, 4] if q else [1, 4, 8]))
@@ -1037,17 +975,6 @@ def main() -> None:
             print("installing llama-cpp-python[server] into", LLAMACPP_VENV, "(compiles; several minutes)")
             install_llamacpp()
 
-    env = {
-        **environment(),
-        "loadavg_start": os.getloadavg()[0],
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "cpu_flags": flags,
-    }
-    from benchmarks.multiturn import _git_state
-
-    env["git"] = _git_state()
-    t_start = time.monotonic()
     bw = memory_bandwidth()
 
     fid_ctx = [L for L in FID_CONTEXTS if L in contexts and (bf16_full or L in bf16_ctx)] or [bf16_ctx[-1]]
@@ -1105,9 +1032,6 @@ def main() -> None:
                 failed["multiturn"] = repr(e)
                 print(f"[decode] multiturn failed: {e!r}")
     bw += memory_bandwidth()
-    env["loadavg_end"] = os.getloadavg()[0]
-    env["wall_s"] = time.monotonic() - t_start
-    env["git_end"] = _git_state()
 
     bandwidth = statistics.median(bw)
     limit = {
@@ -1157,7 +1081,7 @@ def main() -> None:
             if convs
             else None,
             "parts": args.parts,
-            "name": args.name,
+            "name": args.out,
         },
         "model": facts,
         "limit": limit,
@@ -1166,16 +1090,44 @@ def main() -> None:
         "fidelity": fid,
         "multiturn_dtypes": mtd,
         "failed": failed,
-        "env": env,
     }
     payload["summary"] = summarize(payload)
-    payload = {"summary": payload.pop("summary"), **payload}
-    md = report_md(payload)
-    json_path, _ = write_results(args.name, payload, md)
-    plot(payload, RESULTS / f"{args.name}.png")
-    print(md)
-    print(json.dumps({k: v for k, v in payload["summary"].items() if not isinstance(v, dict)}, indent=1))
-    print(f"-> {json_path}")
+    return {"summary": payload.pop("summary"), **payload}
+
+
+def refresh(p: dict) -> None:
+    p["summary"] = summarize(p)  # the summary follows the code that reads the runs
+
+
+BENCH = cli.Benchmark("decode", run, report_md, plot, refresh, parts=("grid", "pressure", "fidelity", "multiturn"))
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    ap.add_argument("--quick", action="store_true", help="contexts 512/2048, bs 1/4, 32 tokens, small pressure run")
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), help="grid systems to run (default: all)")
+    ap.add_argument("--contexts", type=int, nargs="+")
+    ap.add_argument("--batch-sizes", type=int, nargs="+")
+    ap.add_argument("--gen", type=int, help="generated tokens per request (default 64, quick 32)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed batches per grid cell")
+    ap.add_argument("--pressure-convs", type=int)
+    ap.add_argument("--pressure-turns", type=int)
+    ap.add_argument(
+        "--pressure-per-turn",
+        type=int,
+        help="target new tokens per turn (default 940: ~880 measured, histories up to ~3.5K)",
+    )
+    ap.add_argument("--pressure-gen", type=int, help="tokens per answer (default 32)")
+    ap.add_argument(
+        "--distinct-contexts", action="store_true", help="every request of a batch its own whole context (slow prefill)"
+    )
+    ap.add_argument("--force-bf16", action="store_true", help="full bf16 grid even without native bf16")
+    ap.add_argument(
+        "--add-multiturn",
+        action="store_true",
+        help="run only the multi-turn part and add it to the existing decode.json (its run recorded beside the grid's)",
+    )
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

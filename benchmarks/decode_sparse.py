@@ -22,10 +22,8 @@ Writes benchmarks/results/decode_sparse.{json,md,png}.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import json
 import shutil
 import statistics
 import sys
@@ -37,7 +35,11 @@ from tqdm import tqdm
 
 from benchmarks import conversations as conv
 from benchmarks import decode as dec
-from benchmarks.common import RESULTS, environment, md_table, synthetic_ids, write_results
+from benchmarks.common import synthetic_ids
+from benchmarks.harness import cli
+from benchmarks.harness.plot import figure
+from benchmarks.harness.results import load, md_table, write_results
+from benchmarks.harness.stats import ratio
 from sgl_loopkv.attention.decode import DECODE_POLICIES, DecodeParams
 from sgl_loopkv.attention.decode.selector import SparseDecoder
 from sgl_loopkv.config import LoopKVConfig, SparseDecodeConfig
@@ -218,10 +220,6 @@ def run_multiturn(tok, bar, per_task: int = 1) -> dict:
 
 
 # --- summary and report ------------------------------------------------------------------------------
-def ratio(a, b):
-    return a / b if a and b else None
-
-
 def summarize(p: dict) -> dict:
     grid, fid, mt = p.get("grid") or {}, p.get("fidelity") or {}, p.get("multiturn") or {}
     big = str(max(p["config"].get("grid_contexts") or p["config"]["contexts"]))
@@ -250,7 +248,7 @@ def _f(v, nd=2):
 
 def report_md(p: dict) -> str:
     cfg, s = p["config"], p["summary"]
-    lines = [f"# sparse decode ({p['environment']['when']}; `{cfg['command']}`)", ""]
+    lines = [f"# sparse decode ({p['env']['when']}; `{cfg['command']}`)", ""]
     lines.append(
         f"SmolLM2-135M-Instruct fp32, default budgets (budget {DEFAULTS.budget} tokens, pages {DEFAULTS.page_size}/"
         f"{DEFAULTS.logical_page}, sink {DEFAULTS.sink}, local {DEFAULTS.local}, lserve reuse {DEFAULTS.reuse}, "
@@ -318,15 +316,14 @@ def report_md(p: dict) -> str:
 
 
 def plot(p: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     grid = p.get("grid") or {}
     if not grid:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    with figure(path, 1, 2, size=(11, 4)) as (_, axes):
+        _plot(grid, axes)
+
+
+def _plot(grid: dict, axes) -> None:
     for ax, bs in zip(axes, sorted({int(k.split("/")[1]) for g in grid.values() for k in g["cells"]})[:2]):
         for name, g in grid.items():
             pts = sorted(
@@ -336,35 +333,9 @@ def plot(p: dict, path) -> None:
         ax.set(title=f"TPOT, {bs} concurrent request(s)", xlabel="context tokens", ylabel="ms per token")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", nargs="+", default=["fidelity", "grid", "multiturn"],
-                    choices=["fidelity", "grid", "multiturn"])  # fmt: skip
-    # 7936 + 256 generated = SmolLM2's 8192 positions (the server refuses more)
-    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7936])
-    ap.add_argument("--grid-contexts", type=int, nargs="+", help="grid: these contexts (default: --contexts)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--gen", type=int, default=256)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES, help="grid: policies beside dense")
-    ap.add_argument("--distinct-contexts", action="store_true",
-                    help="grid: every request of a batch a whole context of its own (slow prefill)")  # fmt: skip
-    ap.add_argument("--mt-convs", type=int, default=1,
-                    help="multiturn: conversations per task (1: the quick suite's 5 conversations, 14 turns)")  # fmt: skip
-    ap.add_argument("--name", default="decode_sparse")
-    ap.add_argument("--replot", action="store_true")
-    ap.add_argument("--add", action="store_true", help="keep the parts already in <name>.json, run --parts")
-    args = ap.parse_args()
-    if args.replot:
-        payload = json.loads((RESULTS / f"{args.name}.json").read_text())
-        payload["summary"] = summarize(payload)
-        write_results(args.name, payload, report_md(payload))
-        plot(payload, RESULTS / f"{args.name}.png")
-        return
+def run(args, env: dict) -> dict:
     from transformers import AutoTokenizer
 
     model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
@@ -372,7 +343,7 @@ def main() -> None:
     contexts = sorted(args.contexts)
     grid_contexts = sorted(args.grid_contexts or contexts)
     payload: dict = {
-        "environment": environment(),
+        "env": env,
         "config": {"command": "python -m benchmarks.decode_sparse " + " ".join(sys.argv[1:]),
                    "contexts": contexts, "grid_contexts": grid_contexts, "batch_sizes": args.batch_sizes,
                    "gen": args.gen, "distinct_contexts": args.distinct_contexts, "mt_convs_per_task": args.mt_convs,
@@ -384,7 +355,7 @@ def main() -> None:
         + ("multiturn" in args.parts) * 4 * args.mt_convs * dec.MT_UNITS // 2
     )
     if args.add:
-        old = json.loads((RESULTS / f"{args.name}.json").read_text())
+        old = load(args.out)
         payload = {**old, **{k: v for k, v in payload.items() if k != "config"}}
         payload.setdefault("runs", []).append(payload["config"]["command"])
     parts = {
@@ -396,9 +367,32 @@ def main() -> None:
         for part in [p for p in parts if p in args.parts]:
             payload[part] = parts[part](bar)
             payload["summary"] = summarize(payload)
-            write_results(args.name, payload, report_md(payload))  # after every part: a failure keeps the rest
-    plot(payload, RESULTS / f"{args.name}.png")
-    print(json.dumps(payload["summary"], indent=1))
+            write_results(args.out, payload, report_md(payload))  # after every part: a failure keeps the rest
+    return payload
+
+
+def refresh(p: dict) -> None:
+    p["summary"] = summarize(p)
+
+
+BENCH = cli.Benchmark("decode_sparse", run, report_md, plot, refresh, parts=("fidelity", "grid", "multiturn"))
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    # 7936 + 256 generated = SmolLM2's 8192 positions (the server refuses more)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 7936])
+    ap.add_argument("--grid-contexts", type=int, nargs="+", help="grid: these contexts (default: --contexts)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--gen", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES, help="grid: policies beside dense")
+    ap.add_argument("--distinct-contexts", action="store_true",
+                    help="grid: every request of a batch a whole context of its own (slow prefill)")  # fmt: skip
+    ap.add_argument("--mt-convs", type=int, default=1,
+                    help="multiturn: conversations per task (1: the quick suite's 5 conversations, 14 turns)")  # fmt: skip
+    ap.add_argument("--add", action="store_true", help="keep the parts already in <name>.json, run --parts")
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ fidelity reference; stock SGLang must produce the same greedy answers.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -29,16 +27,12 @@ import requests
 from tqdm import tqdm
 
 from benchmarks import conversations as conv
-from benchmarks.common import (
-    RESULTS,
-    cpu_pool_dtype,
-    environment,
-    md_table,
-    median,
-    model_facts,
-    prebuild_kernels,
-    write_results,
-)
+from benchmarks.common import chat_turn, cpu_pool_dtype, model_facts, tier_bytes
+from benchmarks.harness import cli
+from benchmarks.harness.env import load1
+from benchmarks.harness.plot import figure
+from benchmarks.harness.results import RESULTS, md_table
+from benchmarks.harness.stats import mean, median
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.models.default_model import default_model_gguf
@@ -203,64 +197,6 @@ class LlamaCppServer:
                 self.proc.kill()
 
 
-# --- one turn ----------------------------------------------------------------------------------------
-def chat_turn(url: str, messages: list[dict], max_tokens: int, kind: str) -> dict:
-    """Stream one greedy chat completion; TTFT = first chunk carrying text."""
-    body = {
-        "model": "default" if kind == "sglang" else DEFAULT_MODEL_NAME,  # "default": whatever model is served
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if kind == "sglang":
-        body["return_cached_tokens_details"] = True
-    else:  # llama-cpp-python's server defaults to repeat_penalty 1.1 and top_k 40: plain greedy instead
-        body.update(repeat_penalty=1.0, top_k=1, top_p=1.0, min_p=0.0, seed=0)
-    t0 = time.perf_counter()
-    ttft, text, chunks, usage, details = None, "", 0, None, None
-    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=1800) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                continue
-            msg = json.loads(line[6:])
-            usage = msg.get("usage") or usage
-            details = (msg.get("sglext") or {}).get("cached_tokens_details") or details
-            for ch in msg.get("choices") or []:
-                piece = (ch.get("delta") or {}).get("content")
-                if piece:
-                    ttft = ttft or time.perf_counter() - t0
-                    text += piece
-                    chunks += 1
-    total = time.perf_counter() - t0
-    n_out = (usage or {}).get("completion_tokens") or chunks
-    cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")
-    decode_s = total - (ttft or total)
-    return {
-        "ttft_s": ttft if ttft is not None else total,
-        "total_s": total,
-        "completion_tokens": n_out,
-        "tpot_s": decode_s / (n_out - 1) if n_out > 1 else None,
-        "cached_tokens": cached,
-        "cached_details": details,
-        "answer": text,
-    }
-
-
-def tier_bytes(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    try:
-        for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
-            if line.startswith("loopkv_tier_bytes{"):
-                tier = line.split('tier="', 1)[1].split('"', 1)[0]
-                out[tier] = float(line.rsplit(" ", 1)[1])
-    except requests.RequestException:
-        pass
-    return out
-
-
 # --- one system ------------------------------------------------------------------------------------
 def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar) -> dict:
     log = RESULTS / f"multiturn_{sys_.name}.log"
@@ -300,11 +236,6 @@ def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar
 
 
 # --- report ----------------------------------------------------------------------------------------
-def mean(xs) -> float | None:
-    xs = list(xs)
-    return sum(xs) / len(xs) if xs else None
-
-
 def summarize(results: dict, systems: list[System], history_total: int) -> dict:
     dense = {(x["conv"], x["turn"]): x for x in results["dense"]["turns"]}
     groups = {"all": lambda x: True, **{p: (lambda x, p=p: x["position"] == p) for p in conv.POSITIONS}}
@@ -343,7 +274,7 @@ def summarize(results: dict, systems: list[System], history_total: int) -> dict:
     return per
 
 
-def report_md(payload: dict, out: str = "multiturn") -> str:
+def report_md(payload: dict) -> str:
     sm, per = payload["summary"], payload["summary"]["per_system"]
     pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     rows = []
@@ -370,8 +301,8 @@ def report_md(payload: dict, out: str = "multiturn") -> str:
     head = (
         f"# multiturn ({env['when']}, {payload['config']['mode']}: {len(payload['conversations'])} conversations, "
         f"{payload['n_turns']} turns, {min(payload['config']['lengths'])}-{max(payload['config']['lengths'])} tokens, "
-        f"device pool {payload['config']['pool_tokens']} tokens; load avg {env['loadavg_start']:.1f} -> "
-        f"{env['loadavg_end']:.1f}"
+        f"device pool {payload['config']['pool_tokens']} tokens; load avg {load1(env['loadavg_start']):.1f} -> "
+        f"{load1(env['loadavg_end']):.1f}"
         + (f"; {env['wall_s'] / 60:.1f} min wall for {len(sm['systems'])} systems" if "wall_s" in env else "")
         + ")\n\n"
     )
@@ -404,65 +335,41 @@ def report_md(payload: dict, out: str = "multiturn") -> str:
         f"**{sm['dense_identical_to_stock']}**. llama.cpp: {payload['config']['llamacpp_version'] or 'not run'}.\n\n"
         + whats
         + "".join(f"\n- `{n}` failed: {e}" for n, e in sm.get("failed", {}).items())
-        + f"\n\n![multiturn TTFT]({out}_ttft.png)\n\n![multiturn budget]({out}_budget.png)\n"
+        + "\n"
     )
 
 
-def plot(payload: dict, out: str = "multiturn") -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(payload: dict, path: Path) -> None:
     sm, results = payload["summary"], payload["results"]
-    fig, ax = plt.subplots(figsize=(7, 4.4))
-    edges = [0, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 1 << 20]
-    for i, name in enumerate(sm["systems"]):
-        rows = results[name]["turns"]
-        xs, ys = [], []
-        for lo, hi in zip(edges, edges[1:]):
-            b = [x for x in rows if lo <= x["history_tokens"] < hi]
-            if b:
-                xs.append(median([x["history_tokens"] for x in b]))
-                ys.append(median([x["ttft_s"] for x in b]))
-        ax.plot(xs, ys, "-o", color=f"C{i}", label=name, alpha=0.85)
-    ax.set(xscale="log", yscale="log", xlabel="prompt incl. history (tokens, bin median)", ylabel="TTFT (s, median)")
-    ax.set_title("Multi-turn TTFT vs history length (interleaved conversations)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{out}_ttft.png", dpi=110)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    per, points = sm["per_system"], defaultdict(list)
-    for name in sm["systems"]:
-        if name != "llamacpp":  # no budget knob
-            points[(per[name]["budget"], round(per[name]["score"]["all"], 4))].append(name)
-    for i, ((x, y), names) in enumerate(sorted(points.items())):
-        ax.scatter(x, y, color=f"C{i}")
-        ax.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(-8, 6), ha="right", fontsize=8)
-    ax.margins(x=0.3, y=0.2)
-    ax.set(xlabel="sparse-prefill budget (attention mass kept; 1 = dense)", ylabel="mean score")
-    ax.set_title("Score vs sparse-prefill budget")
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{out}_budget.png", dpi=110)
+    with figure(path, 1, 2, size=(13, 4.4), gridspec_kw={"width_ratios": [7, 6]}) as (_, (ax, ax2)):
+        edges = [0, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 1 << 20]
+        for i, name in enumerate(sm["systems"]):
+            rows = results[name]["turns"]
+            xs, ys = [], []
+            for lo, hi in zip(edges, edges[1:]):
+                b = [x for x in rows if lo <= x["history_tokens"] < hi]
+                if b:
+                    xs.append(median([x["history_tokens"] for x in b]))
+                    ys.append(median([x["ttft_s"] for x in b]))
+            ax.plot(xs, ys, "-o", color=f"C{i}", label=name, alpha=0.85)
+        ax.set(
+            xscale="log", yscale="log", xlabel="prompt incl. history (tokens, bin median)", ylabel="TTFT (s, median)"
+        )
+        ax.set_title("Multi-turn TTFT vs history length (interleaved conversations)")
+        ax.legend(fontsize=8)
+        per, points = sm["per_system"], defaultdict(list)
+        for name in sm["systems"]:
+            if name != "llamacpp":  # no budget knob
+                points[(per[name]["budget"], round(per[name]["score"]["all"], 4))].append(name)
+        for i, ((x, y), names) in enumerate(sorted(points.items())):
+            ax2.scatter(x, y, color=f"C{i}")
+            ax2.annotate(", ".join(names), (x, y), textcoords="offset points", xytext=(-8, 6), ha="right", fontsize=8)
+        ax2.margins(x=0.3, y=0.2)
+        ax2.set(xlabel="sparse-prefill budget (attention mass kept; 1 = dense)", ylabel="mean score")
+        ax2.set_title("Score vs sparse-prefill budget")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="quick subset (under 10 minutes on 2 cores)")
-    ap.add_argument("--with-llamacpp", action="store_true", help="include llama.cpp (install it if missing)")
-    ap.add_argument("--systems", nargs="+", help="run only these systems (stock and dense are always run)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--convs-per-task", type=int)
-    ap.add_argument("--report-only", action="store_true", help="re-render the table and plots from <out>.json")
-    ap.add_argument("--out", default="multiturn", help="results name under benchmarks/results (default multiturn)")
-    args = ap.parse_args()
-    if args.report_only:
-        payload = json.loads((RESULTS / f"{args.out}.json").read_text())
-        (RESULTS / f"{args.out}.md").write_text(report_md(payload, args.out))
-        plot(payload, args.out)
-        return
-    prebuild_kernels()  # not inside the first server's timed start-up
+def run(args, env: dict) -> dict:
     quick = args.quick
     lengths = [1024, 2048, 3072] if quick else [1024, 2048, 4096, 8192]
     n_per_task = args.convs_per_task or (1 if quick else 4)
@@ -498,8 +405,7 @@ def main() -> None:
     host_bytes = int(0.25 * history_total * kv_bytes_per_token)  # a quarter in RAM: the rest from disk
     n_turns = sum(len(c.turns) for c in convs)
 
-    env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
-    t_start = time.monotonic()  # after any llama.cpp install: the run itself
+    env["t_start"] = time.monotonic()  # after any llama.cpp install: the run itself
     results, failed = {}, {}
     with tqdm(total=n_turns * len(systems), desc="multiturn") as bar:
         for s in systems:
@@ -511,9 +417,6 @@ def main() -> None:
                 failed[s.name] = repr(e)
                 print(f"[multiturn] {s.name} failed: {e!r}")
     systems = [s for s in systems if s.name in results]
-    env["loadavg_end"] = os.getloadavg()[0]
-    env["wall_s"] = time.monotonic() - t_start
-    env["git_end"] = _git_state()  # others commit to this tree meanwhile: what the last server ran
 
     per = summarize(results, systems, history_total)
     dense_ans = [x["answer"] for x in results["dense"]["turns"]]
@@ -526,7 +429,7 @@ def main() -> None:
         "failed": failed,
         "per_system": per,
     }
-    payload = {
+    return {
         "summary": summary,
         "config": {
             "mode": "quick" if quick else "full",
@@ -544,19 +447,20 @@ def main() -> None:
             {"id": c.id, "task": c.task, "turns": len(c.turns), "history_tokens": hist_tokens[c.id]} for c in convs
         ],
         "results": results,
-        "env": env,
     }
-    md = report_md(payload, args.out)
-    json_path, _ = write_results(args.out, payload, md)
-    plot(payload, args.out)
-    print(md)
-    print(f"-> {json_path}")
 
 
-def _git_state() -> dict:
-    root = Path(__file__).resolve().parent.parent
-    run = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    return {"commit": run("rev-parse", "HEAD"), "dirty_files": run("status", "--porcelain", "--untracked-files=no")}
+BENCH = cli.Benchmark("multiturn", run, report_md, plot)
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    ap.add_argument("--quick", action="store_true", help="quick subset (under 10 minutes on 2 cores)")
+    ap.add_argument("--with-llamacpp", action="store_true", help="include llama.cpp (install it if missing)")
+    ap.add_argument("--systems", nargs="+", help="run only these systems (stock and dense are always run)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--convs-per-task", type=int)
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import signal
 import sys
@@ -51,18 +50,12 @@ import requests
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import (
-    RESULTS,
-    cpu_pool_dtype,
-    environment,
-    machine_label,
-    md_table,
-    median,
-    synthetic_ids,
-    teacher_forced_top1,
-    timed_generate,
-    write_results,
-)
+from benchmarks.common import cpu_pool_dtype, synthetic_ids, teacher_forced_top1, timed_generate
+from benchmarks.harness import cli
+from benchmarks.harness.env import load1, machine_label
+from benchmarks.harness.plot import figure
+from benchmarks.harness.results import md_table
+from benchmarks.harness.stats import median
 from sgl_loopkv.attention.calibration.capture import capture_qkv, load_capturing_model
 from sgl_loopkv.attention.executor import dense_attention
 from sgl_loopkv.attention.policies import POLICIES, ModelShape
@@ -337,12 +330,11 @@ def full_budget_exact(ids: list[int], ref: list[int], log_dir: Path) -> dict:
 
 # --- report -----------------------------------------------------------------------------------
 def plot(results: dict, lengths: list[int], path: Path) -> None:
-    import matplotlib
+    with figure(path, 1, 4, size=(20, 4), dpi=120) as (_, axes):
+        _plot(results, lengths, *axes)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2, ax3, ax4) = plt.subplots(1, 4, figsize=(20, 4))
+def _plot(results: dict, lengths: list[int], ax1, ax2, ax3, ax4) -> None:
     for name in SYSTEMS:
         style = "--ok" if name == "dense" else "-o"
         ax1.plot(lengths, [results["attention"][L][name]["attention_s"] for L in lengths], style, label=name)
@@ -376,8 +368,6 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
         xlabel="density (attended / causal cells)", ylim=(0, 1.05), title=f"{CURVE_POLICY}: score vs budget (alpha)"
     )
     ax4.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def _int_keys(x):
@@ -387,18 +377,7 @@ def _int_keys(x):
     return x
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    ap.add_argument("--repeats", type=int, default=2, help="timed prompts per length and system (TTFT median)")
-    ap.add_argument("--attn-repeats", type=int, default=3, help="attention-only passes (best total)")
-    ap.add_argument("--quick", action="store_true", help="8K only, 1 repeat")
-    ap.add_argument("--replot", action="store_true", help="only redraw prefill.png from results/prefill.json")
-    args = ap.parse_args()
-    if args.replot:
-        data = json.loads((RESULTS / "prefill.json").read_text())
-        plot(_int_keys(data["results"]), data["lengths"], RESULTS / "prefill.png")
-        return
+def run(args) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so `finally` stops the servers (own sessions)
     lengths, repeats, attn_repeats = (
         ([8000], 1, 1) if args.quick else (sorted(args.lengths), args.repeats, args.attn_repeats)
@@ -411,7 +390,6 @@ def main() -> None:
     model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     vocab = len(tokenizer)
-    load_start = os.getloadavg()
     results: dict = {"attention": {}, "e2e": {}, "full_budget": {}}
     log_dir = Path(tempfile.mkdtemp(prefix="prefill-bench-"))  # server logs, partial results
 
@@ -494,8 +472,7 @@ def main() -> None:
         }
         for name, flags in {**SYSTEMS, **SWEEP}.items()
     }
-    env = {**environment(), "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
-    payload = {
+    return {
         "summary": summary,
         "results": results,
         "lengths": lengths,
@@ -503,9 +480,30 @@ def main() -> None:
         "attn_repeats": attn_repeats,
         "server_args": SERVER_ARGS,
         "settings": settings,
-        "env": env,
+        "model": {
+            "name": DEFAULT_MODEL_NAME,
+            "num_layers": shape.num_layers,
+            "pool_dtype": cpu_pool_dtype(SERVER_ARGS)[0],
+        },
     }
 
+
+def report_md(p: dict) -> str:
+    results, lengths, env, model, summary, settings = (
+        _int_keys(p["results"]),
+        p["lengths"],
+        p["env"],
+        p["model"],
+        p["summary"],
+        p["settings"],
+    )
+    repeats, attn_repeats, L8, dense = (
+        p["repeats"],
+        p["attn_repeats"],
+        p["lengths"][-1],
+        _int_keys(p["results"])["e2e"]["dense"],
+    )
+    policies, by_policy = list(summary["by_policy"]), summary["by_policy"]
     rows = []
     for L in lengths:
         rows.append(
@@ -544,11 +542,11 @@ def main() -> None:
                     e["teacher_forced"],
                 ]
             )
-    md = (
-        f"# prefill ({env['when']}; `python -m benchmarks.prefill{''.join(' ' + a for a in sys.argv[1:])}`)\n\n"
-        f"{DEFAULT_MODEL_NAME}, {cpu_pool_dtype(SERVER_ARGS)[0]}, {machine_label()} ({env['torch_threads']} torch threads; load average "
-        f"{load_start[0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end; the machine is shared). Attention only: "
-        f"best of {attn_repeats} passes over the {shape.num_layers} layers of one captured prompt, CPU seconds of one torch thread "
+    return (
+        f"# prefill ({env['when']}; `{env['command']}`)\n\n"
+        f"{model['name']}, {model['pool_dtype']}, {machine_label(env)} ({env['torch_threads']} torch threads; load average "
+        f"{load1(env['loadavg_start']):.1f} at start, {load1(env['loadavg_end']):.1f} at end; the machine is shared). Attention only: "
+        f"best of {attn_repeats} passes over the {model['num_layers']} layers of one captured prompt, CPU seconds of one torch thread "
         "(wall-clock speedup of the same passes next to it). End to end: median server TTFT (2 threads, wall clock) "
         f"of {repeats} fresh prompts per length, each sent to the dense server and the policy's back to back "
         f"(paired ratio); servers with `{' '.join(SERVER_ARGS)}` (one extend per prompt; see the script's "
@@ -609,12 +607,21 @@ def main() -> None:
         + f"\nSummary (headline system `{HEADLINE}`: `{' '.join(SYSTEMS[HEADLINE])}`): attention speedup at 8K {summary['attention_speedup_8k']:.2f}x, "
         f"end-to-end {summary['e2e_speedup_8k']:.2f}x (targets: 3x and 1.5x); greedy agreement "
         f"{summary['greedy_agreement']:.2f}; exact at full budget: {summary['exact_at_full_budget']}.\n"
-        "\n![prefill](prefill.png)\n"
     )
-    json_path, _ = write_results("prefill", payload, md)
-    plot(results, lengths, RESULTS / "prefill.png")
-    print(md)
-    print(f"-> {json_path}")
+
+
+BENCH = cli.Benchmark(
+    "prefill", lambda args, env: run(args), report_md, lambda p, path: plot(_int_keys(p["results"]), p["lengths"], path)
+)
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    ap.add_argument("--repeats", type=int, default=2, help="timed prompts per length and system (TTFT median)")
+    ap.add_argument("--attn-repeats", type=int, default=3, help="attention-only passes (best total)")
+    ap.add_argument("--quick", action="store_true", help="8K only, 1 repeat")
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

@@ -81,13 +81,11 @@ Writes benchmarks/results/reprefill.{json,md,png} (server logs: benchmarks/resul
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,21 +97,20 @@ from tqdm import tqdm
 
 from benchmarks import conversations as conv
 from benchmarks.common import (
-    RESULTS,
     cpu_pool_dtype,
-    environment,
-    machine_label,
-    md_table,
-    median,
+    drop_page_cache,
+    metrics,
     model_facts,
-    prebuild_kernels,
     synthetic_ids,
     teacher_forced_top1,
     timed_generate,
-    write_results,
 )
-from benchmarks.restore import first_token_logprobs, kl_topk, metrics
-from benchmarks.resume import drop_page_cache
+from benchmarks.harness import cli
+from benchmarks.harness.env import environment, finish, load1, machine_label
+from benchmarks.harness.plot import figure
+from benchmarks.harness.results import RESULTS, load, md_table, write_results
+from benchmarks.harness.stats import median
+from benchmarks.restore import first_token_logprobs, kl_topk
 from sgl_loopkv.cache.layout import KVGeometry, baseline_block_read_bytes, key_summaries
 from sgl_loopkv.config import LoopKVConfig, PrefixConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
@@ -715,13 +712,13 @@ def report_md(p: dict) -> str:
     lengths, budgets = cfg["lengths"], table_budgets(p)
     lines = [
         f"# chunk-pruned re-prefill ({env['when']}; `{cfg['command']}`; median of {cfg['repeats']} timed resume(s) "
-        f"after a warm-up; load average {env['loadavg_start'][0]:.1f} at start, {env['loadavg_end'][0]:.1f} at end)",
+        f"after a warm-up; load average {load1(env['loadavg_start']):.1f} at start, {load1(env['loadavg_end']):.1f} at end)",
         "",
         *(
             f"Added: `{r['command']}` ({r['env']['when']}; multi-turn part, dense run again in it).\n"
             for r in cfg.get("runs", [])
         ),
-        f"{cfg['model']} ({cfg['num_layers']} layers), {cfg['pool_dtype']} KV pool, {machine_label()}. A returning "
+        f"{cfg['model']} ({cfg['num_layers']} layers), {cfg['pool_dtype']} KV pool, {machine_label(env)}. A returning "
         "turn (one sentence, 1 generated token) after a history stored in the host arena (`host`) or on disk with the "
         "page cache dropped (`disk`). `load_all` = today's path (`--loopkv-prefix-budget 1.0`, a disk hit read and "
         "verified whole before admission); `loopkv` = `--loopkv-prefix-budget B` (period "
@@ -928,7 +925,6 @@ def report_md(p: dict) -> str:
             ),  # fmt: skip
         ]
     lines += ["", "## Targets (issue 15)", "", *targets_md(sm), ""]
-    lines += ["## Summary", "", "```json", json.dumps(sm, indent=1), "```", "", "![reprefill](reprefill.png)", ""]
     return "\n".join(lines)
 
 
@@ -982,13 +978,12 @@ BUDGET_AXIS = (_budget_axis, lambda y: 1.05 * np.exp(y) / (1 + np.exp(y)))  # th
 
 
 def plot(p: dict, path: Path) -> None:
-    import matplotlib
+    with figure(path, 1, 3, size=(15, 4.3)) as (fig, axes):
+        _plot(p, fig, axes)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def _plot(p: dict, fig, axes) -> None:
     s, lengths, budgets = systems_of(p), p["config"]["lengths"], table_budgets(p)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.3))
     for ax, tier in zip(axes[:2], ("host", "disk")):
         for i, L in enumerate(map(str, lengths)):
             base = s["load_all"][tier].get(L)
@@ -1030,42 +1025,14 @@ def plot(p: dict, path: Path) -> None:
     ax.set_xticks([*budgets, 1.0], [f"{b:g}" for b in [*budgets, 1.0]])
     ax.legend(fontsize=7)
     fig.suptitle("Chunk-pruned re-prefill of a returning history (SmolLM2-135M, CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
-    ap.add_argument("--budgets", type=float, nargs="+", default=BUDGETS)
-    ap.add_argument("--tiers", nargs="+", default=["host", "disk"], choices=["host", "disk"])
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--parts", nargs="+", default=["servers", "inprocess", "multiturn"],
-                    choices=["servers", "inprocess", "multiturn"])  # fmt: skip
-    ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat, budgets 0.1/0.5/1.0 (-> reprefill_quick)")
-    ap.add_argument("--name", default=None, help="results name (default reprefill, reprefill_quick with --quick)")
-    ap.add_argument("--replot", action="store_true", help="table and plot again from <name>.json")
-    ap.add_argument("--prefetch", type=float, default=None, help="--loopkv-prefix-prefetch of the pruned servers")
-    ap.add_argument("--mt-budgets", type=float, nargs="+", default=None,
-                    help="budgets of the multi-turn part (default: every one meeting the agreement target)")  # fmt: skip
-    ap.add_argument("--mt-per-task", type=int, default=MT_PER_TASK,
-                    help="multi-turn conversations per task (more turns per question position)")  # fmt: skip
-    ap.add_argument("--add", action="store_true", help="with --parts multiturn: add to <name>.json's multi-turn part")
-    ap.add_argument("--impress-budgets", type=float, nargs="*", default=None,
-                    help="budgets of the IMPRESS-style servers (default: those of --budgets up to 0.5; none: skip them)")  # fmt: skip
-    args = ap.parse_args()
-    name = args.name or ("reprefill_quick" if args.quick else "reprefill")
-    if args.replot:
-        payload = json.loads((RESULTS / f"{name}.json").read_text())
-        payload["summary"] = summarize(payload)
-        write_results(name, payload, report_md(payload))
-        plot(payload, RESULTS / f"{name}.png")
-        return
-    prebuild_kernels()  # not inside the first server's timed start-up
+def run(args, env: dict) -> dict:
+    if args.quick and args.out == "reprefill":
+        args.out = "reprefill_quick"  # a quick run never replaces the full one
     if args.add:
         assert args.parts == ["multiturn"], "--add runs the multi-turn part only (the rest is read from the JSON)"
-        add_multiturn(name, args.mt_budgets, args.mt_per_task)
-        return
+        return add_multiturn(args.out, args.mt_budgets, args.mt_per_task)
     if args.quick:
         args.lengths, args.repeats, args.budgets = [4096], 1, QUICK_BUDGETS
     lengths = sorted(args.lengths)
@@ -1080,8 +1047,6 @@ def main() -> None:
     model = model_facts(model_dir, DEFAULT_MODEL_NAME)
     pool_dtype, pool_bytes = cpu_pool_dtype()
     token_bytes = model.kv_bytes_per_token(pool_bytes)
-    load_start = os.getloadavg()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
     impress = (
         [b for b in budgets if b <= IMPRESS_MAX_BUDGET]
         if args.impress_budgets is None
@@ -1110,8 +1075,9 @@ def main() -> None:
                 "prefetch": PREFIX.prefetch if args.prefetch is None else args.prefetch,
             },
             "common_flags": COMMON,
-            "commit": commit.stdout.strip(),
-        }
+            "commit": env["git"]["commit"],
+        },
+        "env": env,
     }
     try:
         with tqdm(total=units, desc="reprefill") as bar:
@@ -1137,18 +1103,17 @@ def main() -> None:
             }
             payload["systems"] = json.loads(json.dumps(b.res))  # str keys throughout
             payload["paired"] = b.res_paired
-            save(name, payload, load_start)  # after every part: a later failure keeps what was measured
+            save(args.out, payload)  # after every part: a later failure keeps what was measured
             if "inprocess" in args.parts:
                 payload["inprocess"] = run_inprocess(tok, model_dir, b.hist_all, lengths, [*budgets, 1.0], bar)
-                save(name, payload, load_start)
+                save(args.out, payload)
             if "multiturn" in args.parts:
                 mt_budgets = args.mt_budgets or default_mt_budgets(payload)
                 payload["multiturn"] = run_multiturn(tok, mt_budgets, bar, args.mt_per_task)
-                save(name, payload, load_start)
+                save(args.out, payload)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    plot(payload, RESULTS / f"{name}.png")
-    print(json.dumps(payload["summary"], indent=1))
+    return payload
 
 
 def default_mt_budgets(payload: dict) -> list[float]:
@@ -1162,31 +1127,53 @@ def default_mt_budgets(payload: dict) -> list[float]:
     return ok or [max(below, key=lambda x: (agree[str(x)] or 0, x))]
 
 
-def add_multiturn(name: str, budgets: list[float] | None, per_task: int) -> None:
+def add_multiturn(name: str, budgets: list[float] | None, per_task: int) -> dict:
     """Multi-turn runs added to an existing result (dense run again: the ratios come from one invocation)."""
     from transformers import AutoTokenizer
 
-    payload = json.loads((RESULTS / f"{name}.json").read_text())
+    payload = load(name)
     budgets = budgets or default_mt_budgets(payload)
     tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
-    load_start = os.getloadavg()
+    env = environment()
     with tqdm(total=MT_TURNS_PER_TASK * per_task * (1 + len(budgets)), desc="reprefill multiturn") as bar:
         new = run_multiturn(tok, budgets, bar, per_task)
     payload["multiturn"] = {**(payload.get("multiturn") or {}), **new}
     payload["config"].setdefault("runs", []).append(
-        {"command": "python -m benchmarks.reprefill " + " ".join(sys.argv[1:])}
-        | {"env": environment() | {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}}
+        {"command": "python -m benchmarks.reprefill " + " ".join(sys.argv[1:])} | {"env": finish(env)}
     )
-    payload["summary"] = summarize(payload)
-    write_results(name, payload, report_md(payload))
-    plot(payload, RESULTS / f"{name}.png")
-    print(json.dumps(payload["summary"], indent=1))
+    return payload
 
 
-def save(name: str, payload: dict, load_start) -> None:
+def save(name: str, payload: dict) -> None:
+    """The parts so far, written (a later failure keeps what was measured)."""
     payload["summary"] = summarize(payload)
-    payload["env"] = environment() | {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}
-    write_results(name, payload, report_md(payload))
+    snap = {**payload, "env": finish(dict(payload["env"]))}
+    write_results(name, snap, report_md(snap))
+
+
+def refresh(p: dict) -> None:
+    p["summary"] = summarize(p)
+
+
+BENCH = cli.Benchmark("reprefill", run, report_md, plot, refresh, parts=("servers", "inprocess", "multiturn"))
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS)
+    ap.add_argument("--budgets", type=float, nargs="+", default=BUDGETS)
+    ap.add_argument("--tiers", nargs="+", default=["host", "disk"], choices=["host", "disk"])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat, budgets 0.1/0.5/1.0 (-> reprefill_quick)")
+    ap.add_argument("--prefetch", type=float, default=None, help="--loopkv-prefix-prefetch of the pruned servers")
+    ap.add_argument("--mt-budgets", type=float, nargs="+", default=None,
+                    help="budgets of the multi-turn part (default: every one meeting the agreement target)")  # fmt: skip
+    ap.add_argument("--mt-per-task", type=int, default=MT_PER_TASK,
+                    help="multi-turn conversations per task (more turns per question position)")  # fmt: skip
+    ap.add_argument("--add", action="store_true", help="with --parts multiturn: add to <name>.json's multi-turn part")
+    ap.add_argument("--impress-budgets", type=float, nargs="*", default=None,
+                    help="budgets of the IMPRESS-style servers (default: those of --budgets up to 0.5; none: skip them)")  # fmt: skip
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

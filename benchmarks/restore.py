@@ -31,10 +31,7 @@ tier bytes / tier tokens (key summaries, scales and file headers included).
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import os
 import tempfile
 from pathlib import Path
 
@@ -42,19 +39,19 @@ import requests
 from tqdm import tqdm
 
 from benchmarks.common import (
-    RESULTS,
     cpu_pool_dtype,
-    environment,
-    machine_label,
-    md_table,
-    median,
+    drop_page_cache,
+    metrics,
     model_facts,
     synthetic_ids,
     teacher_forced_top1,
     timed_generate,
-    write_results,
 )
-from benchmarks.resume import drop_page_cache
+from benchmarks.harness import cli
+from benchmarks.harness.env import load1, machine_label
+from benchmarks.harness.plot import figure, log_lengths
+from benchmarks.harness.results import RESULTS, md_table
+from benchmarks.harness.stats import median
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
@@ -81,15 +78,6 @@ def turn_ids(tok) -> list[int]:
     return tok("\nUser: Summarise what was said about the river and the museum.\nAssistant:", add_special_tokens=False)[
         "input_ids"
     ]
-
-
-def metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in requests.get(f"{url}/metrics", timeout=30).text.splitlines():
-        if line.startswith("loopkv_") and not line.startswith("#"):
-            key, val = line.rsplit(" ", 1)
-            out[key] = out.get(key, 0.0) + float(val)
-    return out
 
 
 def _generate(url: str, body: dict) -> dict:
@@ -181,47 +169,101 @@ def run_config(name: str, tier: str, tok, L: int, repeats: int, ref: dict | None
     return out
 
 
-def plot(results: dict, lengths: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
-    styles = dict(zip(SYSTEMS, ("--s", "-o", "-^", "-D", "-*", "-v")))
-    for ax, tier in zip(axes, ("host", "disk")):
-        for i, name in enumerate(SYSTEMS):  # one colour per system in both panels
-            key = tier if tier in SYSTEMS[name][1] else ("-" if name == "full_recompute" else None)
-            if key is None:
-                continue
-            ttft = [results[name][key][L]["ttft_s"] for L in lengths]
-            ax.plot(lengths, ttft, styles[name], color=f"C{i}", label=name)
-        ax.set(xscale="log", yscale="log", xlabel="history tokens", title=f"history evicted to the {tier} tier")
-        ax.set_xticks(lengths, [str(L) for L in lengths])
-        ax.xaxis.set_minor_formatter(NullFormatter())
-    axes[0].set_ylabel("returning-turn TTFT (s, median)")
-    axes[0].legend(fontsize=8)
-    fig.suptitle("Restoring an evicted conversation (SmolLM2-135M, CPU)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def _int_lengths(p: dict) -> dict:
+    return {n: {t: {int(L): r for L, r in v.items()} for t, v in tiers.items()} for n, tiers in p["systems"].items()}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat")
-    ap.add_argument("--replot", action="store_true", help="redraw restore.png from restore.json")
-    args = ap.parse_args()
-    if args.replot:
-        payload = json.loads((RESULTS / "restore.json").read_text())
-        res = {
-            n: {t: {int(L): r for L, r in v.items()} for t, v in tiers.items()}
-            for n, tiers in payload["systems"].items()
-        }
-        plot(res, payload["lengths"], RESULTS / "restore.png")
-        return
+def _configs(p: dict) -> list[tuple[str, str]]:
+    """(system, tier) in the order they ran: the reference first."""
+    configs = [(n, t) for n, tiers in p["systems"].items() for t in tiers]
+    configs.remove(("full_load", "host"))
+    return [("full_load", "host"), *configs]
+
+
+def plot(p: dict, path: Path) -> None:
+    results, lengths = _int_lengths(p), p["lengths"]
+    styles = dict(zip(p["systems"], ("--s", "-o", "-^", "-D", "-*", "-v")))
+    with figure(path, 1, 2, size=(11, 4.2), dpi=120, sharey=True) as (fig, axes):
+        for ax, tier in zip(axes, ("host", "disk")):
+            for i, name in enumerate(p["systems"]):  # one colour per system in both panels
+                key = tier if tier in results[name] else ("-" if name == "full_recompute" else None)
+                if key is None:
+                    continue
+                ax.plot(lengths, [results[name][key][L]["ttft_s"] for L in lengths], styles[name], color=f"C{i}",
+                        label=name)  # fmt: skip
+            ax.set(yscale="log", xlabel="history tokens", title=f"history evicted to the {tier} tier")
+            log_lengths(ax, lengths)
+        axes[0].set_ylabel("returning-turn TTFT (s, median)")
+        axes[0].legend(fontsize=8)
+        fig.suptitle("Restoring an evicted conversation (SmolLM2-135M, CPU)")
+
+
+def report_md(p: dict) -> str:
+    results, lengths, env, model, s = _int_lengths(p), p["lengths"], p["env"], p["model"], p["summary"]
+    rows = []
+    for L in lengths:
+        for name, tier in _configs(p):
+            r = results[name][tier][L]
+            rows.append(
+                [
+                    L,
+                    name,
+                    tier,
+                    r["ttft_s"],
+                    results["full_recompute"]["-"][L]["ttft_s"] / r["ttft_s"],
+                    results["full_load"][tier if tier != "-" else "host"][L]["ttft_s"] / r["ttft_s"],
+                    f"{r['front_first']:.0f}..{r['front_last']:.0f}" if "front_first" in r else "-",
+                    r.get("bubble_fraction", "-"),
+                    r.get("bytes_per_token", "-"),
+                    model["kv_bytes_per_token"] / r["bytes_per_token"] if "bytes_per_token" in r else "-",
+                    r["greedy_agreement"],
+                    r["prefix_agreement"],
+                    r["first_token_kl"],
+                ]
+            )
+    share = s["per_system"]["loopkv_share"]
+    return (
+        f"# restore ({env['when']}; `{env['command']}`, "
+        f"median of {p['repeats']} timed resume(s) after a warm-up; load average {load1(env['loadavg_start']):.1f} "
+        f"at start, {load1(env['loadavg_end']):.1f} at end)\n\n"
+        f"{model['name']} ({model['num_layers']} layers), {model['pool_dtype']} KV pool, {machine_label(env)}. "
+        "Returning turn of a conversation whose history was "
+        "evicted from the device pool to the host arena (`host`) or, with no arena, to disk with the page cache "
+        "dropped (`disk`). Systems:\n\n"
+        + "".join(f"- {n}: `{' '.join(f) if f else '--disable-radix-cache'}`\n" for n, f in p["flags"].items())
+        + "\n"
+        + md_table(
+            [
+                "history",
+                "system",
+                "tier",
+                "TTFT s",
+                "recompute / x",
+                "full load (same tier) / x",
+                "front tokens recomputed (layer 0..last)",
+                "bubble fraction",
+                "stored B/token",
+                "reduction vs fp32 KV",
+                "greedy agreement (teacher-forced)",
+                "prefix agreement",
+                "first-token KL",
+            ],
+            rows,
+        )
+        + f"\nSummary (`{s['headline_system']}`, host tier unless said): TTFT vs full recompute "
+        f"{s['ttft_recompute_over_loopkv_4k']:.1f}x at 4K (target 5x); vs full load "
+        f"{s['ttft_full_load_over_loopkv_4k']:.2f}x (host) and {s['ttft_full_load_over_loopkv_4k_disk']:.2f}x (disk) "
+        f"(target 2.5x); storage reduction {s['storage_reduction']:.2f}x host, {s['storage_reduction_disk']:.2f}x disk "
+        f"(target 3x); greedy agreement {s['greedy_agreement']:.3f} (target 0.9), prefix agreement "
+        f"{s['prefix_agreement']:.2f}; first-token KL at most {s['first_token_kl_max']:.2g}; bubble fraction "
+        f"{s['bubble_fraction']:.3f}; uncompressed plans exact (greedy identical): {s['exact_without_compression']}. "
+        f"With sharing (`loopkv_share`): {share['storage_reduction']:.2f}x host, greedy agreement "
+        f"{share['greedy_agreement']:.3f}, prefix agreement {share['prefix_agreement']:.2f}, first-token KL up to "
+        f"{share['first_token_kl_max']:.2g}.\n"
+    )
+
+
+def run(args, env: dict) -> dict:
     lengths, repeats = ([4096], 1) if args.quick else (sorted(args.lengths), args.repeats)
     assert 4096 in lengths, "the summary is at 4K"
 
@@ -232,7 +274,6 @@ def main() -> None:
     model = model_facts(model_dir, DEFAULT_MODEL_NAME)
     pool_dtype, pool_bytes = cpu_pool_dtype()
     full_kv_bytes = model.kv_bytes_per_token(pool_bytes)  # the KV pool's bytes per token (no summaries)
-    load_start = os.getloadavg()
     configs = [(n, t) for n, (_, tiers) in SYSTEMS.items() for t in tiers]
     configs.remove(("full_load", "host"))
     configs.insert(0, ("full_load", "host"))  # the reference first
@@ -244,8 +285,6 @@ def main() -> None:
                 ref = results["full_load"]["host"].get(L)
                 results[name][tier][L] = run_config(name, tier, tok, L, repeats, ref)
                 bar.update()
-
-    rows = []
     for L in lengths:
         ref = results["full_load"]["host"][L]
         for name, tier in configs:
@@ -306,71 +345,21 @@ def main() -> None:
     for n, t, L in ((n, t, L) for n, t in configs for L in lengths):
         for key in ("output_ids", "teacher_forced"):
             results[n][t][L].pop(key)
-    env = environment() | {"loadavg_start": load_start, "loadavg_end": os.getloadavg()}
+    model_rec = {"name": model.name, "num_layers": model.num_layers, "pool_dtype": pool_dtype,
+                 "kv_bytes_per_token": full_kv_bytes}  # fmt: skip
     payload = {"summary": summary, "systems": results, "flags": {n: f for n, (f, _) in SYSTEMS.items()}}
-    payload |= {"lengths": lengths, "repeats": repeats, "env": env}
-    for L in lengths:
-        for name, tier in configs:
-            r = results[name][tier][L]
-            rows.append(
-                [
-                    L,
-                    name,
-                    tier,
-                    r["ttft_s"],
-                    results["full_recompute"]["-"][L]["ttft_s"] / r["ttft_s"],
-                    results["full_load"][tier if tier != "-" else "host"][L]["ttft_s"] / r["ttft_s"],
-                    f"{r['front_first']:.0f}..{r['front_last']:.0f}" if "front_first" in r else "-",
-                    r.get("bubble_fraction", "-"),
-                    r.get("bytes_per_token", "-"),
-                    full_kv_bytes / r["bytes_per_token"] if "bytes_per_token" in r else "-",
-                    r["greedy_agreement"],
-                    r["prefix_agreement"],
-                    r["first_token_kl"],
-                ]
-            )
-    s, share = summary, summary["per_system"]["loopkv_share"]
-    md = (
-        f"# restore ({env['when']}; `python -m benchmarks.restore{' --quick' if args.quick else ''}`, "
-        f"median of {repeats} timed resume(s) after a warm-up; load average {load_start[0]:.1f} at start, "
-        f"{env['loadavg_end'][0]:.1f} at end)\n\n"
-        f"{model.name} ({model.num_layers} layers), {pool_dtype} KV pool, {machine_label()}. Returning turn of a conversation whose history was "
-        "evicted from the device pool to the host arena (`host`) or, with no arena, to disk with the page cache "
-        "dropped (`disk`). Systems:\n\n"
-        + "".join(f"- {n}: `{' '.join(f) if f else '--disable-radix-cache'}`\n" for n, (f, _) in SYSTEMS.items())
-        + "\n"
-        + md_table(
-            [
-                "history",
-                "system",
-                "tier",
-                "TTFT s",
-                "recompute / x",
-                "full load (same tier) / x",
-                "front tokens recomputed (layer 0..last)",
-                "bubble fraction",
-                "stored B/token",
-                "reduction vs fp32 KV",
-                "greedy agreement (teacher-forced)",
-                "prefix agreement",
-                "first-token KL",
-            ],
-            rows,
-        )
-        + f"\nSummary (`{HEAD}`, host tier unless said): TTFT vs full recompute "
-        f"{s['ttft_recompute_over_loopkv_4k']:.1f}x at 4K (target 5x); vs full load "
-        f"{s['ttft_full_load_over_loopkv_4k']:.2f}x (host) and {s['ttft_full_load_over_loopkv_4k_disk']:.2f}x (disk) "
-        f"(target 2.5x); storage reduction {s['storage_reduction']:.2f}x host, {s['storage_reduction_disk']:.2f}x disk "
-        f"(target 3x); greedy agreement {s['greedy_agreement']:.3f} (target 0.9), prefix agreement "
-        f"{s['prefix_agreement']:.2f}; first-token KL at most {s['first_token_kl_max']:.2g}; bubble fraction "
-        f"{s['bubble_fraction']:.3f}; uncompressed plans exact (greedy identical): {s['exact_without_compression']}. "
-        f"With sharing (`loopkv_share`): {share['storage_reduction']:.2f}x host, greedy agreement "
-        f"{share['greedy_agreement']:.3f}, prefix agreement {share['prefix_agreement']:.2f}, first-token KL up to "
-        f"{share['first_token_kl_max']:.2g}.\n\n![restore](restore.png)\n"
-    )
-    write_results("restore", payload, md)
-    plot(results, lengths, RESULTS / "restore.png")
-    print(md)
+    return payload | {"lengths": lengths, "repeats": repeats, "model": model_rec}
+
+
+BENCH = cli.Benchmark("restore", run, report_md, plot)
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat")
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ alternated per repeat (one server after the other put minutes of machine drift i
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -24,16 +23,11 @@ import psutil
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import (
-    RESULTS,
-    environment,
-    md_table,
-    median,
-    prebuild_kernels,
-    synthetic_ids,
-    timed_generate,
-    write_results,
-)
+from benchmarks.common import synthetic_ids, timed_generate
+from benchmarks.harness import cli
+from benchmarks.harness.plot import figure, log_lengths
+from benchmarks.harness.results import RESULTS, md_table
+from benchmarks.harness.stats import median
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
@@ -127,87 +121,39 @@ def measure_hf(model_dir, tokenizer, repeats: int) -> dict:
     return {"ttft_s": ttft, "decode_tok_s": (DECODE_TOKENS - 1) / (total - ttft)}
 
 
-def plot(results: dict, lengths: list[int], path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style in (("loopkv", "-o"), ("torch_native", "--s")):
-        h = results[name]["history"]
-        ax1.plot(lengths, [h[L]["full_ttft_s"] for L in lengths], style, label=f"{name}: full recompute")
-        ax1.plot(lengths, [h[L]["cached_ttft_s"] for L in lengths], style, label=f"{name}: history cached", alpha=0.6)
-    ax1.set(xscale="log", yscale="log", xlabel="history length (tokens)", ylabel="TTFT (s, median)")
-    ax1.set_xticks(lengths, [str(L) for L in lengths])
-    ax1.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())  # the log axis's own labels overlap ours
-    ax1.set_title("Next-turn TTFT")
-    ax1.legend(fontsize=8)
-    names = ["loopkv", "torch_native", "hf_transformers"]
-    ax2.bar(names, [results[n]["decode_tok_s"] for n in names], color=["C0", "C1", "C2"])
-    ax2.set(ylabel="decode tokens/s (median)", title=f"Decode, {DECODE_TOKENS} greedy tokens, bs=1")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(p: dict, path: Path) -> None:
+    results, lengths = p["systems"], p["lengths"]
+    with figure(path, 1, 2, size=(11, 4), dpi=120) as (_, (ax1, ax2)):
+        for name, style in (("loopkv", "-o"), ("torch_native", "--s")):
+            h = results[name]["history"]
+            ax1.plot(lengths, [h[str(L)]["full_ttft_s"] for L in lengths], style, label=f"{name}: full recompute")
+            ax1.plot(lengths, [h[str(L)]["cached_ttft_s"] for L in lengths], style, label=f"{name}: history cached",
+                     alpha=0.6)  # fmt: skip
+        ax1.set(yscale="log", xlabel="history length (tokens)", ylabel="TTFT (s, median)", title="Next-turn TTFT")
+        log_lengths(ax1, lengths)
+        ax1.legend(fontsize=8)
+        names = ["loopkv", "torch_native", "hf_transformers"]
+        ax2.bar(names, [results[n]["decode_tok_s"] for n in names], color=["C0", "C1", "C2"])
+        ax2.set(ylabel="decode tokens/s (median)", title=f"Decode, {DECODE_TOKENS} greedy tokens, bs=1")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="4K history only, 1 repeat")
-    args = ap.parse_args()
-    prebuild_kernels()  # not inside the first server's timed start-up
-    lengths, repeats = ([4096], 1) if args.quick else (sorted(args.lengths), args.repeats)
-    assert 4096 in lengths, "the summary reports the 4K-history ratio"
-
-    from transformers import AutoTokenizer
-
-    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    results = {}
-    # The weights in the page cache before the first server: the system started first would otherwise
-    # pay their cold read in its start-up (loopkv's start-up read ~1-3 s slower than stock's for that
-    # alone; started alternately they are at par, benchmarks/results/NOTES.md 2026-11-26).
-    for f in Path(model_dir).rglob("*"):
-        if f.is_file():
-            f.read_bytes()
-    with tqdm(total=len(lengths) + 2, desc="serve_smoke") as bar:
-        bar.set_postfix_str(" and ".join(SYSTEMS))
-        results.update(measure_servers(tokenizer, lengths, repeats, bar))
-        bar.set_postfix_str("hf_transformers")
-        results["hf_transformers"] = measure_hf(model_dir, tokenizer, repeats)
-        bar.update()
-
+def report_md(p: dict) -> str:
+    env, lengths, repeats, results = p["env"], p["lengths"], p["repeats"], p["systems"]
     ours, native, hf = results["loopkv"], results["torch_native"], results["hf_transformers"]
-    summary = {
-        "decode_tok_s": ours["decode_tok_s"],
-        "hf_decode_tok_s": hf["decode_tok_s"],
-        "ttft_s": ours["ttft_s"],
-        "hf_ttft_s": hf["ttft_s"],
-        "cached_4k_speedup_loopkv": ours["history"][4096]["speedup"],
-        "cached_4k_speedup_torch_native": native["history"][4096]["speedup"],
-        "cached_4k_ttft_s_loopkv": ours["history"][4096]["cached_ttft_s"],
-        "cached_4k_ttft_s_torch_native": native["history"][4096]["cached_ttft_s"],
-        "full_4k_ttft_loopkv_over_torch_native": ours["history"][4096]["full_ttft_s"]
-        / native["history"][4096]["full_ttft_s"],
-        "startup_s": ours["startup_s"],
-        "idle_cpu_fraction": ours["idle_cpu_fraction"],
-    }
-    payload = {"summary": summary, "systems": results, "lengths": lengths, "repeats": repeats, "env": environment()}
     rows = [
         [
             n,
             L,
-            r["history"][L]["full_ttft_s"],
-            r["history"][L]["full_ttft_s"] / native["history"][L]["full_ttft_s"],
-            r["history"][L]["cached_ttft_s"],
-            r["history"][L]["speedup"],
+            r["history"][str(L)]["full_ttft_s"],
+            r["history"][str(L)]["full_ttft_s"] / native["history"][str(L)]["full_ttft_s"],
+            r["history"][str(L)]["cached_ttft_s"],
+            r["history"][str(L)]["speedup"],
         ]
         for n, r in (("loopkv", ours), ("torch_native", native))
         for L in lengths
     ]
-    md = (
-        f"# serve_smoke ({payload['env']['when']}, {repeats} repeats, medians)\n\n"
+    return (
+        f"# serve_smoke ({env['when']}, {repeats} repeats, medians)\n\n"
         "Next-turn TTFT with the history cached vs recomputed (default model, bs=1; both servers up side by "
         "side, every measurement taken from each in turn):\n\n"
         + md_table(
@@ -242,16 +188,60 @@ def main() -> None:
                 ["HF transformers generate()", hf["decode_tok_s"], hf["ttft_s"], "-", "-"],
             ],
         )
-        + "\n![serve_smoke](serve_smoke.png)\n"
     )
-    json_path, _ = write_results("serve_smoke", payload, md)
-    plot(results, lengths, RESULTS / "serve_smoke.png")
-    print(md)
-    print(
-        f"cached-4K speedup: loopkv {summary['cached_4k_speedup_loopkv']:.1f}x vs torch_native "
-        f"{summary['cached_4k_speedup_torch_native']:.1f}x; decode loopkv/HF = "
-        f"{summary['decode_tok_s'] / summary['hf_decode_tok_s']:.2f}x  -> {json_path}"
-    )
+
+
+def run(args, env: dict) -> dict:
+    lengths, repeats = ([4096], 1) if args.quick else (sorted(args.lengths), args.repeats)
+    assert 4096 in lengths, "the summary reports the 4K-history ratio"
+
+    from transformers import AutoTokenizer
+
+    model_dir = ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    results = {}
+    # The weights in the page cache before the first server: the system started first would otherwise
+    # pay their cold read in its start-up (loopkv's start-up read ~1-3 s slower than stock's for that
+    # alone; started alternately they are at par, benchmarks/results/NOTES.md 2026-11-26).
+    for f in Path(model_dir).rglob("*"):
+        if f.is_file():
+            f.read_bytes()
+    with tqdm(total=len(lengths) + 2, desc="serve_smoke") as bar:
+        bar.set_postfix_str(" and ".join(SYSTEMS))
+        results.update(measure_servers(tokenizer, lengths, repeats, bar))
+        bar.set_postfix_str("hf_transformers")
+        results["hf_transformers"] = measure_hf(model_dir, tokenizer, repeats)
+        bar.update()
+    for r in results.values():  # the keys JSON stores: --report-only reads the same either way
+        if "history" in r:
+            r["history"] = {str(L): h for L, h in r["history"].items()}
+    ours, native, hf = results["loopkv"], results["torch_native"], results["hf_transformers"]
+    o4, n4 = ours["history"]["4096"], native["history"]["4096"]
+    summary = {
+        "decode_tok_s": ours["decode_tok_s"],
+        "hf_decode_tok_s": hf["decode_tok_s"],
+        "ttft_s": ours["ttft_s"],
+        "hf_ttft_s": hf["ttft_s"],
+        "cached_4k_speedup_loopkv": o4["speedup"],
+        "cached_4k_speedup_torch_native": n4["speedup"],
+        "cached_4k_ttft_s_loopkv": o4["cached_ttft_s"],
+        "cached_4k_ttft_s_torch_native": n4["cached_ttft_s"],
+        "full_4k_ttft_loopkv_over_torch_native": o4["full_ttft_s"] / n4["full_ttft_s"],
+        "startup_s": ours["startup_s"],
+        "idle_cpu_fraction": ours["idle_cpu_fraction"],
+    }
+    return {"summary": summary, "systems": results, "lengths": lengths, "repeats": repeats}
+
+
+BENCH = cli.Benchmark("serve_smoke", run, report_md, plot)
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="4K history only, 1 repeat")
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

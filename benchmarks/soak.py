@@ -44,10 +44,8 @@ tokens as its top two).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import functools
-import json
 import os
 import shutil
 import tempfile
@@ -62,19 +60,11 @@ from pathlib import Path
 import requests
 
 from benchmarks import conversations as conv
-from benchmarks.common import (
-    RESULTS,
-    cpu_pool_dtype,
-    environment,
-    md_table,
-    model_facts,
-    prebuild_kernels,
-    synthetic_ids,
-    timed_generate,
-    write_results,
-)
-from benchmarks.decode import percentile
-from benchmarks.multiturn import _git_state, chat_turn, tier_bytes
+from benchmarks.common import chat_turn, cpu_pool_dtype, model_facts, synthetic_ids, tier_bytes, timed_generate
+from benchmarks.harness import cli
+from benchmarks.harness.plot import figure
+from benchmarks.harness.results import RESULTS, md_table
+from benchmarks.harness.stats import percentile
 from sgl_loopkv.server.process import ServerProcess
 
 SYSTEMS = {"loopkv": (), "stock": ("--loopkv-stock",)}  # name -> launcher flags
@@ -657,16 +647,15 @@ def report_md(p: dict) -> str:
                 for m in mism
             ],
         )
-    return text + f"\n![soak]({cfg.get('out', 'soak')}.png)\n"
+    return text
 
 
 def plot(p: dict, path: Path) -> None:
-    import matplotlib
+    with figure(path, 1, 3, size=(14, 4.2)) as (fig, axes):
+        _plot(p, fig, axes)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+def _plot(p: dict, fig, axes) -> None:
     for i, (name, res) in enumerate(p["results"].items()):
         s = res["samples"]
         t = [x["t"] for x in s]
@@ -686,37 +675,13 @@ def plot(p: dict, path: Path) -> None:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle(f"Soak: {p['config']['load']['conversations']} concurrent conversations")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2 minutes per system (CI)")
-    ap.add_argument("--duration", type=float, help="seconds of load per system (default 600, --quick 120)")
-    ap.add_argument("--conversations", type=int, default=Load.conversations)
-    ap.add_argument("--turns", type=int, default=Load.turns)
-    ap.add_argument("--user-tokens", type=int, default=Load.user_tokens)
-    ap.add_argument("--max-tokens", type=int, default=Load.max_tokens)
-    ap.add_argument("--pool", type=int, default=Tiers.pool)
-    ap.add_argument("--host-tokens", type=int, default=Tiers.host_tokens)
-    ap.add_argument("--disk-tokens", type=int, default=Tiers.disk_tokens)
-    ap.add_argument("--sample-s", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
-    ap.add_argument("--no-stock-replay", action="store_true", help="replay sgl-loopkv's turns only")
-    ap.add_argument("--loopkv-args", default="", help="extra launcher flags of the sgl-loopkv server (A/B runs)")
-    ap.add_argument("--out", default="soak", help="results name under benchmarks/results (default soak)")
-    ap.add_argument("--report-only", action="store_true", help="re-render the table and plot from <out>.json")
-    args = ap.parse_args()
-    if args.report_only:
-        payload = json.loads((RESULTS / f"{args.out}.json").read_text())
-        payload["summary"] = summarize(payload["results"], Load(**payload["config"]["load"]))
-        write_results(args.out, payload, report_md(payload))
-        plot(payload, RESULTS / f"{args.out}.png")
-        return
-    prebuild_kernels()  # not inside the first server's timed start-up
+def refresh(p: dict) -> None:
+    p["summary"] = summarize(p["results"], Load(**p["config"]["load"]))
 
+
+def run(args, env: dict) -> dict:
     from transformers import AutoTokenizer
 
     from sgl_loopkv.config import LoopKVConfig
@@ -730,8 +695,6 @@ def main() -> None:
     dtype, dtype_bytes = cpu_pool_dtype()
     facts = model_facts(model_dir)
     kv = facts.kv_bytes_per_token(dtype_bytes)
-    env = {**environment(), "loadavg_start": os.getloadavg()[0], "git": _git_state()}
-    t_start = time.monotonic()
     results = {}
     for name in args.systems:
         flags = SYSTEMS[name]
@@ -749,8 +712,7 @@ def main() -> None:
             sample_s=args.sample_s,
             log_path=RESULTS / f"{args.out}_{name}.log",
         )
-    env |= {"loadavg_end": os.getloadavg()[0], "wall_s": time.monotonic() - t_start, "git_end": _git_state()}
-    payload = {
+    return {
         "summary": summarize(results, load),
         "config": {
             "mode": "quick" if args.quick else "full",
@@ -764,13 +726,29 @@ def main() -> None:
             "kv_bytes_per_token": kv,
         },
         "results": results,
-        "env": env,
     }
-    md = report_md(payload)
-    json_path, _ = write_results(args.out, payload, md)
-    plot(payload, RESULTS / f"{args.out}.png")
-    print(md)
-    print(f"-> {json_path}")
+
+
+BENCH = cli.Benchmark("soak", run, report_md, plot, refresh)
+
+
+def main() -> None:
+    ap = cli.parser(BENCH, __doc__)
+    ap.add_argument("--quick", action="store_true", help="2 minutes per system (CI)")
+    ap.add_argument("--duration", type=float, help="seconds of load per system (default 600, --quick 120)")
+    ap.add_argument("--conversations", type=int, default=Load.conversations)
+    ap.add_argument("--turns", type=int, default=Load.turns)
+    ap.add_argument("--user-tokens", type=int, default=Load.user_tokens)
+    ap.add_argument("--max-tokens", type=int, default=Load.max_tokens)
+    ap.add_argument("--pool", type=int, default=Tiers.pool)
+    ap.add_argument("--host-tokens", type=int, default=Tiers.host_tokens)
+    ap.add_argument("--disk-tokens", type=int, default=Tiers.disk_tokens)
+    ap.add_argument("--sample-s", type=float, default=2.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    ap.add_argument("--no-stock-replay", action="store_true", help="replay sgl-loopkv's turns only")
+    ap.add_argument("--loopkv-args", default="", help="extra launcher flags of the sgl-loopkv server (A/B runs)")
+    cli.main(BENCH, ap)
 
 
 if __name__ == "__main__":

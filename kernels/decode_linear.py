@@ -14,7 +14,7 @@ linear layers, each a few rows against a weight matrix read from memory once.
 - **bfloat16, up to** ``GEMV_MAX_ROWS`` **rows, AVX512-BF16**: ``gemv_bf16``, the same kernel on the
   CPU's bf16 dot product (float32 sums of exact products, one fixed order, the bias added and the
   result rounded once to bfloat16, as oneDNN's bf16 linear does). oneDNN reads bf16 weights at ~15
-  GB/s here; this kernel at ~30 (``benchmarks/gemv.py``). Its bits are not oneDNN's either (they
+  GB/s here; this kernel at ~30 (``benchmarks/studies/gemv.py``). Its bits are not oneDNN's either (they
   differ in the last bf16 place where the two float32 sums round apart); the same switch keeps those.
 - **otherwise, up to** ``MAX_ROWS`` **rows** (more rows, no AVX-512, or exact mode): the
   split, bitwise ``F.linear``: W's output features over torch's threads, each thread running MKL

@@ -1,5 +1,5 @@
 """Error answers of the HTTP API: bad input gets a readable 4xx, never a 5xx, a cut stream or a path
-of the server's files. What ``benchmarks/fuzz.py`` found in SGLang 0.5.23 (with FastAPI 0.165):
+of the server's files. What ``benchmarks/studies/fuzz.py`` found in SGLang 0.5.23 (with FastAPI 0.165):
 
 - FastAPI puts the endpoint's source location (``File "/…/http_server.py", line N, in …``) into the
   text of every ``RequestValidationError``, and SGLang's handler sends that text as the 400's

@@ -1,6 +1,6 @@
 """Request values that SGLang 0.5.23 accepts but that kill its scheduler: rejected with a 400 first.
 
-Found by ``benchmarks/fuzz.py``; each ends the scheduler process, i.e. the whole server, for every
+Found by ``benchmarks/studies/fuzz.py``; each ends the scheduler process, i.e. the whole server, for every
 client:
 
 - ``top_logprobs_num`` (``top_logprobs`` of the OpenAI APIs) past the vocabulary reaches

@@ -190,7 +190,7 @@ EXTEND_NATIVE_MAX_ROWS = 32
 #: Decode without the native kernel: read the pool through run views when a sequence has at most
 #: this many slot runs, else gather its KV first. Each run costs two small matmuls (~10-20 us of
 #: dispatch on these CPUs) while a gather of a 4K-token prefix costs about as much as reading it
-#: twice; the two meet around 8 runs for 0.5-8K-token histories (benchmarks/decode_paths.py).
+#: twice; the two meet around 8 runs for 0.5-8K-token histories (benchmarks/studies/decode_paths.py).
 DECODE_VIEW_MAX_RUNS = 8
 
 

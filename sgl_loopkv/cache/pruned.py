@@ -281,7 +281,7 @@ class PrunedRestore:
         and never fewer than two sets of ``keep`` out of ``n_chunks`` must share (2 keep - n_chunks:
         at budget 0.9 eight in nine of the set, at 0.5 and below none). Consecutive periods of
         SmolLM2 share about half their chunks at budget 0.1, and the best scored are only slightly
-        likelier to stay (benchmarks/results/prefetch_survival.md); at 0.75-0.9 reading nothing
+        likelier to stay (benchmarks/results/studies/prefetch_survival.md); at 0.75-0.9 reading nothing
         ahead left each period's reads waiting (NOTES.md, 2026-11-29)."""
         forced = always_kept(self.n_chunks, self.keep, self.local)[chunks]
         n = max(int(forced.sum()), round(self.prefetch * len(chunks)), 2 * self.keep - self.n_chunks)

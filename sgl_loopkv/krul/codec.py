@@ -87,7 +87,7 @@ class MiniCacheCodec(PairCodec):
     ``cos(t * angle)`` (shallow) and ``cos((1 - t) * angle)`` (deep), angle <= the smallest retained
     angle. ``t = 0`` keeps the shallow layer bit-exact (row = shallow) and gives the deep layer the
     shallow direction with its own magnitudes. t = 0.5 minimises the larger of the two angular
-    errors and gave the best greedy agreement (benchmarks/results/krul_select.md); retain = 0.05 is
+    errors and gave the best greedy agreement (benchmarks/results/studies/krul_select.md); retain = 0.05 is
     MiniCache's order of magnitude (~3% bytes).
     """
 

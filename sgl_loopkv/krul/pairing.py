@@ -22,7 +22,7 @@ PairingMethod = Callable[[torch.Tensor, list[int], int], Pairs]
 PAIRINGS: Registry[PairingMethod] = Registry("layer pairing")
 
 #: "optimal" never has a higher total distance than "greedy" and its agreement is no worse
-#: (benchmarks/results/krul_select.md).
+#: (benchmarks/results/studies/krul_select.md).
 DEFAULT_PAIRING = "optimal"
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fuzz import CORE_OPERATIONS, SERVER_ARGS, fuzz, healthy
+from benchmarks.studies.fuzz import CORE_OPERATIONS, SERVER_ARGS, fuzz, healthy
 from tests.e2e.conftest import _server
 
 pytestmark = pytest.mark.server

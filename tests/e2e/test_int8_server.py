@@ -11,7 +11,7 @@ def test_server_resumes_int8_histories_from_host_and_disk(tiny_server, tiny_mode
     """A real server with int8 tiers: evicted conversations come back from the host arena and, after a
     restart, from disk; the answers equal a server that never evicted (int8 error is far below the
     tiny model's logit gaps here); the host tier holds int8 bytes per token."""
-    from benchmarks.restore import metrics
+    from benchmarks.common import metrics
     from sgl_loopkv.server.process import ServerProcess
     from tests.e2e.conftest import COMMON_SERVER_ARGS
     from tests.e2e.test_tiered_cache import N_CONV, ask, tiers

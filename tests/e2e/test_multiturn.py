@@ -61,7 +61,7 @@ def test_lengths_and_turns(length, tokenizer):
 @pytest.mark.server
 def test_runner_plays_a_conversation(tiny_server):
     """The runner's streaming chat turn against a live (tiny random-weight) server."""
-    from benchmarks.multiturn import chat_turn
+    from benchmarks.common import chat_turn
 
     conv = C.generate("passkey", 0, 2, 512)
     for t in range(2):

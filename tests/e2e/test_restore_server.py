@@ -46,7 +46,7 @@ def test_server_restores_with_a_split_plan(planner, tiny_server, tiny_model_dir,
 
 
 def _host_bytes_per_token(url: str) -> float:
-    from benchmarks.restore import metrics
+    from benchmarks.common import metrics
 
     m = metrics(url)
     return m['loopkv_tier_bytes{tier="host"}'] / m['loopkv_tier_tokens{tier="host"}']

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from benchmarks.fuzz import MAX_GEN, Tally, clamp_body, error_message, find_leak, hand_written_cases
+from benchmarks.studies.fuzz import MAX_GEN, Tally, clamp_body, error_message, find_leak, hand_written_cases
 
 SGLANG_FILE = f"{sys.prefix}/lib/python3.11/site-packages/sglang/srt/entrypoints/http_server.py"
 

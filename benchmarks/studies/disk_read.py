@@ -1,0 +1,170 @@
+"""Disk resumes read inline vs read ahead (``--loopkv-disk-read inline|background``), side by side.
+
+SmolLM2, three 3K-token histories on the disk tier only (``--loopkv-host-bytes 0``, a device pool
+that holds one), the page cache dropped before each resume. Under load: client A resumes them back
+to back while client B streams three 150-token answers; B's inter-token gaps and A's TTFT. Idle:
+A alone, 15 resumes. The modes alternate (inline, background, inline, ...) so drift hits both.
+
+    python -m benchmarks.studies.disk_read            # 2 servers per mode (~12 minutes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+from transformers import AutoTokenizer
+
+from benchmarks.common import synthetic_ids, timed_generate
+from benchmarks.harness.results import md_table
+from benchmarks.studies import RESULTS, write_results
+from benchmarks.studies.resume import drop_page_cache
+from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.models import ensure_default_model
+from sgl_loopkv.server.process import ServerProcess
+
+L, N_HIST, ANSWER = 3072, 3, 150
+
+
+def quantile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def run(mode: str, tok, idle: bool) -> dict:
+    hists = [synthetic_ids(tok, L, seed=70 + i) for i in range(N_HIST)]
+    disk = Path(tempfile.mkdtemp(prefix="disk-read-"))
+    flags = ["--max-total-tokens", str(L + 1200), "--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk)]
+    srv = ServerProcess([*flags, "--loopkv-disk-read", mode], log_path=RESULTS / f"disk_read_{mode}.log").start()
+    try:
+        for h in hists:
+            timed_generate(srv.url, h, 1)
+        time.sleep(1.0)  # the writer puts them on disk
+        ttfts: list[float] = []
+
+        def resume(r: int) -> None:
+            drop_page_cache(disk)
+            res = timed_generate(srv.url, hists[r % N_HIST] + synthetic_ids(tok, 12, seed=5000 + r), 1)
+            assert (res["meta_info"].get("cached_tokens_details") or {}).get("storage", 0) >= L - 16, res["meta_info"]
+            ttfts.append(res["ttft_s"])
+
+        if idle:
+            for r in range(15):
+                resume(r)
+            return {"mode": mode, "load": "idle", "resumes": len(ttfts), "ttft_p50_s": statistics.median(ttfts)}
+        gaps, stop = [], threading.Event()
+
+        def resumer() -> None:
+            r = 0
+            while not stop.is_set():
+                resume(r)
+                r += 1
+
+        th = threading.Thread(target=resumer)
+        th.start()
+        try:
+            for rep in range(3):
+                body = {
+                    "input_ids": synthetic_ids(tok, 64, seed=9100 + rep),
+                    "sampling_params": {"max_new_tokens": ANSWER, "temperature": 0, "ignore_eos": True},
+                    "stream": True,
+                }
+                last = None
+                with requests.post(f"{srv.url}/generate", json=body, stream=True, timeout=600) as resp:
+                    for line in resp.iter_lines():
+                        if line.startswith(b"data:") and not line.endswith(b"[DONE]"):
+                            now = time.perf_counter()
+                            if last is not None:
+                                gaps.append(now - last)
+                            last = now
+        finally:
+            stop.set()
+            th.join()
+        return {
+            "mode": mode,
+            "load": "a stream beside",
+            "resumes": len(ttfts),
+            "ttft_p50_s": statistics.median(ttfts),
+            "stream_gap_p50_ms": 1000 * quantile(gaps, 0.5),
+            "stream_gap_p99_ms": 1000 * quantile(gaps, 0.99),
+            "stream_gap_max_ms": 1000 * max(gaps),
+        }
+    finally:
+        srv.stop()
+
+
+def median_of(rows: list[dict], mode: str, load: str, key: str) -> float:
+    return statistics.median(r[key] for r in rows if r["mode"] == mode and r["load"] == load)
+
+
+def report(rows: list[dict], when: str) -> str:
+    keys = ["mode", "load", "resumes", "ttft_p50_s", "stream_gap_p50_ms", "stream_gap_p99_ms", "stream_gap_max_ms"]
+    md = f"# disk_read ({when}; `python -m benchmarks.studies.disk_read`)\n\n"
+    md += "A disk-only 3K-token history resumed (page cache dropped): inline read vs read ahead.\n\n"
+    md += md_table(keys, [[r.get(k, "-") for k in keys] for r in rows])
+    med = functools.partial(median_of, rows)
+    busy, idle = "a stream beside", "idle"
+    md += (
+        f"\nWith a stream beside: its inter-token gap p50 inline / background "
+        f"**{med('inline', busy, 'stream_gap_p50_ms') / med('background', busy, 'stream_gap_p50_ms'):.2f}x**, p99 "
+        f"**{med('inline', busy, 'stream_gap_p99_ms') / med('background', busy, 'stream_gap_p99_ms'):.2f}x**; "
+        f"the resuming client's TTFT p50 background / inline "
+        f"**{med('background', busy, 'ttft_p50_s') / med('inline', busy, 'ttft_p50_s'):.2f}x**. "
+        f"Idle: TTFT p50 background / inline **{med('background', idle, 'ttft_p50_s') / med('inline', idle, 'ttft_p50_s'):.2f}x**.\n"
+    )
+    return md
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    med = functools.partial(median_of, rows)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    busy = "a stream beside"
+    for i, mode in enumerate(("inline", "background")):
+        axes[0].bar([j + 0.4 * i for j in range(2)], [med(mode, busy, "stream_gap_p50_ms"), med(mode, busy, "stream_gap_p99_ms")],
+                    width=0.4, label=mode)  # fmt: skip
+        axes[1].bar([j + 0.4 * i for j in range(2)], [med(mode, busy, "ttft_p50_s"), med(mode, "idle", "ttft_p50_s")],
+                    width=0.4, label=mode)  # fmt: skip
+    axes[0].set_xticks([0.2, 1.2], ["gap p50", "gap p99"])
+    axes[0].set_ylabel("ms")
+    axes[0].set_title("a stream beside disk resumes")
+    axes[1].set_xticks([0.2, 1.2], ["under load", "idle"])
+    axes[1].set_ylabel("s")
+    axes[1].set_title("the resuming client's TTFT p50")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=2, help="inline/background pairs per load (default 2)")
+    ap.add_argument("--report-only", action="store_true", help="the table again from disk_read.json")
+    args = ap.parse_args()
+    if args.report_only:
+        payload = json.loads((RESULTS / "disk_read.json").read_text())
+    else:
+        tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
+        rows = [
+            run(m, tok, idle) for idle in (False, True) for _ in range(args.pairs) for m in ("inline", "background")
+        ]
+        payload = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+    md = report(payload["rows"], payload.get("when", "see the JSON"))
+    write_results("disk_read", payload, md + "\n![disk_read](disk_read.png)\n")
+    plot(payload["rows"], RESULTS / "disk_read.png")
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
