@@ -15,27 +15,16 @@ cannot build the kernels.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, quants
 
 from sgl_loopkv.kernels.gguf_linear import load
-from sgl_loopkv.models.gguf.reader import BlockWeight
+from sgl_loopkv.models.gguf.reader import BlockWeight, dequantize_rows
 
 #: Rows up to which ``gemv`` beats dequantized tiles + torch's GEMM (benchmarks/results/gguf_kernels.md).
 GEMV_MAX_ROWS = 32
 #: Weight rows per dequantized tile of the prefill path (at K = 576: 1.2 MB of float32, L2-sized).
 GEMM_TILE = 512
-
-
-def dequantize_rows(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
-    """float32 ``[rows, in_features]`` of block rows (uint8 ``[rows, row_bytes]``), bitwise ``gguf.quants``'s."""
-    module = load()
-    if module is None or in_features % 32:
-        out = quants.dequantize(blocks.numpy(), qtype).astype(np.float32, copy=False)
-        return torch.from_numpy(np.ascontiguousarray(out)).view(-1, in_features)
-    return module.dequantize(blocks.contiguous(), int(qtype), in_features, False)
 
 
 def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

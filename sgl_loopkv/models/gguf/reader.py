@@ -16,8 +16,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, quants
 from gguf.constants import GGML_QUANT_SIZES
+
+from sgl_loopkv.kernels.gguf_linear import load
 
 #: Block types the kernels decode (``kernels/gguf_linear.cpp``): the mixes behind Q4_K_M / Q5_K_M
 #: files, the legacy 32-element types, and float tensors.
@@ -29,6 +31,15 @@ SUPPORTED_TYPES = frozenset(
 
 class GGUFError(ValueError):
     """A GGUF file that cannot be served: not GGUF, truncated, corrupt, or holding an unsupported type."""
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: GGMLQuantizationType, in_features: int) -> torch.Tensor:
+    """float32 ``[rows, in_features]`` of block rows (uint8 ``[rows, row_bytes]``), bitwise ``gguf.quants``'s."""
+    module = load()
+    if module is None or in_features % 32:
+        out = quants.dequantize(blocks.numpy(), qtype).astype(np.float32, copy=False)
+        return torch.from_numpy(np.ascontiguousarray(out)).view(-1, in_features)
+    return module.dequantize(blocks.contiguous(), int(qtype), in_features, False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +70,6 @@ class BlockWeight:
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 of the whole tensor (``shape``), or of the given rows ``[len(rows), in_features]``
         (an embedding lookup decodes only the rows it reads). Bitwise ``gguf.quants.dequantize``."""
-        from sgl_loopkv.models.gguf.linear import dequantize_rows
-
         blocks = self.blocks if rows is None else self.blocks.index_select(0, rows.reshape(-1).long())
         out = dequantize_rows(blocks, self.qtype, self.in_features)
         return out.view(self.shape) if rows is None else out.view(*rows.shape, self.in_features)
