@@ -522,6 +522,7 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional
   x = x.contiguous();
   const int64_t M = x.size(0), rb = w.size(1);
   torch::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();

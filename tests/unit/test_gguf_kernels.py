@@ -161,6 +161,10 @@ def test_bfloat16_activations_round_once(native, small_file):
     assert torch.equal(linear(x, w), linear(x.float(), w).bfloat16())
 
 
+def test_no_rows(native, small_file):
+    assert linear(torch.zeros(0, IN), small_file["w.Q4_K"]).shape == (0, OUT)
+
+
 def test_shape_mismatch_is_a_clear_error(small_file):
     with pytest.raises(ValueError, match="w.Q8_0"):
         linear(torch.randn(2, IN + 32), small_file["w.Q8_0"])

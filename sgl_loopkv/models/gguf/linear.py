@@ -22,7 +22,7 @@ from sgl_loopkv.kernels.gguf_linear import load
 from sgl_loopkv.models.gguf.reader import BlockWeight, dequantize_rows
 
 #: Rows up to which ``gemv`` is at least at par with dequantized tiles + torch's GEMM (the fastest calls of
-#: benchmarks/results/gguf_kernels.md's prefill part, one thread, this EPYC: ahead at 16 rows, behind at 32).
+#: benchmarks/results/gguf_kernels.md's prefill part, one thread, the AVX2 EPYC: at par or ahead at 16 rows, behind at 32).
 GEMV_MAX_ROWS = 16
 #: Weight rows per dequantized tile of the prefill path (at K = 576: 1.2 MB of float32, L2-sized).
 GEMM_TILE = 512
