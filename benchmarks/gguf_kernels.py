@@ -16,7 +16,7 @@ sum over a buffer of the working set's size). The ``prefill`` part times 16-64 r
     python -m benchmarks.gguf_kernels            # both parts (~1-2 min)
     python -m benchmarks.gguf_kernels --parts gemv --repeats 15
 
-Writes benchmarks/results/gguf_kernels.{json,md}. The result names the CPU (model and SIMD flags) and
+Writes benchmarks/results/gguf_kernels.{json,md} (``gguf_kernels_<n>t`` with ``--threads n`` > 1). The result names the CPU (model and SIMD flags) and
 the load average: on a shared machine the medians move with the load.
 """
 
@@ -173,6 +173,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    name = "gguf_kernels" if args.threads == 1 else f"gguf_kernels_{args.threads}t"
     module = gguf_linear.load()
     if module is None:
         raise SystemExit("the GGUF kernels did not build here (see the warning above)")
@@ -182,13 +183,13 @@ def main() -> None:
     if "gemv" in args.parts:
         names = ["fp32 F.linear", "fp32 loopkv", "Q4_1 gemv", "Q8_0 gemv"]
         res["parts"]["gemv"] = run_part(module, SHAPES, [1, 8], names, args.repeats, args, bw)
-        write_results("gguf_kernels", res, markdown(res))
+        write_results(name, res, markdown(res))
     if "prefill" in args.parts:
         names = ["fp32 F.linear", "Q4_1 gemv", "Q4_1 tiles"]
         res["parts"]["prefill"] = run_part(
             module, PREFILL_SHAPES, [16, 32, 64], names, max(3, args.repeats // 4), args, bw
         )
-    json_path, md_path = write_results("gguf_kernels", res, markdown(res))
+    json_path, md_path = write_results(name, res, markdown(res))
     print(f"wrote {json_path} and {md_path}")
 
 
