@@ -45,8 +45,9 @@ def _build_key(source: Path) -> str:
 class NativeExtension:
     """One C++ source of this folder built as the torch extension ``loopkv_<stem>``."""
 
-    def __init__(self, stem: str, env_switch: str, what: str):
+    def __init__(self, stem: str, env_switch: str, what: str, extra_cflags: tuple[str, ...] = ()):
         self.stem, self.env_switch, self.what = stem, env_switch, what
+        self.extra_cflags = list(extra_cflags)
         self.source = HERE / f"{stem}.cpp"
         self._lock = threading.Lock()
         self._module = None
@@ -79,7 +80,7 @@ class NativeExtension:
                     # -fopenmp: at::parallel_for is a header template that runs serially unless the
                     # extension itself is compiled with OpenMP. The link resolves to the libgomp.so.1
                     # torch already loaded (same soname): one thread pool, torch's.
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *self.extra_cflags],
                     extra_ldflags=["-fopenmp"],
                     build_directory=str(out),
                     verbose=verbose,

@@ -55,6 +55,17 @@ def _given(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
+def _value(argv: list[str], flag: str) -> str:
+    """The value of ``flag`` (``--flag v`` or ``--flag=v``; the last one wins, as argparse)."""
+    value = ""
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
 def with_defaults(argv: list[str], defaults: dict[str, str | None]) -> list[str]:
     """Append each default flag the user did not pass (``None`` = a boolean switch)."""
     out = list(argv)
@@ -152,6 +163,10 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
         rest = ["--model-path", str(ensure_default_model(config.resolved_cache_dir))] + rest
         if not _given(rest, "--served-model-name"):
             rest += ["--served-model-name", DEFAULT_MODEL_NAME]
+    if not on_gpu:  # SGLang's GGUF kernels are CUDA-only, and ours are not wired in yet
+        from sgl_loopkv.models.gguf.serving import refuse_gguf_on_cpu
+
+        refuse_gguf_on_cpu(_value(rest, "--model-path"))
     if on_gpu:
         defaults = {"--enable-cache-report": None} if config.stock else GPU_DEFAULTS
     else:

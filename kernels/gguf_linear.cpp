@@ -1,0 +1,579 @@
+// Linear layers on weights kept in GGUF's (llama.cpp's) block form: y = x W^T (+ b), W never
+// dequantized into a copy that outlives the call.
+//
+// A weight row of K elements is K/32 chunks of 32 elements. A chunk is a whole block of the 32-element
+// types (Q4_0 .. Q8_0), one eighth of a 256-element super-block of the K-quants (Q4_K, Q5_K, Q6_K:
+// the chunk takes its block's scales), or 32 elements of an F32 / F16 / BF16 row. Every kernel below
+// decodes chunks, in registers or into an L1-sized row buffer, and nothing else knows the formats.
+//
+// A chunk decodes to exactly what the gguf package's numpy dequantization returns (the same float32
+// multiplies and adds in the same order; this file builds with -ffp-contract=off so none is fused),
+// so dequantize() is bitwise gguf.quants.dequantize and the products below use those exact weights.
+//
+// Every output is one float32 sum in one fixed order, whichever kernel computes it: four accumulators
+// of 8 lanes, lane l of accumulator j taking element 32 c + 8 j + l of chunk c (an FMA each, chunks in
+// order), then (a0 + a1) + (a2 + a3) and the lane reduction of hsum8. So a row's result does not depend
+// on the batch it is in, the thread split, the register or buffer path, or AVX2 against the portable
+// scalar path (which emulates the lanes with std::fma: tests/unit/test_gguf_kernels.py holds them equal).
+//
+// Paths, by rows of x (the Python side picks by measurement, benchmarks/gguf_kernels.py):
+//  - gemv, M <= 2: each weight row streamed once, each chunk decoded into 4 registers and FMA'd into
+//    every row of x (the memory-bound decode step);
+//  - gemv, M > 2: each weight row decoded once into a thread's row buffer, then dotted with every row
+//    of x (the decode is paid once per weight row, not once per row of x);
+//  - gemm (prefill): tiles of weight rows dequantized to float32 and multiplied by torch's GEMM.
+// Work is split over torch's threads by output feature (at::parallel_for).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define LOOPKV_GGUF_AVX2 1
+#endif
+
+namespace {
+
+// ggml's type ids (gguf.GGMLQuantizationType).
+enum GgmlType : int64_t {
+  T_F32 = 0, T_F16 = 1, T_Q4_0 = 2, T_Q4_1 = 3, T_Q5_0 = 6, T_Q5_1 = 7, T_Q8_0 = 8,
+  T_Q4_K = 12, T_Q5_K = 13, T_Q6_K = 14, T_BF16 = 30,
+};
+
+constexpr int64_t CHUNK = 32;
+
+inline float f16(const uint8_t* p) {  // IEEE half to float, exact (what numpy's astype does)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#ifdef LOOPKV_GGUF_AVX2
+  return _cvtsh_ss(h);
+#else
+  uint32_t sign = uint32_t(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0 && man == 0) {
+    bits = sign;
+  } else if (exp == 0) {  // subnormal: normalise the mantissa
+    int shifts = 0;
+    while (!(man & 0x400)) man <<= 1, ++shifts;
+    bits = sign | (uint32_t(113 - shifts) << 23) | ((man & 0x3ff) << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
+// K-quant sub-block j's 6-bit scale and min (llama.cpp's get_scale_min_k4).
+inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& m) {
+  if (j < 4) {
+    sc = q[j] & 63, m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// ---- per type: bytes per 32-element chunk's block, the portable decode and the AVX2 decode ----
+// scalar(row, c, out): chunk c of a weight row into out[32]. avx(row, c, w): the same into 4 x 8 lanes.
+
+#ifdef LOOPKV_GGUF_AVX2
+// 32 int8 values (element order) into four float vectors.
+inline void i8_to_ps(__m256i q, __m256* w) {
+  const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8)));
+}
+// A block's 16 bytes of nibbles: low nibbles are elements 0-15, high nibbles 16-31.
+inline __m256i nibbles32(const uint8_t* qs) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)), m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+// Bit i of a 32-bit mask as 0x10 in byte i (the fifth bit of Q5_0 / Q5_1).
+inline __m256i bits_to_0x10(const uint8_t* qh) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, 4);
+  const __m256i shuf = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  __m256i b = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)), shuf);
+  b = _mm256_or_si256(b, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(b, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+inline void scale(__m256* w, float d) {
+  const __m256 vd = _mm256_set1_ps(d);
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_mul_ps(vd, w[j]);
+}
+inline void scale_add(__m256* w, float d, float m) {  // d * q + m, two roundings as numpy
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_add_ps(_mm256_mul_ps(vd, w[j]), vm);
+}
+inline void scale_sub(__m256* w, float d, float m) {  // d * q - m
+  const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
+  for (int j = 0; j < 4; ++j) w[j] = _mm256_sub_ps(_mm256_mul_ps(vd, w[j]), vm);
+}
+#endif
+
+struct Q4_0 {
+  static constexpr int64_t BLOCK = 32, BYTES = 18;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    const uint8_t* b = row + c * BYTES;
+    const float d = f16(b);
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * float((b[2 + j] & 0xF) - 8);
+      o[j + 16] = d * float((b[2 + j] >> 4) - 8);
+    }
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const uint8_t* b = row + c * BYTES;
+    i8_to_ps(_mm256_sub_epi8(nibbles32(b + 2), _mm256_set1_epi8(8)), w);
+    scale(w, f16(b));
+  }
+#endif
+};
+
+struct Q4_1 {
+  static constexpr int64_t BLOCK = 32, BYTES = 20;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    const uint8_t* b = row + c * BYTES;
+    const float d = f16(b), m = f16(b + 2);
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * float(b[4 + j] & 0xF) + m;
+      o[j + 16] = d * float(b[4 + j] >> 4) + m;
+    }
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const uint8_t* b = row + c * BYTES;
+    i8_to_ps(nibbles32(b + 4), w);
+    scale_add(w, f16(b), f16(b + 2));
+  }
+#endif
+};
+
+struct Q5_0 {
+  static constexpr int64_t BLOCK = 32, BYTES = 22;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    const uint8_t* b = row + c * BYTES;
+    const float d = f16(b);
+    uint32_t qh;
+    std::memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * float(int((b[6 + j] & 0xF) | (((qh >> j) & 1) << 4)) - 16);
+      o[j + 16] = d * float(int((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+    }
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const uint8_t* b = row + c * BYTES;
+    const __m256i q = _mm256_or_si256(nibbles32(b + 6), bits_to_0x10(b + 2));
+    i8_to_ps(_mm256_sub_epi8(q, _mm256_set1_epi8(16)), w);
+    scale(w, f16(b));
+  }
+#endif
+};
+
+struct Q5_1 {
+  static constexpr int64_t BLOCK = 32, BYTES = 24;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    const uint8_t* b = row + c * BYTES;
+    const float d = f16(b), m = f16(b + 2);
+    uint32_t qh;
+    std::memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < 16; ++j) {
+      o[j] = d * float((b[8 + j] & 0xF) | (((qh >> j) & 1) << 4)) + m;
+      o[j + 16] = d * float((b[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) + m;
+    }
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const uint8_t* b = row + c * BYTES;
+    i8_to_ps(_mm256_or_si256(nibbles32(b + 8), bits_to_0x10(b + 4)), w);
+    scale_add(w, f16(b), f16(b + 2));
+  }
+#endif
+};
+
+struct Q8_0 {
+  static constexpr int64_t BLOCK = 32, BYTES = 34;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    const uint8_t* b = row + c * BYTES;
+    const float d = f16(b);
+    for (int j = 0; j < 32; ++j) o[j] = float(int8_t(b[2 + j])) * d;
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const uint8_t* b = row + c * BYTES;
+    i8_to_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), w);
+    scale(w, f16(b));
+  }
+#endif
+};
+
+// Q4_K: d, dmin (f16), 12 bytes of 6-bit scales/mins, 128 bytes of nibbles; sub-block s (32 elements)
+// is the low (s even) or high (s odd) nibbles of bytes 32 (s / 2) .. 32 (s / 2) + 31.
+struct Q4_K {
+  static constexpr int64_t BLOCK = 256, BYTES = 144;
+  static const uint8_t* sub(const uint8_t* row, int64_t c, float& dd, float& dm) {
+    const uint8_t* b = row + (c / 8) * BYTES;
+    const int s = int(c % 8);
+    int sc, m;
+    scale_min_k4(s, b + 4, sc, m);
+    dd = f16(b) * float(sc), dm = f16(b + 2) * float(m);
+    return b;
+  }
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    float dd, dm;
+    const uint8_t* b = sub(row, c, dd, dm);
+    const int s = int(c % 8), shift = 4 * (s % 2);
+    const uint8_t* q = b + 16 + 32 * (s / 2);
+    for (int l = 0; l < 32; ++l) o[l] = dd * float((q[l] >> shift) & 0xF) - dm;
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    float dd, dm;
+    const uint8_t* b = sub(row, c, dd, dm);
+    const int s = int(c % 8);
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16 + 32 * (s / 2)));
+    i8_to_ps(_mm256_and_si256(_mm256_srli_epi16(q, 4 * (s % 2)), _mm256_set1_epi8(0x0F)), w);
+    scale_sub(w, dd, dm);
+  }
+#endif
+};
+
+// Q5_K: Q4_K's layout with 32 bytes of high bits after the scales: sub-block s's fifth bit is bit s.
+struct Q5_K {
+  static constexpr int64_t BLOCK = 256, BYTES = 176;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    const uint8_t* b = row + (c / 8) * BYTES;
+    const int s = int(c % 8), shift = 4 * (s % 2);
+    int sc, m;
+    scale_min_k4(s, b + 4, sc, m);
+    const float dd = f16(b) * float(sc), dm = f16(b + 2) * float(m);
+    const uint8_t *qh = b + 16, *q = b + 48 + 32 * (s / 2);
+    for (int l = 0; l < 32; ++l) o[l] = dd * float(((q[l] >> shift) & 0xF) | (((qh[l] >> s) & 1) << 4)) - dm;
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const uint8_t* b = row + (c / 8) * BYTES;
+    const int s = int(c % 8);
+    int sc, m;
+    scale_min_k4(s, b + 4, sc, m);
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 48 + 32 * (s / 2)));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(q, 4 * (s % 2)), _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), _mm256_set1_epi8(1)), 4);
+    i8_to_ps(_mm256_or_si256(lo, hi), w);
+    scale_sub(w, f16(b) * float(sc), f16(b + 2) * float(m));
+  }
+#endif
+};
+
+// Q6_K: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 elements), d (f16).
+// Chunk s (0-7) of a block: half g = s / 4, r = s % 4: low nibbles (r < 2) or high of ql[64 g + 32 (r % 2) ..],
+// bits 2r, 2r + 1 of qh[32 g ..]; minus 32.
+struct Q6_K {
+  static constexpr int64_t BLOCK = 256, BYTES = 210;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    const uint8_t* b = row + (c / 8) * BYTES;
+    const int s = int(c % 8), g = s / 4, r = s % 4;
+    const uint8_t *ql = b + 64 * g + 32 * (r % 2), *qh = b + 128 + 32 * g;
+    const float d = f16(b + 208);
+    const float d0 = d * float(int8_t(b[192 + 2 * s])), d1 = d * float(int8_t(b[193 + 2 * s]));
+    for (int l = 0; l < 32; ++l) {
+      const int q = int(((ql[l] >> (4 * (r / 2))) & 0xF) | (((qh[l] >> (2 * r)) & 3) << 4)) - 32;
+      o[l] = (l < 16 ? d0 : d1) * float(q);
+    }
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const uint8_t* b = row + (c / 8) * BYTES;
+    const int s = int(c % 8), g = s / 4, r = s % 4;
+    const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * g + 32 * (r % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * g));
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi16(ql, 4 * (r / 2)), _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * r), _mm256_set1_epi8(3)), 4);
+    i8_to_ps(_mm256_sub_epi8(_mm256_or_si256(lo, hi), _mm256_set1_epi8(32)), w);
+    const float d = f16(b + 208);
+    const __m256 d0 = _mm256_set1_ps(d * float(int8_t(b[192 + 2 * s])));
+    const __m256 d1 = _mm256_set1_ps(d * float(int8_t(b[193 + 2 * s])));
+    w[0] = _mm256_mul_ps(d0, w[0]), w[1] = _mm256_mul_ps(d0, w[1]);
+    w[2] = _mm256_mul_ps(d1, w[2]), w[3] = _mm256_mul_ps(d1, w[3]);
+  }
+#endif
+};
+
+struct F32 {
+  static constexpr int64_t BLOCK = 1, BYTES = 4;
+  static void scalar(const uint8_t* row, int64_t c, float* o) { std::memcpy(o, row + c * 128, 128); }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const float* p = reinterpret_cast<const float*>(row + c * 128);
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_loadu_ps(p + 8 * j);
+  }
+#endif
+};
+
+struct F16 {
+  static constexpr int64_t BLOCK = 1, BYTES = 2;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    for (int j = 0; j < 32; ++j) o[j] = f16(row + c * 64 + 2 * j);
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(row + c * 64);
+    for (int j = 0; j < 4; ++j) w[j] = _mm256_cvtph_ps(_mm_loadu_si128(p + j));
+  }
+#endif
+};
+
+struct BF16 {
+  static constexpr int64_t BLOCK = 1, BYTES = 2;
+  static void scalar(const uint8_t* row, int64_t c, float* o) {
+    for (int j = 0; j < 32; ++j) {
+      uint16_t h;
+      std::memcpy(&h, row + c * 64 + 2 * j, 2);
+      const uint32_t bits = uint32_t(h) << 16;
+      std::memcpy(o + j, &bits, 4);
+    }
+  }
+#ifdef LOOPKV_GGUF_AVX2
+  static void avx(const uint8_t* row, int64_t c, __m256* w) {
+    const __m128i* p = reinterpret_cast<const __m128i*>(row + c * 64);
+    for (int j = 0; j < 4; ++j)
+      w[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p + j)), 16));
+  }
+#endif
+};
+
+// ---- the fixed summation order (see the top): 4 accumulators x 8 lanes, then hsum8 ----
+
+inline float hsum8_scalar(const float* s) {  // the lane reduction of hsum8, spelled out
+  float t[4], u[2];
+  for (int i = 0; i < 4; ++i) t[i] = s[i] + s[i + 4];
+  for (int i = 0; i < 2; ++i) u[i] = t[i] + t[i + 2];
+  return u[0] + u[1];
+}
+
+template <class Q>
+void row_dot_scalar(const float* x, int64_t M, int64_t K, const uint8_t* wrow, float* buf, float* y, int64_t ldy) {
+  for (int64_t c = 0; c < K / CHUNK; ++c) Q::scalar(wrow, c, buf + c * CHUNK);
+  for (int64_t m = 0; m < M; ++m) {
+    float acc[4][8] = {};
+    const float* xm = x + m * K;
+    for (int64_t c = 0; c < K / CHUNK; ++c)
+      for (int j = 0; j < 4; ++j)
+        for (int l = 0; l < 8; ++l) {
+          const int64_t k = c * CHUNK + 8 * j + l;
+          acc[j][l] = std::fma(buf[k], xm[k], acc[j][l]);
+        }
+    float s[8];
+    for (int l = 0; l < 8; ++l) s[l] = (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+    y[m * ldy] = hsum8_scalar(s);
+  }
+}
+
+#ifdef LOOPKV_GGUF_AVX2
+inline float hsum8(__m256 v) {
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // t[i] = s[i] + s[i + 4]
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));                                           // u[i] = t[i] + t[i + 2]
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));                          // u[0] + u[1]
+}
+
+// MR rows of x against one weight row, each chunk decoded into registers once for all MR rows.
+template <class Q, int MR>
+inline void row_dot_regs(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  __m256 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < K / CHUNK; ++c) {
+    __m256 w[4];
+    Q::avx(wrow, c, w);
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(x + m * K + c * CHUNK + 8 * j), acc[m][j]);
+  }
+  for (int m = 0; m < MR; ++m)
+    y[m * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+}
+
+// MR rows of x against one weight row already decoded into buf (float32, K elements).
+template <int MR>
+inline void row_dot_buf(const float* x, int64_t K, const float* buf, float* y, int64_t ldy) {
+  __m256 acc[MR][4];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += CHUNK)
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = _mm256_loadu_ps(buf + k + 8 * j);
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + m * K + k + 8 * j), acc[m][j]);
+    }
+  for (int m = 0; m < MR; ++m)
+    y[m * ldy] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3])));
+}
+
+template <class Q>
+void row_dot_avx(const float* x, int64_t M, int64_t K, const uint8_t* wrow, float* buf, float* y, int64_t ldy) {
+  if (M <= 2) {
+    if (M == 2) row_dot_regs<Q, 2>(x, K, wrow, y, ldy);
+    else row_dot_regs<Q, 1>(x, K, wrow, y, ldy);
+    return;
+  }
+  for (int64_t c = 0; c < K / CHUNK; ++c) {
+    __m256 w[4];
+    Q::avx(wrow, c, w);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(buf + c * CHUNK + 8 * j, w[j]);
+  }
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) row_dot_buf<3>(x + m * K, K, buf, y + m * ldy, ldy);
+  if (M - m == 2) row_dot_buf<2>(x + m * K, K, buf, y + m * ldy, ldy);
+  if (M - m == 1) row_dot_buf<1>(x + m * K, K, buf, y + m * ldy, ldy);
+}
+#endif
+
+template <class Q>
+void dequant_row(const uint8_t* wrow, int64_t K, float* out, bool portable) {
+#ifdef LOOPKV_GGUF_AVX2
+  if (!portable) {
+    for (int64_t c = 0; c < K / CHUNK; ++c) {
+      __m256 w[4];
+      Q::avx(wrow, c, w);
+      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(out + c * CHUNK + 8 * j, w[j]);
+    }
+    return;
+  }
+#endif
+  for (int64_t c = 0; c < K / CHUNK; ++c) Q::scalar(wrow, c, out + c * CHUNK);
+}
+
+template <class F>
+auto dispatch(int64_t type, F&& f) {
+  switch (type) {
+    case T_Q4_0: return f(Q4_0{});
+    case T_Q4_1: return f(Q4_1{});
+    case T_Q5_0: return f(Q5_0{});
+    case T_Q5_1: return f(Q5_1{});
+    case T_Q8_0: return f(Q8_0{});
+    case T_Q4_K: return f(Q4_K{});
+    case T_Q5_K: return f(Q5_K{});
+    case T_Q6_K: return f(Q6_K{});
+    case T_F32: return f(F32{});
+    case T_F16: return f(F16{});
+    case T_BF16: return f(BF16{});
+  }
+  TORCH_CHECK(false, "gguf_linear: unsupported ggml type ", type);
+}
+
+// Checks the operands, returns (N, K). w: uint8 [N, row bytes] holding N rows of K elements.
+std::pair<int64_t, int64_t> check_weight(const torch::Tensor& w, int64_t type, int64_t K) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "gguf_linear: blocks are a contiguous uint8 CPU tensor [N, row bytes]");
+  TORCH_CHECK(K > 0 && K % CHUNK == 0, "gguf_linear: K (", K, ") must be a positive multiple of 32");
+  const int64_t row_bytes = dispatch(type, [&](auto q) {
+    using Q = decltype(q);
+    TORCH_CHECK(K % Q::BLOCK == 0, "gguf_linear: K (", K, ") is not a multiple of the block size ", Q::BLOCK);
+    return K / Q::BLOCK * Q::BYTES;
+  });
+  TORCH_CHECK(w.size(1) == row_bytes, "gguf_linear: a row of ", K, " elements of type ", type, " is ", row_bytes,
+              " bytes, blocks have ", w.size(1));
+  return {w.size(0), K};
+}
+
+int64_t grain_for(int64_t n) {
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  return std::max<int64_t>(1, (n + threads - 1) / threads);
+}
+
+}  // namespace
+
+bool has_avx2() {
+#ifdef LOOPKV_GGUF_AVX2
+  return true;
+#else
+  return false;
+#endif
+}
+
+torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, bool portable) {
+  const auto [N, K_] = check_weight(w, type, K);
+  torch::Tensor out = at::empty({N, K_}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t rb = w.size(1);
+  dispatch(type, [&](auto q) {
+    using Q = decltype(q);
+    at::parallel_for(0, N, grain_for(N), [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) dequant_row<Q>(wp + n * rb, K_, op + n * K_, portable);
+    });
+    return 0;
+  });
+  return out;
+}
+
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias, bool portable) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gguf gemv: x is float32 [M, K]");
+  const auto [N, K] = check_weight(w, type, x.size(1));
+  x = x.contiguous();
+  const int64_t M = x.size(0), rb = w.size(1);
+  torch::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+#ifndef LOOPKV_GGUF_AVX2
+  portable = true;
+#endif
+  dispatch(type, [&](auto q) {
+    using Q = decltype(q);
+    at::parallel_for(0, N, grain_for(N), [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(K);
+      for (int64_t n = begin; n < end; ++n) {
+#ifdef LOOPKV_GGUF_AVX2
+        if (!portable) {
+          row_dot_avx<Q>(xp, M, K, wp + n * rb, buf.data(), op + n, N);
+          continue;
+        }
+#endif
+        row_dot_scalar<Q>(xp, M, K, wp + n * rb, buf.data(), op + n, N);
+      }
+    });
+    return 0;
+  });
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "gguf gemv: bias [N]");
+    out.add_(bias->to(at::kFloat).view({1, N}));
+  }
+  return out;
+}
+
+// Prefill: tiles of `tile` weight rows dequantized to float32 (in parallel), each multiplied by
+// torch's GEMM (MKL / oneDNN, threaded by itself); the transient tile is the only float copy.
+torch::Tensor gemm_dequant(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
+                           int64_t tile) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gguf gemm: x is float32 [M, K]");
+  const auto [N, K] = check_weight(w, type, x.size(1));
+  TORCH_CHECK(tile > 0, "gguf gemm: tile > 0");
+  x = x.contiguous();
+  torch::Tensor out = at::empty({x.size(0), N}, x.options());
+  const bool has_bias = bias.has_value() && bias->defined();
+  for (int64_t n0 = 0; n0 < N; n0 += tile) {
+    const int64_t tn = std::min(tile, N - n0);
+    torch::Tensor wt = dequantize(w.narrow(0, n0, tn), type, K, false);
+    torch::Tensor y = has_bias ? at::addmm(bias->to(at::kFloat).narrow(0, n0, tn), x, wt.t()) : at::mm(x, wt.t());
+    out.narrow(1, n0, tn).copy_(y);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_avx2", &has_avx2, "whether the AVX2 + F16C + FMA paths were compiled");
+  m.def("dequantize", &dequantize, "GGUF blocks [N, row bytes] -> float32 [N, K] (bitwise gguf.quants.dequantize)");
+  m.def("gemv", &gemv, "x [M, K] @ dequant(w).T (+ bias), streamed from the blocks, one fixed order per output");
+  m.def("gemm_dequant", &gemm_dequant, "x @ dequant(w).T (+ bias): float32 tiles of the weight through torch's GEMM");
+}

@@ -1,0 +1,43 @@
+"""``y = x @ W.T (+ b)`` for a weight in GGUF block form (:class:`~sgl_loopkv.models.gguf.reader.BlockWeight`).
+
+By rows of x (thresholds from ``benchmarks/gguf_kernels.py`` on this project's CPUs):
+
+- up to ``GEMV_MAX_ROWS`` (decode steps, short extends): ``gemv``, each weight row streamed from its
+  blocks once per call and decoded in registers (1-2 rows) or into an L1 row buffer (more); each
+  output one fixed-order float32 sum, so a row's result does not depend on the batch around it;
+- more rows (prefill): ``gemm_dequant``, tiles of ``GEMM_TILE`` weight rows decoded to float32 and
+  multiplied by torch's GEMM (MKL / oneDNN); the tile is the only float copy and lives for one call.
+
+Without the compiled kernel (no compiler, ``LOOPKV_NATIVE_GGUF=0``) the weight is dequantized per call
+with the ``gguf`` package (numpy) and multiplied by ``F.linear``: correct, slow, for a machine that
+cannot build the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sgl_loopkv.kernels.gguf_linear import load
+from sgl_loopkv.models.gguf.reader import BlockWeight, dequantize_rows
+
+#: Rows up to which ``gemv`` is at least at par with dequantized tiles + torch's GEMM (the fastest calls of
+#: benchmarks/results/gguf_kernels.md's prefill part, one thread, the AVX2 EPYC: at par or ahead at 16 rows, behind at 32).
+GEMV_MAX_ROWS = 16
+#: Weight rows per dequantized tile of the prefill path (at K = 576: 1.2 MB of float32, L2-sized).
+GEMM_TILE = 512
+
+
+def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequantize(weight).T (+ bias)`` in float32 (x of any float dtype; the result in x's dtype)."""
+    if x.shape[-1] != weight.in_features or len(weight.shape) != 2:
+        raise ValueError(f"{weight.name}: x [..., {x.shape[-1]}] against a weight of shape {weight.shape}")
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    module = load()
+    if module is None or weight.in_features % 32:
+        y = F.linear(x2, dequantize_rows(weight.blocks, weight.qtype, weight.in_features), bias)
+    elif x2.shape[0] <= GEMV_MAX_ROWS:
+        y = module.gemv(x2, weight.blocks, int(weight.qtype), bias, False)
+    else:
+        y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE)
+    return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
