@@ -99,7 +99,8 @@ def render(name: str, path: str, fmt: str | None) -> str:
 
 
 def default_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    pages = (p for p in (ROOT / "docs").rglob("*.md") if "_build" not in p.parts)
+    return [ROOT / "README.md", *sorted(pages)]
 
 
 def scan(files: list[Path]) -> list[Value]:
