@@ -110,3 +110,15 @@ def test_every_exported_metric_is_on_the_metrics_page():
     page = (ROOT / "docs" / "operating" / "metrics.md").read_text()
     missing = sorted(name for name in defined if f"`{name}`" not in page)
     assert not missing, f"metrics missing from docs/operating/metrics.md: {missing}"
+
+
+def test_no_line_starts_with_a_value_marker():
+    """CommonMark (GitHub, MyST) reads a line starting with ``<!--`` as a raw HTML block: the paragraph
+    around the value would break there."""
+    bad = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for path in headlines.default_files()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if line.lstrip().startswith("<!-- value")
+    ]
+    assert not bad, f"a value marker starts these lines (join it to the line before): {bad}"
