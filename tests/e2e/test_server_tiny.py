@@ -161,4 +161,3 @@ def test_logprobs_within_fp_tolerance_of_torch_native(tiny_server, tiny_native_s
         ys = [t[0] for t in b[key] if t[0] is not None]
         assert len(xs) == len(ys) > 0
         assert max(abs(x - y) for x, y in zip(xs, ys)) < 1e-3
-
