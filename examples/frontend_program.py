@@ -1,3 +1,4 @@
+# examples/frontend_program.py
 """An SGLang frontend program (``@sgl.function``) run against the server with ``sgl.RuntimeEndpoint``.
 Start the server first: python -m sgl_loopkv.launch_server"""
 

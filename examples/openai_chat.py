@@ -1,3 +1,4 @@
+# examples/openai_chat.py
 """A two-turn chat with the official ``openai`` client; the second turn reuses the first turn's KV
 (``prompt_tokens_details.cached_tokens``). Start the server first: python -m sgl_loopkv.launch_server"""
 

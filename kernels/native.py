@@ -89,3 +89,12 @@ class NativeExtension:
                 logger.warning("loopkv: native %s unavailable (%s); using the torch paths", self.what, e)
                 self._module = None
             return self._module
+
+
+def all_extensions() -> list[NativeExtension]:
+    """Every extension of this folder: one per ``<stem>.cpp``, the ``EXTENSION`` of the module
+    ``sgl_loopkv.kernels.<stem>``. What ``python -m sgl_loopkv.kernels.paged_decode`` builds, so a new
+    kernel is prebuilt by ``install.sh`` without being listed anywhere (no server start compiles it)."""
+    import importlib
+
+    return [importlib.import_module(f"sgl_loopkv.kernels.{p.stem}").EXTENSION for p in sorted(HERE.glob("*.cpp"))]

@@ -29,11 +29,11 @@ def build_dir():
 
 
 if __name__ == "__main__":
-    from sgl_loopkv.kernels import chunk_io, decode_linear
+    from sgl_loopkv.kernels.native import all_extensions
 
     logging.basicConfig(level=logging.INFO)
     ok = True
-    for ext in (EXTENSION, decode_linear.EXTENSION, chunk_io.EXTENSION):
+    for ext in all_extensions():
         module = ext.load(verbose=True)
         ok &= module is not None
         print(f"{ext.stem}: {'built' if module is not None else 'NOT available'} in {ext.build_dir()}")

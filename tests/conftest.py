@@ -1,13 +1,17 @@
-"""Settings shared by tests/unit and tests/e2e: the report header and the rule that every test using a
-server carries the ``server`` marker (``-m "not server"`` must start none)."""
+"""Settings shared by tests/unit and tests/e2e: the report header, the rule that every test using a
+server carries the ``server`` marker (``-m "not server"`` must start none), and a count of the server
+processes the session started, with their start-up seconds, at the end of the report (the suite's
+time is mostly start-ups: share a server where a test can)."""
 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.server.process import ServerProcess
 
 #: fixtures that start a server process (tests/e2e/conftest.py and test modules)
 SERVER_FIXTURES = {
@@ -16,7 +20,6 @@ SERVER_FIXTURES = {
     "smollm2_server",
     "tiny_sparse_server",
     "capped_server",
-    "plain_sglang_server",
     "keyed_server",
     "faults_server",
     "fuzz_server",
@@ -31,3 +34,32 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     return f"sgl-loopkv cache dir: {LoopKVConfig().resolved_cache_dir}; torch threads: {os.cpu_count()}"
+
+
+STARTS: list[tuple[str, float]] = []  # (log file name or module, seconds from spawn to ready)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _count_server_starts():
+    spawn, wait_ready = ServerProcess.spawn, ServerProcess.wait_ready
+
+    def timed_spawn(self):
+        self._spawned_at = time.monotonic()
+        return spawn(self)
+
+    def timed_wait_ready(self, timeout_s):
+        wait_ready(self, timeout_s)
+        name = self.log_path.name if self.log_path else self.module
+        STARTS.append((name, time.monotonic() - getattr(self, "_spawned_at", time.monotonic())))
+
+    ServerProcess.spawn, ServerProcess.wait_ready = timed_spawn, timed_wait_ready
+    yield
+    ServerProcess.spawn, ServerProcess.wait_ready = spawn, wait_ready
+
+
+def pytest_terminal_summary(terminalreporter):
+    if STARTS:
+        slowest = ", ".join(f"{n} {s:.0f} s" for n, s in sorted(STARTS, key=lambda x: -x[1])[:5])
+        terminalreporter.write_line(
+            f"server starts: {len(STARTS)}, {sum(s for _, s in STARTS):.0f} s spawn-to-ready in all (slowest: {slowest})"
+        )

@@ -77,15 +77,16 @@ def tiny_server(tiny_model_dir, server_logs, standin_trace):
 
 @pytest.fixture(scope="session")
 def tiny_native_server(tiny_model_dir, server_logs):
-    """The same launcher with SGLang's own torch_native attention and SGLang's own layer forward
-    (``LOOPKV_LEAN_FORWARD=0``): the reference."""
-    with _server(
-        tiny_model_dir,
-        server_logs,
-        "tiny-torch-native",
-        ["--attention-backend", "torch_native"],
-        {"LOOPKV_LEAN_FORWARD": "0"},
-    ).start() as srv:
+    """The reference: ``python -m sglang.launch_server`` (not our launcher) with the plugin installed,
+    as SGLang ships it on CPU: its torch_native attention, its own radix cache and layer forward (the
+    plugin's hooks are for servers of our launcher only; tests/e2e/test_limits.py checks that it keeps
+    SGLang's behaviour)."""
+    from sgl_loopkv.kernels import CPU_STANDIN_DIR
+
+    args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--device", "cpu"]
+    args += ["--attention-backend", "torch_native", "--disable-overlap-schedule", "--disable-cuda-graph"]
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STANDIN_DIR)}
+    with ServerProcess(args, module="sglang.launch_server", env=env, log_path=server_logs / "plain.log") as srv:
         yield srv
 
 
@@ -117,4 +118,24 @@ def keyed_server(tiny_model_dir, server_logs, keyed_disk_dir):
     ]
     auth = {"Authorization": f"Bearer {API_KEY}"}  # a keyless readiness probe would get 401 forever
     with ServerProcess(args, headers=auth, log_path=server_logs / "keyed.log").start() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="session")
+def tiny_sparse_server(tiny_model_dir, server_logs):
+    """The tiny model with both sparse paths at full budget, so output must equal the dense server's:
+    LoopServe prefill selection at alpha = 1 from 64 new tokens, 1024-token prefill chunks (long
+    prompts arrive as extends at an offset), and LServe decode selection over a budget covering any
+    context from 256 tokens (tests/e2e/test_sparse_server.py, tests/e2e/test_sparse_decode_server.py)."""
+    prefill = ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1", "--loopkv-sparse-min-len", "64"]
+    decode = [
+        "--loopkv-decode-policy",
+        "lserve",
+        "--loopkv-decode-budget",
+        "65536",
+        "--loopkv-decode-min-context",
+        "256",
+    ]
+    extra = [*prefill, "--chunked-prefill-size", "1024", *decode, "--enable-metrics"]
+    with _server(tiny_model_dir, server_logs, "tiny-sparse", extra).start() as srv:
         yield srv

@@ -11,9 +11,7 @@ import time
 import pytest
 import requests
 
-from sgl_loopkv.kernels import CPU_STANDIN_DIR
-from sgl_loopkv.server.process import ServerProcess
-from tests.e2e.conftest import COMMON_SERVER_ARGS, _server
+from tests.e2e.conftest import _server
 from tests.helpers import stream_in_background
 
 pytestmark = pytest.mark.server
@@ -33,16 +31,6 @@ def capped_server(tiny_model_dir, server_logs):
     ]
     srv = _server(tiny_model_dir, server_logs, "tiny-capped", [*limits, "--loopkv-shutdown-grace-s", str(GRACE_S)])
     with srv.start():
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def plain_sglang_server(tiny_model_dir, server_logs):
-    """``python -m sglang.launch_server`` (not our launcher) with the plugin installed."""
-    args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--device", "cpu"]
-    args += ["--attention-backend", "torch_native", "--disable-overlap-schedule", "--disable-cuda-graph"]
-    env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STANDIN_DIR)}
-    with ServerProcess(args, module="sglang.launch_server", env=env, log_path=server_logs / "plain.log") as srv:
         yield srv
 
 
@@ -100,7 +88,8 @@ def test_sigterm_aborts_what_still_runs_after_the_grace_period_and_exits(capped_
     assert "still running" in capped_server.log_path.read_text()
 
 
-def test_plain_sglang_keeps_its_own_behaviour(plain_sglang_server):
-    """No model-name check, no n limit, no default cap: the plugin only registers its components."""
-    r = chat(plain_sglang_server.url, model="no-such-model", n=MAX_N + 3, max_tokens=1)
+def test_plain_sglang_keeps_its_own_behaviour(tiny_native_server):
+    """No model-name check, no n limit, no default cap: the plugin only registers its components
+    (``tiny_native_server`` is a plain ``sglang.launch_server``)."""
+    r = chat(tiny_native_server.url, model="no-such-model", n=MAX_N + 3, max_tokens=1)
     assert r.status_code == 200 and len(r.json()["choices"]) == MAX_N + 3, r.text

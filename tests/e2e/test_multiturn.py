@@ -20,7 +20,8 @@ def _count(tok):
 
 
 @pytest.mark.parametrize("task", C.TASKS)
-@pytest.mark.parametrize("length", [1024, 8192])
+# 8192 tokens: the same checks on conversations 8x longer, most of this module's time: -m slow
+@pytest.mark.parametrize("length", [1024, pytest.param(8192, marks=pytest.mark.slow)])
 def test_evidence_spans_contain_the_answer(task, length, tokenizer):
     for seed in range(3):
         conv = C.generate(task, seed, 2 + seed, length, _count(tokenizer))

@@ -39,18 +39,27 @@ def answers(url: str, prompts: list[str], n: int = 24) -> list[list[int]]:
         return list(pool.map(lambda p: generate(url, p, max_new_tokens=n, ignore_eos=True)["output_ids"], prompts))
 
 
-# lserve in the default suite; the others share its selector and executor (their full-budget exactness is
-# in tests/unit/test_sparse_decode.py), their own server runs are slow
-@pytest.mark.parametrize(
-    "policy",
-    ["lserve", pytest.param("freekv", marks=pytest.mark.slow), pytest.param("loopserve", marks=pytest.mark.slow)],
-)
-def test_full_budget_sparse_decode_is_greedy_identical_to_dense(policy, tiny_model_dir, server_logs, tiny_server):
+def check_full_budget(srv, reference) -> None:
+    assert answers(srv.url, PROMPTS) == answers(reference.url, PROMPTS)
+    assert SPARSE_LINE in srv.log_path.read_text()
+    assert metric(srv.url, "loopkv_decode_selected_fraction") == 1.0
+    assert metric(srv.url, "loopkv_decode_selections_total") > 0
+
+
+def test_full_budget_sparse_decode_is_greedy_identical_to_dense(tiny_sparse_server, tiny_server):
+    """LServe's selection (the session's sparse server: sparse prefill at full budget too)."""
+    check_full_budget(tiny_sparse_server, tiny_server)
+
+
+# the others share lserve's selector and executor (their full-budget exactness is in
+# tests/unit/test_sparse_decode.py); their own server runs are slow
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["freekv", "loopserve"])
+def test_full_budget_sparse_decode_of_other_policies_is_greedy_identical(
+    policy, tiny_model_dir, server_logs, tiny_server
+):
     with _server(tiny_model_dir, server_logs, f"tiny-decode-{policy}", full_budget(policy)).start() as srv:
-        assert answers(srv.url, PROMPTS) == answers(tiny_server.url, PROMPTS)
-        assert SPARSE_LINE in srv.log_path.read_text()
-        assert metric(srv.url, "loopkv_decode_selected_fraction") == 1.0
-        assert metric(srv.url, "loopkv_decode_selections_total") > 0
+        check_full_budget(srv, tiny_server)
 
 
 @pytest.mark.slow  # the selector below budget is in tests/unit/test_sparse_decode.py

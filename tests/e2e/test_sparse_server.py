@@ -1,7 +1,8 @@
 """Sparse prefill through the real server: at full budget every policy's plan runs through the
 sparse executor and greedy output equals the dense server's, including chunked-prefill extends
-whose queries sit after a cached prefix. The tiny-model test is in the default suite; the SmolLM2
-ones (one server per policy) are marked slow."""
+whose queries sit after a cached prefix. The tiny-model test is in the default suite, on the session's
+``tiny_sparse_server`` (sparse decode at full budget too); the SmolLM2 ones (one server per policy)
+are marked slow."""
 
 from __future__ import annotations
 
@@ -23,34 +24,21 @@ FULL_BUDGET = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_sparse_server(tiny_model_dir, server_logs):
-    """The tiny model with LoopServe selection at alpha = 1, sparse from 64 new tokens, and
-    1024-token prefill chunks (long prompts arrive as extends at an offset)."""
-    extra = [
-        *FULL_BUDGET["loopserve"],
-        "--loopkv-sparse-min-len",
-        "64",
-        "--chunked-prefill-size",
-        "1024",
-    ]  # the last value wins
-    with _server(tiny_model_dir, server_logs, "tiny-sparse-loopserve", extra).start() as srv:
-        yield srv
-
-
 def test_full_budget_sparse_prefill_is_greedy_identical_to_dense(tiny_sparse_server, tiny_server):
-    prompts = ["The capital of France is", LONG_PROMPT[:3000], LONG_PROMPT * 2]  # dense, 1 chunk, 6 chunks
+    # tagged: nothing of them is cached from the other tests this session's server served
+    log_start, tag = len(tiny_sparse_server.log_path.read_text()), "Sparse prefill. "
+    prompts = ["The capital of France is", tag + LONG_PROMPT[:3000], tag + LONG_PROMPT * 2]  # dense, 1 chunk, 6
     for prompt in prompts:
         ours = generate(tiny_sparse_server.url, prompt, max_new_tokens=24, ignore_eos=True)
         ref = generate(tiny_server.url, prompt, max_new_tokens=24, ignore_eos=True)
         assert ours["output_ids"] == ref["output_ids"], prompt[:40]
     # a later turn: a long new extend after the radix-cached conversation
-    turn = LONG_PROMPT * 2 + " Now a new question follows. " + LONG_PROMPT[:2500]
+    turn = tag + LONG_PROMPT * 2 + " Now a new question follows. " + LONG_PROMPT[:2500]
     ours = generate(tiny_sparse_server.url, turn, max_new_tokens=24, ignore_eos=True)
     ref = generate(tiny_server.url, turn, max_new_tokens=24, ignore_eos=True)
     assert ours["meta_info"]["cached_tokens"] > 4000
     assert ours["output_ids"] == ref["output_ids"]
-    sparse_batches = tiny_sparse_server.log_path.read_text().count(SPARSE_LINE)
+    sparse_batches = tiny_sparse_server.log_path.read_text()[log_start:].count(SPARSE_LINE)
     assert sparse_batches >= 1 + 6 + 1, "the long prefills must have gone through the sparse path"
 
 

@@ -1,6 +1,6 @@
 """The loopkv radix cache in a real server: conversations evicted to host and to disk resume with
 greedy output identical to a server that never evicted; a second server on the same disk tier
-resumes the first one's conversations; the disk tier survives a restart;
+resumes the first one's conversations, and goes on with them once the first has stopped;
 flipped, truncated and deleted extents are detected and recomputed; quotas hold."""
 
 from __future__ import annotations
@@ -116,10 +116,16 @@ def wait_for_files(disk_root, tokenizer, i, timeout=20):
     raise AssertionError(f"conversation {i} never reached the disk tier")
 
 
-def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_dir, disk_dir, server_logs, tokenizer):
+def test_resume_from_host_and_disk_a_second_server_and_faults(
+    tiny_server, tiny_model_dir, disk_dir, server_logs, tokenizer
+):
+    """Two starts: the second server, started on the first one's directory, goes on alone once the
+    first has stopped (a restart after a kill -9 is test_faults.py's, after a clean stop the slow
+    test_disk_tier_is_on_by_default_in_the_cache_dir_and_survives_a_restart)."""
     reference = {i: ask(tiny_server.url, i)["output_ids"] for i in range(N_CONV)}
 
     srv = tiered(tiny_model_dir, disk_dir, server_logs / "tiered-1.log")
+    second = None
     try:
         for i in range(N_CONV):
             first = ask(srv.url, i)
@@ -136,23 +142,23 @@ def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_di
         # A second server on the same directory and model shares it (issue 17): it never saw
         # conversation 1, and resumes it from the first one's segments with the same answer.
         second = tiered(tiny_model_dir, disk_dir, server_logs / "tiered-second.log", timeout_s=180)
-        try:
-            shared = ask(second.url, 1)
-            details = shared["meta_info"]["cached_tokens_details"]
-            assert tiers(shared)["disk"] > 800 and details["storage_shared"] == tiers(shared)["disk"], details
-            assert shared["output_ids"] == reference[1]
-        finally:
-            second.stop()
+        shared = ask(second.url, 1)
+        details = shared["meta_info"]["cached_tokens_details"]
+        assert tiers(shared)["disk"] > 800 and details["storage_shared"] == tiers(shared)["disk"], details
+        assert shared["output_ids"] == reference[1]
         assert ask(srv.url, 1)["output_ids"] == reference[1]  # the first one is unharmed
+    except BaseException:
+        if second is not None:
+            second.stop()
+        raise
     finally:
         srv.stop()
 
-    # Restart on the same directory: the stored conversations come back from disk.
-    srv = tiered(tiny_model_dir, disk_dir, server_logs / "tiered-2.log")
+    # The first server gone, the second one alone on the directory: what the first stored comes back.
     try:
-        resumed = ask(srv.url, 1)
+        resumed = ask(second.url, N_CONV - 1)
         assert tiers(resumed)["disk"] > 800, tiers(resumed)
-        assert resumed["output_ids"] == reference[1]
+        assert resumed["output_ids"] == reference[N_CONV - 1]
 
         # Faults on stored extents: each must be detected (no cached tokens from it) and recomputed.
         for i, fault in ((2, "flip"), (3, "truncate"), (4, "delete")):
@@ -167,18 +173,18 @@ def test_resume_from_host_and_disk_restart_and_faults(tiny_server, tiny_model_di
                     f.write_bytes(bytes(data[: len(data) // 2]))
                 else:
                     f.unlink()
-            out = ask(srv.url, i)
+            out = ask(second.url, i)
             assert tiers(out)["disk"] == 0 and out["meta_info"]["cached_tokens"] < 100, (fault, tiers(out))
             assert out["output_ids"] == reference[i], fault
 
         # Many more conversations: both quotas hold throughout.
         for i in range(N_CONV, N_CONV + 8):
-            ask(srv.url, i)
+            ask(second.url, i)
             assert disk_bytes(disk_dir) <= DISK_QUOTA
-            assert 0 < host_arena_bytes(srv.url) <= HOST_QUOTA
+            assert 0 < host_arena_bytes(second.url) <= HOST_QUOTA
         assert disk_bytes(disk_dir) > DISK_QUOTA // 2  # the tier is really used, not bypassed
     finally:
-        srv.stop()
+        second.stop()
 
 
 @pytest.mark.slow  # the loader under another backend; the default path's loads are in every resume test above
@@ -232,4 +238,4 @@ def test_disk_tier_is_on_by_default_in_the_cache_dir_and_survives_a_restart(
         resumed = ask(srv.url, 0)
         assert tiers(resumed)["disk"] > 800, tiers(resumed)
         assert resumed["output_ids"] == first["output_ids"]
-    # a second server on one directory is refused: test_resume_from_host_and_disk_restart_and_faults
+    # two servers on one directory share it: test_resume_from_host_and_disk_a_second_server_and_faults

@@ -1,9 +1,11 @@
-"""The Triton kernels on CPU under ``TRITON_INTERPRET=1``, each in a fresh interpreter (the variable is
-read at import): the block-sparse attention kernel, the FlashInfer executor's page-list kernel and the
-sparse decode kernel. Small sizes; the same kernels on a GPU: tests/unit/test_sparse_gpu.py and
-tests/unit/test_sparse_decode_gpu.py."""
+"""The Triton kernels on CPU under ``TRITON_INTERPRET=1``, in a fresh interpreter (the variable is read
+at import; one interpreter runs the three checks): the block-sparse attention kernel, the FlashInfer
+executor's page-list kernel and the sparse decode kernel. Small sizes; the same kernels on a GPU:
+tests/unit/test_sparse_gpu.py and tests/unit/test_sparse_decode_gpu.py."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.helpers import run_fresh
 
@@ -23,7 +25,7 @@ full = SeqMask.all_blocks(2, 96, 40, 16)
 q, k, v = torch.randn(40, 4, 16, generator=g), torch.randn(96, 2, 16, generator=g), torch.randn(96, 2, 16, generator=g)
 from sgl_loopkv.attention import dense_attention
 errs.append(float((block_sparse_attention(q, k, v, full, 0.3) - dense_attention(q, k, v, 0.3)).abs().max()))
-print(json.dumps({"errs": errs}))
+OUT["attention"] = errs
 """
 
 
@@ -32,22 +34,31 @@ import json, torch
 from sgl_loopkv.attention.sparse.flashinfer import build_requests
 from tests.unit.test_sparse_gpu import long_full_head_batch, random_column_batch
 plans = [random_column_batch(seed) for seed in range(6)] + [long_full_head_batch()]
-print(json.dumps({"equal": [
+OUT["expand"] = [
     torch.equal(build_requests(p, p.masks[0].num_heads, "cpu", kernel=True).kv_indices,
                 build_requests(p, p.masks[0].num_heads, "cpu", kernel=False).kv_indices)
     for p in plans
-]}))
+]
 """
 
 
-def test_triton_kernel_equals_masked_reference_in_the_interpreter():
-    errs = run_fresh(TRITON_CHECK, env={"TRITON_INTERPRET": "1"})["errs"]
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    """Each check's result (``OUT[name]``), all from one interpreter: one start of torch and Triton."""
+    code = "\n".join(
+        ["import json", "OUT = {}", TRITON_CHECK, EXPAND_CHECK, SPARSE_DECODE_CHECK, "print(json.dumps(OUT))"]
+    )
+    return run_fresh(code, env={"TRITON_INTERPRET": "1"})
+
+
+def test_triton_kernel_equals_masked_reference_in_the_interpreter(interpreted):
+    errs = interpreted["attention"]
     assert len(errs) == 6 and max(errs) < 1e-5, errs
 
 
-def test_expand_kernel_equals_torch_expansion_in_the_interpreter():
+def test_expand_kernel_equals_torch_expansion_in_the_interpreter(interpreted):
     """The Triton page-list kernel (the GPU path) == the torch expansion, under TRITON_INTERPRET=1."""
-    assert all(run_fresh(EXPAND_CHECK, env={"TRITON_INTERPRET": "1"})["equal"])
+    assert interpreted["expand"] and all(interpreted["expand"])
 
 
 SPARSE_DECODE_CHECK = """
@@ -83,14 +94,14 @@ for B, H, G, D, lens, splits in [(2, 2, 3, 16, [1, 17, 64, 65], None), (1, 2, 3,
         q, k, v, indptr, slots, 0.3, torch.full_like(q, float("nan")), num_splits=splits, tensor_cores=True
     )
     errs16.append(float((out.double() - ref).norm() / ref.norm()))
-print(json.dumps({"errs": errs, "errs16": errs16}))
+OUT["decode"] = {"errs": errs, "errs16": errs16}
 """
 
 
-def test_sparse_decode_kernel_equals_reference_in_the_interpreter():
+def test_sparse_decode_kernel_equals_reference_in_the_interpreter(interpreted):
     """The Triton sparse-decode kernel (fp32, and fp16 on its tensor-core path) == the torch
     reference: GQA and MHA, per-head lists of different lengths, the split-K merge."""
-    res = run_fresh(SPARSE_DECODE_CHECK, env={"TRITON_INTERPRET": "1"})
+    res = interpreted["decode"]
     errs, errs16 = res["errs"], res["errs16"]
     assert len(errs) == 6 and max(errs) < 1e-5, errs
     assert len(errs16) == 2 and max(errs16) < 3e-3, errs16  # fp16 rounding of p (test_sparse_decode_gpu's TOL)
