@@ -1,6 +1,6 @@
 """``python -m sgl_loopkv.launch_server``: real SGLang's server with the sgl-loopkv plugin loaded.
 
-Every ``sglang.launch_server`` flag passes through unchanged. sgl-loopkv adds its ``--loopkv-*``
+Every other ``sglang.launch_server`` flag passes through unchanged. sgl-loopkv adds its ``--loopkv-*``
 flags, the embedded default model when no ``--model-path`` is given, and device defaults that a
 flag on the command line always overrides:
 
@@ -9,6 +9,10 @@ flag on the command line always overrides:
   CUDA graphs, ``--sleep-on-idle`` (else the idle scheduler busy-polls a core), a 32K-token KV
   pool.
 - GPU: SGLang's own defaults (the loopkv GPU attention path is not built yet).
+
+One flag is sized, not passed through: under a paged cache (``--page-size`` > 1) ``--max-total-tokens``
+gets the page rounding SGLang's scheduler charges a request (:mod:`sgl_loopkv.server.pool_size`), so a
+request gets the answer the same flag gives it from stock SGLang.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.flags import BYTES_HELP
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, sglang_archs
 from sgl_loopkv.platform import activate_cpu_standin, default_cpu_dtype, has_cuda, use_cpu_engine
+from sgl_loopkv.server.pool_size import with_page_headroom
 
 CPU_DEFAULTS: dict[str, str | None] = {
     "--device": "cpu",
@@ -171,7 +176,10 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
         defaults = {"--enable-cache-report": None} if config.stock else GPU_DEFAULTS
     else:
         defaults = cpu_defaults(config.stock)
-    return config, with_defaults(rest, defaults), on_gpu
+    argv = with_defaults(rest, defaults)
+    if not config.stock:  # the paged cache's rounding comes on top of the user's token budget
+        argv = with_page_headroom(argv)
+    return config, argv, on_gpu
 
 
 def refuse_a_taken_port(host: str, port: int) -> None:

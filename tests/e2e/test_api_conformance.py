@@ -16,6 +16,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from sgl_loopkv.server.pool_size import paged_pool_tokens
 from tests.e2e.conftest import ADMIN_KEY, API_KEY
 
 pytestmark = pytest.mark.server
@@ -277,7 +278,7 @@ def test_metrics_show_sglang_and_loopkv_counters(keyed_server):
     prompt = out["meta_info"]["prompt_tokens"]
     assert sample(after, "sglang:prompt_tokens_total") - sample(before, "sglang:prompt_tokens_total") >= prompt
     assert sample(after, "sglang:generation_tokens_total") - sample(before, "sglang:generation_tokens_total") >= 3
-    assert sample(after, "sglang:max_total_num_tokens") == 2048
+    assert sample(after, "sglang:max_total_num_tokens") == paged_pool_tokens(2048, 16)  # --max-total-tokens 2048
     assert sample(after, "loopkv_tier_bytes", tier="host") > 0  # the turn was stored
     for name in ("loopkv_tier_tokens", "loopkv_disk_bytes_read_total", "loopkv_corrupt_segments_total"):
         sample(after, name)
