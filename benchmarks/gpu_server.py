@@ -113,6 +113,7 @@ class Run:
     sparse_context: int
     batch: int
     new_tokens: int
+    decode_budget: int  # tokens each KV head reads per sparse decode step
     logs: Path
 
     def server(self, model: Path, name: str, dtype: str, extra: list[str], loopkv: bool) -> ServerProcess:
@@ -225,6 +226,7 @@ def phase_sparse(run: Run, tok, model: Path) -> dict:
     n, ctx = run.batch, run.sparse_context
     extra = ["--max-total-tokens", str(n * (ctx + 2 * run.new_tokens) + 4096)]
     sparse = ["--loopkv-decode-policy", "lserve", "--loopkv-decode-min-context", str(ctx // 2)]
+    sparse += ["--loopkv-decode-budget", str(run.decode_budget)]
     servers = start_all(
         {
             "dense": run.server(model, "loopkv-dense-8b", "bfloat16", extra, loopkv=True),
@@ -286,10 +288,10 @@ def main(argv: list[str] | None = None) -> dict:
     logs = args.work / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if args.dry_run:
-        run = Run(device, history=1024, sparse_context=1024, batch=2, new_tokens=8, logs=logs)
+        run = Run(device, history=1024, sparse_context=1024, batch=2, new_tokens=8, decode_budget=256, logs=logs)
         geoms = {"smollm2": TINY, "llama3_8b": TINY}
     else:
-        run = Run(device, history=16384, sparse_context=32768, batch=8, new_tokens=32, logs=logs)
+        run = Run(device, history=16384, sparse_context=32768, batch=8, new_tokens=32, decode_budget=2048, logs=logs)
         geoms = {"smollm2": SMOLLM2, "llama3_8b": Geometry(**{**LLAMA3_8B.__dict__, "layers": args.llama_layers})}
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     t0, results = time.perf_counter(), {"phases": sorted(phases), "timings_s": {}}
