@@ -39,6 +39,7 @@ FLASHINFER = "flashinfer-python==0.7.2"  # the version SGLang 0.5.23 asserts
 #: SGLang folders a Llama server never imports (the probe confirms: none of their files load).
 EXCLUDED = ("sglang/multimodal_gen/", "sglang/test/", "sglang/benchmark/")
 MODELS = "sglang/srt/models/"
+JIT = "sglang/kernels/jit"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 PIP_PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64") + tuple(
     f"manylinux_2_{n}_x86_64" for n in (24, 26, 27, 28, 31, 34, 35)
@@ -68,8 +69,13 @@ def missing_distributions(modules: list[str], image: set[str]) -> dict[str, str]
 
 def sglang_members(site: Path, loaded: set[str]) -> list[str]:
     """Paths under ``site`` of the SGLang sources to carry: every ``.py`` outside ``EXCLUDED``; in
-    ``srt/models`` only the files in ``loaded`` (absolute paths the probe saw) and ``__init__.py``."""
+    ``srt/models`` only the files in ``loaded`` (absolute paths the probe saw) and ``__init__.py``;
+    the JIT kernels' ``include``/``csrc`` (``sglang.kernels.jit`` refuses to import without them)."""
     out = []
+    for path in sorted((site / JIT).rglob("*")):  # sources SGLang's JIT compiles, whose presence it checks at import
+        rel = path.relative_to(site).as_posix()
+        if path.is_file() and path.suffix != ".py" and "__pycache__" not in rel:
+            out.append(rel)
     for path in sorted((site / "sglang").rglob("*.py")):
         rel = path.relative_to(site).as_posix()
         if "__pycache__" in rel or rel.startswith(EXCLUDED):
@@ -152,6 +158,8 @@ def build(bundle: Path, report: dict, model_dir: Path) -> dict:
             kept = {n: z.read(n) for n in z.namelist() if not n.endswith("/") and flashinfer_member(n)}
         manifest["flashinfer.tar.xz"] = pack(bundle / "flashinfer.tar.xz", kept)
         fi[-1].unlink()  # 62 MiB: the stripped archive replaces it
+    elif (bundle / "flashinfer.tar.xz").exists():  # stripped by an earlier build
+        manifest["flashinfer.tar.xz"] = (bundle / "flashinfer.tar.xz").stat().st_size
     manifest["wheels"] = sorted(p.name for p in (bundle / "wheels").glob("*.whl"))
     (bundle / "manifest.json").write_text(json.dumps(manifest, indent=1))
     manifest["total_bytes"] = check_size(bundle)

@@ -30,6 +30,8 @@ def test_sglang_members_keep_the_llama_path_and_drop_the_rest():
     assert "sglang/srt/models/qwen2.py" not in members
     assert not [m for m in members if m.startswith(gb.EXCLUDED) or "__pycache__" in m]
     assert any(m.endswith(".dist-info/METADATA") for m in members)
+    jit = [m for m in members if m.startswith(gb.JIT + "/")]
+    assert any("/include/" in m for m in jit) and any("/csrc/" in m for m in jit)
 
 
 def test_flashinfer_is_stripped_of_other_kernels_sources():
