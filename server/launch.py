@@ -8,7 +8,8 @@ flag on the command line always overrides:
   (``--dtype bfloat16`` is opt-in, see ``platform.default_cpu_dtype``), no overlap schedule /
   CUDA graphs, ``--sleep-on-idle`` (else the idle scheduler busy-polls a core), a 32K-token KV
   pool.
-- GPU: SGLang's own defaults (the loopkv GPU attention path is not built yet).
+- GPU: SGLang's own defaults; loopkv attention and the tiered cache are opt-in there until the GPU
+  check (``benchmarks/gpu_server.sh``, docs/gpu.md) has passed on a GPU.
 
 One flag is sized, not passed through: under a paged cache (``--page-size`` > 1) ``--max-total-tokens``
 gets the page rounding SGLang's scheduler charges a request (:mod:`sgl_loopkv.server.pool_size`), so a
@@ -50,7 +51,8 @@ def cpu_defaults(stock: bool) -> dict[str, str | None]:
     return {**(STOCK_CPU_DEFAULTS if stock else CPU_DEFAULTS), "--dtype": default_cpu_dtype()}
 
 
-# SGLang's own attention and radix cache on a GPU until a GPU run shows the tiered cache working there.
+# SGLang's own attention and radix cache on a GPU: loopkv's (--attention-backend loopkv --radix-cache-backend
+# loopkv --page-size 16) stay opt-in on CUDA until benchmarks/gpu_server.sh has passed on a GPU (docs/gpu.md).
 GPU_DEFAULTS: dict[str, str | None] = {
     "--enable-cache-report": None,
 }

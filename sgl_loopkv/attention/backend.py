@@ -56,8 +56,12 @@ class LoopKVAttnBackend(AttentionBackend):
         context: Context | None = None,
         decode_policy: DecodePolicy | None = None,
         decode_executor: str = "auto",
+        dense_delegate: AttentionBackend | None = None,
     ):
         super().__init__()
+        # CUDA: SGLang's own FlashInfer/Triton backend runs the plain dense batches (cuda_dense.py)
+        self.dense_delegate = dense_delegate
+        self.delegated = False  # this batch: planned by (and run through) the delegate
         self.context = context  # the boards this backend feeds (None: feeds nothing)
         self.device = model_runner.device
         self.req_to_token_pool = model_runner.req_to_token_pool
@@ -99,6 +103,7 @@ class LoopKVAttnBackend(AttentionBackend):
         self.forward_metadata = self.plan_batch(forward_batch)
         self.sparse_seqs = None
         self.decode_is_sparse = False
+        self.delegated = False
         self.pruned = self.pruned_restores(forward_batch)
         if self.pruned is not None:  # their kept chunks are their plan; the sparse paths do not apply to the batch
             return
@@ -111,6 +116,9 @@ class LoopKVAttnBackend(AttentionBackend):
         if self.policy is not None and not mode.is_decode():
             long = [n > self.sparse_min_len for n in forward_batch.extend_seq_lens_cpu]
             self.sparse_seqs = long if any(long) else None
+        self.delegated = self.dense_delegate is not None and not self.decode_is_sparse and self.sparse_seqs is None
+        if self.delegated:  # one plan per batch, reused by every layer (SGLang's own planning)
+            self.dense_delegate.init_forward_metadata(forward_batch)
             if self.sparse_seqs:  # one line per sparse prefill batch (tests and operators look for it)
                 logger.info(
                     "loopkv sparse prefill (%s): %d of %d sequences, %d new tokens",
@@ -219,6 +227,15 @@ class LoopKVAttnBackend(AttentionBackend):
                 plan, q, k_buf, self.token_to_kv_pool.get_value_buffer(layer.layer_id), layer.scaling, out
             )
             return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+        if self.delegated:  # the KV is in the pool already: the delegate only reads it
+            run = (
+                self.dense_delegate.forward_decode
+                if forward_batch.forward_mode.is_decode()
+                else self.dense_delegate.forward_extend
+            )
+            if layer.layer_id == 0 and forward_batch.forward_mode.is_decode():
+                self.decode_metrics.observe(f"sglang-{type(self.dense_delegate).__name__}")
+            return run(q, k, v, layer, forward_batch, save_kv_cache=False)
         self.executor.run(
             self.forward_metadata,
             q,
@@ -322,6 +339,7 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
 
     config = LoopKVConfig.from_env()
     from sgl_loopkv import restore
+    from sgl_loopkv.attention.cuda_dense import sglang_dense_backend
     from sgl_loopkv.attention.executor import dense_attention
 
     ctx = get_context()
@@ -354,4 +372,5 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
         context=ctx,
         decode_policy=decode_policy,
         decode_executor=config.decode.executor,
+        dense_delegate=sglang_dense_backend(model_runner),
     )

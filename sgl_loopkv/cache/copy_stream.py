@@ -14,6 +14,7 @@ On CPU the copies are synchronous and every method is a no-op (no events are mad
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
@@ -56,3 +57,17 @@ class CopyStream:
         """Forward thread: its current stream waits for a copied layer (CPU: nothing to wait for)."""
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+
+
+PINNED_ENV = "LOOPKV_HOST_PINNED"
+
+
+def pinned_host(device: torch.device | str, env: dict | None = None) -> bool:
+    """Whether the host tier's buffers for a pool on ``device`` are page-locked: on CUDA unless
+    ``LOOPKV_HOST_PINNED=0`` (pinned host-to-device copies are several times faster than pageable
+    ones, benchmarks/results/gpu_copy_overlap.md, and only they overlap compute); never on CPU.
+    They count against ``--loopkv-host-bytes`` like any host-tier bytes. Segments read back from
+    disk stay pageable (not built yet)."""
+    if torch.device(device).type != "cuda":
+        return False
+    return (os.environ if env is None else env).get(PINNED_ENV, "1").strip() not in ("0", "false", "no")

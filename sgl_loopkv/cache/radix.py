@@ -52,6 +52,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
+from sgl_loopkv.cache.copy_stream import pinned_host
 from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, CorruptSegment, Found, SegmentRecord
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -347,8 +348,10 @@ class LoopKVRadixCache(RadixCache):
         buffer (a stack of per-layer gathers copied every byte twice: a 2K-token turn's store took
         ~60 ms on the scheduler thread, a third of it the second copy)."""
         k0 = self.kv_pool.k_buffer[0]
-        out = torch.empty(self.geometry.num_layers, 2, len(slots), *k0.shape[1:], dtype=k0.dtype)
         on_host = k0.device.type == "cpu"
+        out = torch.empty(
+            self.geometry.num_layers, 2, len(slots), *k0.shape[1:], dtype=k0.dtype, pin_memory=pinned_host(k0.device)
+        )
         for layer in range(self.geometry.num_layers):
             for i, buf in enumerate((self.kv_pool.k_buffer[layer], self.kv_pool.v_buffer[layer])):
                 if on_host:
