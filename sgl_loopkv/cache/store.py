@@ -313,7 +313,7 @@ class TieredKVStore:
         seg = self.segments.get(seg_id)
         return seg is not None and not seg.in_host
 
-    def _lose(self, seg_id: str) -> None:
+    def _lose(self, seg_id: str, lost: bool = True) -> None:
         seg = self.segments.pop(seg_id, None)
         if seg is None:
             return
@@ -326,7 +326,7 @@ class TieredKVStore:
         self.chunk_cache.drop(seg_id)
         if self.prefetch is not None:
             self.prefetch.discard(seg_id)
-        self.stats.lost_segments += 1
+        self.stats.lost_segments += lost
         self.on_lost(seg_id)
 
     def forget_corrupt(self, seg_id: str) -> None:
@@ -342,6 +342,14 @@ class TieredKVStore:
         if seg is not None and seg.pending_disk:
             self.flush()
         self._lose(seg_id)
+
+    def remove(self, seg_id: str) -> None:
+        """Remove a segment from every tier because it was asked for (a forget): like :meth:`drop`,
+        not counted as lost."""
+        seg = self.segments.get(seg_id)
+        if seg is not None and seg.pending_disk:
+            self.flush()
+        self._lose(seg_id, lost=False)
 
     def count_tokens(self) -> TierStats:
         """Refresh the per-tier token counts (for metrics) and return the stats."""
