@@ -112,6 +112,8 @@ def forget(
         return None
     report = remove(cache, removed, held)
     report.kept_shared_tokens = kept * page
+    cache.store.stats.forgets += 1
+    cache.metrics.publish(cache.store.count_tokens())
     notes = _notes(cache)
     if notes is not None:
         notes.write(removed)
