@@ -581,6 +581,16 @@ class LifecycleConfig:
         },
     )
 
+    require_salt: bool = field(
+        default=False,
+        metadata={
+            "help": "A request without a cache_salt shares no cached KV with any other request, and its KV is not "
+            "stored in the host or disk tier: the defence against reading other clients' prompts from the cache's "
+            "timing (docs/operating/data-protection.md). Clients that send a cache_salt share within that salt.",
+            "action": "store_true",
+        },
+    )
+
     @property
     def disk_ttl_s(self) -> float | None:
         return parse_duration(self.disk_ttl, "--loopkv-disk-ttl")

@@ -75,6 +75,7 @@ RELOOK_S = 1.0
 # A pruned restore made for a waiting request that never ran (aborted while queued) gives its slots
 # back after this long without being matched again (a waiting request is re-matched every round).
 UNADOPTED_S = 30.0
+UNSALTED = "loopkv-unsalted-"  # the salt prefix --loopkv-require-salt gives requests that bring none (server/salt.py)
 # A request whose history is read ahead from disk (cache/prefetch.py) is held back at most this long,
 # then reads inline like before (a read slower than this is a disk in trouble, not a queue).
 READ_AHEAD_WAIT_S = 30.0
@@ -335,6 +336,8 @@ class LoopKVRadixCache(RadixCache):
         return namespace(FORMAT_VERSION, stored_form, extra_key, cache_salt)
 
     def _store_node(self, node: TreeNode, pairs: list[tuple[int, int]]) -> bool:
+        if (node.key.cache_salt or "").startswith(UNSALTED):
+            return False  # --loopkv-require-salt: a request of its own namespace, which nothing could resume
         parent_ref = _ref(node.parent) if node.parent is not self.root_node else None
         if node.parent is not self.root_node and parent_ref is None:
             return False  # its prefix is not stored: it could never be matched from the tiers

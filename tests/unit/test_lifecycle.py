@@ -71,10 +71,43 @@ def test_expired_while_running_and_the_tree_is_told(tmp_path):
         assert (tmp_path / old).exists()
         os.utime(tmp_path / old, (soon - 7200, soon - 7200))  # last used an hour ago
         deadline = time.monotonic() + 60
-        while (tmp_path / old).exists():
+        seg_id = old.removeprefix("seg_").removesuffix(".kv")
+        while seg_id not in s._evicted:  # queued for sync(), which hands it to the tree
             assert time.monotonic() < deadline, "the unused segment never expired"
             time.sleep(0.05)
-        assert (tmp_path / used).exists()
-        assert old.removeprefix("seg_").removesuffix(".kv") in s._evicted  # sync() hands it to the tree
+        assert not (tmp_path / old).exists() and (tmp_path / used).exists()
     finally:
         s.close()
+
+
+def test_require_salt_gives_an_unsalted_request_a_namespace_of_its_own(monkeypatch):
+    from types import SimpleNamespace
+
+    from sgl_loopkv.server import salt
+
+    monkeypatch.setattr(salt, "_REQUIRED", True)
+    a, b = (
+        SimpleNamespace(return_logprob=False, cache_salt=None),
+        SimpleNamespace(return_logprob=False, cache_salt=None),
+    )
+    salt.isolate_unsalted(None, a)
+    salt.isolate_unsalted(None, b)
+    assert a.cache_salt.startswith(salt.UNSALTED) and b.cache_salt.startswith(salt.UNSALTED)
+    assert a.cache_salt != b.cache_salt
+    tenant = SimpleNamespace(return_logprob=False, cache_salt="tenant-1")
+    salt.isolate_unsalted(None, tenant)
+    assert tenant.cache_salt == "tenant-1"
+    monkeypatch.setattr(salt, "_REQUIRED", False)
+    off = SimpleNamespace(return_logprob=False, cache_salt=None)
+    salt.isolate_unsalted(None, off)
+    assert off.cache_salt is None
+
+
+def test_an_isolated_request_is_not_stored_in_any_tier(tmp_path):
+    from sgl_loopkv.server.salt import UNSALTED
+
+    cache, allocator = make_cache(tmp_path, host_bytes=1 << 20)
+    add_turn(cache, allocator, SYS + A, salt=UNSALTED + "x")
+    assert not cache.store.segments and not list(tmp_path.glob("seg_*.kv"))
+    add_turn(cache, allocator, SYS + B, salt="tenant")
+    assert cache.store.segments
