@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 from http import HTTPStatus
 
+from fastapi import Request  # the endpoint's annotation, resolved by FastAPI from this module
+
 logger = logging.getLogger(__name__)
 
 ROUTE = "/loopkv/forget"
@@ -79,7 +81,7 @@ def chat_tokens(serving_chat, messages: list, cache_salt: str | None) -> tuple[l
     return ids, start
 
 
-async def forget_endpoint(request):
+async def forget_endpoint(request: Request):
     from fastapi.responses import ORJSONResponse
     from sglang.srt.managers.io_struct import DumperControlReqInput
 
