@@ -50,10 +50,15 @@ def forget(url: str, body: dict, headers: dict | None = None) -> requests.Respon
     return requests.post(f"{url}/loopkv/forget", json=body, headers=headers, timeout=120)
 
 
+def chat_ids(tokenizer, msgs: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in newer transformers
+
+
 def own_runs(tokenizer, msgs: list[dict]) -> list[list[int]]:
     """Runs of 16 token ids of the user message's own part of the chat prompt (as the server tokenizes it)."""
-    ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-    sys_only = tokenizer.apply_chat_template(msgs[:1] + [{"role": "user", "content": "x"}], tokenize=True)
+    ids = chat_ids(tokenizer, msgs)
+    sys_only = chat_ids(tokenizer, msgs[:1] + [{"role": "user", "content": "x"}])
     start = next(i for i, (a, b) in enumerate(zip(ids, sys_only)) if a != b)
     return [ids[i : i + 16] for i in range(start + 8, len(ids) - 24, 40)]
 
@@ -97,7 +102,7 @@ def test_forget_by_messages_keeps_the_shared_system_prompt(keyed_server, keyed_d
     assert files_holding(keyed_disk_dir, runs_a) == []
     assert files_holding(keyed_disk_dir, runs_b)
     assert chat(keyed_server.url, a, USER) == removed["kept_shared_tokens"]  # only the shared prompt
-    assert chat(keyed_server.url, b, USER) >= len(tokenizer.apply_chat_template(b, add_generation_prompt=True)) - 16
+    assert chat(keyed_server.url, b, USER) >= len(chat_ids(tokenizer, b)) - 16
 
 
 def test_forget_by_salt(keyed_server, keyed_disk_dir, tokenizer):
@@ -112,7 +117,9 @@ def test_forget_by_salt(keyed_server, keyed_disk_dir, tokenizer):
     assert forget(keyed_server.url, {"cache_salt": f"tenant-{tag}"}, ADMIN).status_code in (200, 404)
 
 
-def test_forget_at_one_worker_reaches_the_other_and_survives_a_restart(tiny_model_dir, server_logs, tmp_path, tokenizer):
+def test_forget_at_one_worker_reaches_the_other_and_survives_a_restart(
+    tiny_model_dir, server_logs, tmp_path, tokenizer
+):
     """Two workers on one disk tier (what launch_cluster runs behind its router): the conversation that
     worker 2 resumed from worker 1's files is forgotten at worker 1; worker 2's own copies go at its next
     request, and a restarted worker finds nothing either."""
