@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.utils import kill_process_tree
 
     from sgl_loopkv.plugin import register
+    from sgl_loopkv.server.forget import install_route
     from sgl_loopkv.server.limits import install_http_limits
     from sgl_loopkv.server.redact import redact_server_args
     from sgl_loopkv.server.rendezvous import private_rendezvous
@@ -224,6 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     redact_server_args(server_args)  # /server_info shows the command line: no keys in it
     # Only the one-tokenizer app: with --tokenizer-worker-num > 1 uvicorn workers import a fresh app.
     install_http_limits(app, config.limits)
+    install_route(app)  # POST /loopkv/forget
     try:
         with private_rendezvous(server_args):  # no scheduler socket on every interface
             run_server(server_args)

@@ -529,6 +529,61 @@ class LimitsConfig:
             )
 
 
+# --- stored conversations' lifecycle (issue 55): retention, forget, encryption --------------------
+DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str, flag: str) -> float | None:
+    """Seconds of a duration like ``30d``, ``12h``, ``90m``, ``3600s`` or ``3600``; None for
+    ``off``/``none``/``0``. Raises ValueError naming ``flag`` for anything else."""
+    t = str(text).strip().lower()
+    if t in ("", "off", "none", "0"):
+        return None
+    unit = DURATION_UNITS.get(t[-1])
+    number = t[:-1] if unit else t
+    try:
+        value = float(number) * (unit or 1.0)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{flag} must be a duration like 30d, 12h, 90m or 3600s (or off), not {text!r}")
+    return value
+
+
+@dataclass(slots=True)
+class LifecycleConfig:
+    """How long the tiers keep a conversation (docs/operating/data-protection.md)."""
+
+    flag_prefix: ClassVar[str] = ""
+
+    disk_ttl: str = field(
+        default="off",
+        metadata={
+            "help": "Segments of the disk tier not used for this long are deleted, at start-up and every "
+            "min(TTL / 4, 60 s) while the server runs (a use renews it): a duration like 30d, 12h, 90m or 3600s; "
+            "'off' (default): kept until the quota evicts them or a forget (POST /loopkv/forget) removes them.",
+            "type": str,
+        },
+    )
+
+    require_salt: bool = field(
+        default=False,
+        metadata={
+            "help": "A request without a cache_salt shares no cached KV with any other request, and its KV is not "
+            "stored in the host or disk tier: the defence against reading other clients' prompts from the cache's "
+            "timing (docs/operating/data-protection.md). Clients that send a cache_salt share within that salt.",
+            "action": "store_true",
+        },
+    )
+
+    @property
+    def disk_ttl_s(self) -> float | None:
+        return parse_duration(self.disk_ttl, "--loopkv-disk-ttl")
+
+    def __post_init__(self):
+        parse_duration(self.disk_ttl, "--loopkv-disk-ttl")  # a clear error at start-up, not a silent default
+
+
 #: section field of LoopKVConfig -> its dataclass
 SECTIONS: dict[str, type] = {
     "tiers": TierConfig,
@@ -538,6 +593,7 @@ SECTIONS: dict[str, type] = {
     "decode": SparseDecodeConfig,
     "prefix": PrefixConfig,
     "limits": LimitsConfig,
+    "lifecycle": LifecycleConfig,
 }
 
 
@@ -590,6 +646,7 @@ class LoopKVConfig:
     decode: SparseDecodeConfig = field(default_factory=SparseDecodeConfig)
     prefix: PrefixConfig = field(default_factory=PrefixConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):

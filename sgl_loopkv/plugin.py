@@ -14,6 +14,8 @@ What it registers today:
 - API keys redacted from /server_info, the start-up log and crash dumps (:mod:`sgl_loopkv.server.redact`);
 - bad input answered with a readable 4xx, never a 5xx or a server path (:mod:`sgl_loopkv.server.errors`,
   :mod:`sgl_loopkv.server.request_checks`), in servers of sgl-loopkv's launcher;
+- ``POST /loopkv/forget`` answered on the scheduler (:mod:`sgl_loopkv.server.forget`), and requests
+  without a ``cache_salt`` isolated under ``--loopkv-require-salt`` (:mod:`sgl_loopkv.server.salt`);
 - per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`);
 - requests whose history another worker is writing, or that the disk tier is reading ahead, held back
   in the queue, not waited for on the scheduler thread (:mod:`sgl_loopkv.cache.awaited`);
@@ -86,7 +88,16 @@ def _register_hooks() -> None:
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import decode_linear, lean_forward
-    from sgl_loopkv.server import errors, limits, metrics_files, openai_model_check, redact, request_checks
+    from sgl_loopkv.server import (
+        errors,
+        forget,
+        limits,
+        metrics_files,
+        openai_model_check,
+        redact,
+        request_checks,
+        salt,
+    )
 
     hooks = [
         (openai_model_check.TARGET, openai_model_check.check_model_name, HookType.AROUND),
@@ -102,6 +113,8 @@ def _register_hooks() -> None:
             (request_checks.TARGET, request_checks.check_request_values, HookType.AFTER),
             (request_checks.DETOKENIZE_TARGET, request_checks.check_detokenize_request, HookType.AFTER),
             (request_checks.EMBED_NORMALIZE_TARGET, request_checks.normalize_embedding_request, HookType.AROUND),
+            (forget.CONTROL_TARGET, forget.handle_control, HookType.AROUND),
+            (salt.TARGET, salt.isolate_unsalted, HookType.BEFORE),
         ]
         if multiprocessing.parent_process() is None:  # the launcher: the HTTP server's process, not a child
             hooks.append((errors.LAUNCH_TARGET, errors.install_on_launch, HookType.AROUND))

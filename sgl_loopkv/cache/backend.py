@@ -79,6 +79,7 @@ def create_loopkv_radix_cache(ctx):
             dir_lock=lock,
             layer_group=config.prefix.file_layer_group,  # a pruned restore reads a period's layers together
             read_ahead=tiers.disk_read == "background",
+            disk_ttl_s=config.lifecycle.disk_ttl_s,
         )
 
     from sgl_loopkv import restore

@@ -305,6 +305,18 @@ class DiskSegmentStore:
         return evicted
 
     # --- delete --------------------------------------------------------------------------------
+    def expire(self, ttl_s: float) -> list[str]:
+        """Delete the segments (any worker's) not used for ``ttl_s`` seconds (their mtime, which every
+        use renews); -> their ids. A reader that has one open reads it to the end."""
+        cutoff = time.time_ns() - int(ttl_s * 1e9)
+        with self.dir.eviction_lock():
+            old = [f.seg_id for f in self.dir.scan().published if f.mtime_ns < cutoff and SEG_ID.fullmatch(f.seg_id)]
+            for seg_id in old:
+                self._unlink(seg_id)
+        if old:
+            _fsync_dir(self.root)
+        return old
+
     def delete(self, seg_id: str) -> None:
         """Remove a segment and the chunk links that point to it (under the eviction lock)."""
         with self.dir.eviction_lock():

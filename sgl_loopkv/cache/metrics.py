@@ -33,6 +33,10 @@ class TierMetrics:
         self.gone = Counter(
             "loopkv_gone_segments", "Disk segments found evicted (by any worker of the shared tier) when read"
         )
+        self.expired = Counter(
+            "loopkv_disk_expired_segments", "Disk segments deleted by --loopkv-disk-ttl (this worker)"
+        )
+        self.forgets = Counter("loopkv_forgets", "Forgets (POST /loopkv/forget) that removed stored KV")
         self.restores = Counter("loopkv_restores", "Histories restored from the host/disk tiers")
         self.restore_recompute = Gauge(
             "loopkv_restore_recompute_fraction",
@@ -146,6 +150,8 @@ class TierMetrics:
         self.corrupt.inc(stats.corrupt_segments - last.corrupt_segments)
         self.write_errors.inc(stats.disk_write_errors - last.disk_write_errors)
         self.gone.inc(stats.gone_segments - last.gone_segments)
+        self.expired.inc(stats.disk_expired - last.disk_expired)
+        self.forgets.inc(stats.forgets - last.forgets)
         self._last = TierStats(
             stats.host_bytes,
             stats.disk_bytes,
@@ -157,4 +163,6 @@ class TierMetrics:
             stats.lost_segments,
             gone_segments=stats.gone_segments,
             disk_write_errors=stats.disk_write_errors,
+            disk_expired=stats.disk_expired,
+            forgets=stats.forgets,
         )

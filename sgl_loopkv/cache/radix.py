@@ -54,6 +54,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
 from sgl_loopkv.cache.copy_stream import pinned_host
 from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, CorruptSegment, Found, SegmentRecord
+from sgl_loopkv.cache.forget import apply_notes as apply_forget_notes
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
@@ -75,6 +76,7 @@ RELOOK_S = 1.0
 # A pruned restore made for a waiting request that never ran (aborted while queued) gives its slots
 # back after this long without being matched again (a waiting request is re-matched every round).
 UNADOPTED_S = 30.0
+UNSALTED = "loopkv-unsalted-"  # the salt prefix --loopkv-require-salt gives requests that bring none (server/salt.py)
 # A request whose history is read ahead from disk (cache/prefetch.py) is held back at most this long,
 # then reads inline like before (a read slower than this is a disk in trouble, not a queue).
 READ_AHEAD_WAIT_S = 30.0
@@ -327,11 +329,16 @@ class LoopKVRadixCache(RadixCache):
         """Chain hashes of the whole chunks of ``token_ids`` in ``key``'s namespace (extra key, salt).
         The stored form is part of it: the tier's dtype (in the geometry) and the layer-sharing codec,
         so a worker never loads KV another stored more lossily than it would itself."""
+        return chunk_chain(token_ids, self.page_size, self.namespace_root(key.extra_key, key.cache_salt))
+
+    def namespace_root(self, extra_key: str | None, cache_salt: str | None) -> bytes:
+        """The hash chain's root for histories of this extra key and salt (:func:`address.namespace`)."""
         stored_form = {**self.store_geometry.to_json(), "share_layers": self.sharing.codec if self.sharing else None}
-        root = namespace(FORMAT_VERSION, stored_form, key.extra_key, key.cache_salt)
-        return chunk_chain(token_ids, self.page_size, root)
+        return namespace(FORMAT_VERSION, stored_form, extra_key, cache_salt)
 
     def _store_node(self, node: TreeNode, pairs: list[tuple[int, int]]) -> bool:
+        if (node.key.cache_salt or "").startswith(UNSALTED):
+            return False  # --loopkv-require-salt: a request of its own namespace, which nothing could resume
         parent_ref = _ref(node.parent) if node.parent is not self.root_node else None
         if node.parent is not self.root_node and parent_ref is None:
             return False  # its prefix is not stored: it could never be matched from the tiers
@@ -466,6 +473,8 @@ class LoopKVRadixCache(RadixCache):
         if len(key) == 0:
             return self._empty_match_result
         self.store.sync()  # evictions the disk writer made: their nodes go before the walk
+        if self.store.disk is not None:
+            apply_forget_notes(self)  # another worker's forgets: this worker's copies go before the walk
         device_len, last_device, stored = self._walk(key)
         if getattr(params, "req", None) is not None and self.store.disk is not None:
             self._remember(self._probed, params.req.rid, None)

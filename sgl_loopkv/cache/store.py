@@ -75,6 +75,8 @@ class TierStats:
     host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
     disk_tokens: int = 0
     host_chunk_bytes: int = 0  # the host chunk cache's (chunks of disk-only segments, in the arena's free room)
+    disk_expired: int = 0  # segments the disk TTL (--loopkv-disk-ttl) deleted, by this worker
+    forgets: int = 0  # forgets (POST /loopkv/forget) that removed something here
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -95,6 +97,7 @@ class TieredKVStore:
         dir_lock: DirectoryLock | None = None,
         layer_group: int = LAYER_GROUP,
         read_ahead: bool = True,
+        disk_ttl_s: float | None = None,
     ):
         self.geometry, self.policy = geometry, policy
         self.dir_lock = dir_lock  # a shared hold while the store lives (keeps format-2 servers out)
@@ -128,6 +131,26 @@ class TieredKVStore:
             # Queued stores reach the disk when the process exits normally (SGLang's scheduler on
             # shutdown); a weak reference, so a store dropped earlier is not kept alive by this.
             atexit.register(_close_at_exit, weakref.ref(self))
+        self.disk_ttl_s = disk_ttl_s if self.disk is not None else None
+        self._closing = threading.Event()
+        if self.disk_ttl_s:  # at start-up (nothing of it is known here yet), then periodically
+            self.stats.disk_expired += len(self.disk.expire(self.disk_ttl_s))
+            self.stats.disk_bytes = self.disk.used_bytes
+            t = threading.Thread(target=self._expire_loop, name="loopkv-disk-ttl", daemon=True)
+            t.start()
+            self._writers.append(t)
+
+    def _expire_loop(self) -> None:
+        """Every min(TTL / 4, 60 s): segments unused for the TTL leave the disk; :meth:`sync` tells the tree."""
+        while not self._closing.wait(min(self.disk_ttl_s / 4, 60.0)):
+            try:
+                gone = self.disk.expire(self.disk_ttl_s)
+            except OSError:
+                logger.exception("loopkv: expiring disk segments failed (tried again later)")
+                continue
+            self.stats.disk_expired += len(gone)
+            self._evicted.extend(gone)
+            self.stats.disk_bytes = self.disk.used_bytes
 
     # --- in ------------------------------------------------------------------------------------
     def encode(
@@ -251,6 +274,7 @@ class TieredKVStore:
     def close(self) -> None:
         if self._writers:
             self.flush()
+            self._closing.set()
             for q in (self._queue, self._shared_queue):
                 q.put(None)
             for t in self._writers:
@@ -313,7 +337,7 @@ class TieredKVStore:
         seg = self.segments.get(seg_id)
         return seg is not None and not seg.in_host
 
-    def _lose(self, seg_id: str) -> None:
+    def _lose(self, seg_id: str, lost: bool = True) -> None:
         seg = self.segments.pop(seg_id, None)
         if seg is None:
             return
@@ -326,7 +350,7 @@ class TieredKVStore:
         self.chunk_cache.drop(seg_id)
         if self.prefetch is not None:
             self.prefetch.discard(seg_id)
-        self.stats.lost_segments += 1
+        self.stats.lost_segments += lost
         self.on_lost(seg_id)
 
     def forget_corrupt(self, seg_id: str) -> None:
@@ -342,6 +366,14 @@ class TieredKVStore:
         if seg is not None and seg.pending_disk:
             self.flush()
         self._lose(seg_id)
+
+    def remove(self, seg_id: str) -> None:
+        """Remove a segment from every tier because it was asked for (a forget): like :meth:`drop`,
+        not counted as lost."""
+        seg = self.segments.get(seg_id)
+        if seg is not None and seg.pending_disk:
+            self.flush()
+        self._lose(seg_id, lost=False)
 
     def count_tokens(self) -> TierStats:
         """Refresh the per-tier token counts (for metrics) and return the stats."""
