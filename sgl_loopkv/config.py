@@ -554,6 +554,7 @@ def parse_duration(text: str, flag: str) -> float | None:
 class LifecycleConfig:
     """How long the tiers keep a conversation (docs/operating/data-protection.md)."""
 
+    title: ClassVar[str] = "retention and isolation"
     flag_prefix: ClassVar[str] = ""
 
     disk_ttl: str = field(
