@@ -235,7 +235,7 @@ HOSTILE = [
 # <disk dir>/<16 hex: model fingerprint>/{lock, evict.lock, workers, seg_<start>-<32 hex: chain hash>.kv,
 # chunks/<32 hex: chain hash>(.pending), <host>.<pid>.<8 hex>.<bytes>.tmp while written}
 DISK_NAME = re.compile(
-    r"[0-9a-f]{16}(/(lock|evict\.lock|workers|seg_\d{6}-[0-9a-f]{32}\.kv|chunks(/[0-9a-f]{32}(\.pending)?)?|[^/]+\.\d+\.[0-9a-f]{8}\.\d+\.tmp))?"
+    r"[0-9a-f]{16}(/(lock|evict\.lock|workers|seg_\d{6}-[0-9a-f]{32}\.kv|chunks(/[0-9a-f]{32}(\.pending)?)?|forgotten(/\d+-[0-9a-f]{8}\.json)?|[^/]+\.\d+\.[0-9a-f]{8}\.\d+\.tmp))?"
 )
 PROMPT = "Hostile strings test. " + " ".join(f"Bin {j} holds {j % 5} bolts." for j in range(6))  # > 2 pages
 
