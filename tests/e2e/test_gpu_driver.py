@@ -22,6 +22,8 @@ KEYS = (
 )
 
 
+# slow: the whole driver against several CPU servers (minutes); run with -m slow before a GPU session
+@pytest.mark.slow
 def test_driver_dry_run_writes_every_summary_key(default_model_dir, tmp_path):
     out = tmp_path / "gpu_server.json"
     cmd = [sys.executable, "-m", "benchmarks.gpu_server", "--dry-run", "--out", str(out)]
