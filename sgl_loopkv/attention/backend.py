@@ -119,14 +119,14 @@ class LoopKVAttnBackend(AttentionBackend):
         self.delegated = self.dense_delegate is not None and not self.decode_is_sparse and self.sparse_seqs is None
         if self.delegated:  # one plan per batch, reused by every layer (SGLang's own planning)
             self.dense_delegate.init_forward_metadata(forward_batch)
-            if self.sparse_seqs:  # one line per sparse prefill batch (tests and operators look for it)
-                logger.info(
-                    "loopkv sparse prefill (%s): %d of %d sequences, %d new tokens",
-                    type(self.policy).__name__,
-                    sum(long),
-                    len(long),
-                    sum(n for n, s in zip(forward_batch.extend_seq_lens_cpu, long) if s),
-                )
+        if self.sparse_seqs:  # one line per sparse prefill batch (tests and operators look for it)
+            logger.info(
+                "loopkv sparse prefill (%s): %d of %d sequences, %d new tokens",
+                type(self.policy).__name__,
+                sum(long),
+                len(long),
+                sum(n for n, s in zip(forward_batch.extend_seq_lens_cpu, long) if s),
+            )
 
     def plan_batch(self, forward_batch: ForwardBatch) -> AttentionPlan:
         bs = forward_batch.batch_size

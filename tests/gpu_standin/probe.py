@@ -54,8 +54,13 @@ class _FakeProps:
 
 def pretend_cuda() -> None:
     """Make ``torch.cuda`` answer SGLang's import-time questions as one Hopper GPU would."""
+    import os
+
     import torch
 
+    # a CUDA machine has no CPU-engine switch; one inherited from a CPU process (the test suite sets
+    # it) would make SGLang import its CPU kernels from the CUDA stand-in
+    os.environ.pop("SGLANG_USE_CPU_ENGINE", None)
     if torch.version.cuda is None:
         torch.version.cuda = "13.0"
     torch.cuda.is_available = lambda: True
