@@ -130,7 +130,7 @@ def forget(
 
 def apply_notes(cache) -> None:
     """Apply the other workers' forgets to this worker's tree and host arena (called at each match;
-    one ``stat`` when nothing changed). A note that a running request blocks is applied later."""
+    one ``listdir``). A note that a running request blocks is applied later."""
     notes = _notes(cache)
     if notes is None:
         return
@@ -139,15 +139,13 @@ def apply_notes(cache) -> None:
         return
     _settle(cache)
     held = holdings(cache, with_disk=False)
-    notes.retry = False
     for name, hashes in todo:
         mine = hashes & held.salt.keys()
         try:
             if mine:
                 remove(cache, mine, held)
                 held = holdings(cache, with_disk=False)
-        except Busy:
-            notes.retry = True
+        except Busy:  # tried again at a later match
             continue
         notes.applied.add(name)
 
@@ -378,17 +376,13 @@ def _fsync(path: Path) -> None:
 class ForgetNotes:
     """Forgets told to the other workers of a shared disk tier: ``forgotten/<ns>-<rand>.json``, the
     removed chunks' hashes (never token ids). Each worker applies every note it has not applied yet to
-    its own tree and host arena (the disk is done by the forgetting worker) when the directory changes,
-    checked at most every ``every_s`` at a match; a note a running request blocks is tried again."""
+    its own tree and host arena (the disk is done by the forgetting worker), looking for new notes at
+    every match (before the tree walk); a note a running request blocks stays pending."""
 
-    def __init__(self, root: Path, every_s: float = 0.2):
+    def __init__(self, root: Path):
         self.dir = root / NOTES
         self.dir.mkdir(mode=0o700, exist_ok=True)
-        self.every_s = every_s
         self.applied: set[str] = set()
-        self._seen_mtime = -1
-        self._checked = 0.0
-        self.retry = False  # a note was blocked by a running request: read the notes again
         self.prune()
 
     def write(self, removed: set[str]) -> None:
@@ -403,24 +397,16 @@ class ForgetNotes:
         self.applied.add(name)  # done here already
 
     def pending(self) -> list[tuple[str, set[str]]]:
-        """Notes not applied yet, oldest first (cheap when nothing changed: one ``stat``)."""
-        now = time.monotonic()
-        if now - self._checked < self.every_s:
-            return []
-        self._checked = now
+        """Notes not applied yet, oldest first (one ``listdir`` of a small folder). By name, not by the
+        folder's mtime: a note's temporary file and its rename can share one mtime tick."""
         try:
-            mtime = self.dir.stat().st_mtime_ns
+            names = sorted(n for n in os.listdir(self.dir) if n.endswith(".json") and n not in self.applied)
         except FileNotFoundError:
             return []
-        if mtime == self._seen_mtime and not self.retry:
-            return []
-        self._seen_mtime = mtime
         out = []
-        for f in sorted(self.dir.glob("*.json")):
-            if f.name in self.applied:
-                continue
+        for name in names:
             try:
-                out.append((f.name, set(json.loads(f.read_text())["hashes"])))
+                out.append((name, set(json.loads((self.dir / name).read_text())["hashes"])))
             except (OSError, ValueError, KeyError):
                 continue
         return out

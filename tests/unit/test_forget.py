@@ -5,6 +5,8 @@ tell another worker sharing the directory, and a forget refused while a request 
 
 from __future__ import annotations
 
+import os
+
 import struct
 from types import SimpleNamespace
 
@@ -118,8 +120,10 @@ def test_another_worker_on_the_directory_drops_its_copies_at_its_next_match(tmp_
     add_turn(one, alloc_one, SYS + A)
     assert matched(two, SYS + A) == len(SYS + A)  # found on the shared disk, now in two's tree and arena
     assert two.store.segments
+    notes = two.forget_notes.dir  # made at two's first match
+    seen = notes.stat().st_mtime_ns
     forget.forget(one, SYS + A)
-    two.forget_notes.every_s = 0.0  # made at two's first match; checked at most every 0.2 s by default
+    os.utime(notes, ns=(seen, seen))  # the note landed within the mtime tick two already saw
     assert matched(two, SYS + A, rid="again") == 0
     assert not two.store.segments
 
