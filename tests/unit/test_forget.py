@@ -6,7 +6,6 @@ tell another worker sharing the directory, and a forget refused while a request 
 from __future__ import annotations
 
 import os
-
 import struct
 from types import SimpleNamespace
 
