@@ -85,6 +85,8 @@ def tiny_native_server(tiny_model_dir, server_logs):
 
     args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--device", "cpu"]
     args += ["--attention-backend", "torch_native", "--disable-overlap-schedule", "--disable-cuda-graph"]
+    # as our launcher does: an idle scheduler otherwise busy-polls a core for the whole session
+    args += ["--sleep-on-idle"]
     env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STANDIN_DIR)}
     with ServerProcess(args, module="sglang.launch_server", env=env, log_path=server_logs / "plain.log") as srv:
         yield srv
