@@ -51,6 +51,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 )
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 
+from sgl_loopkv.cache import retention
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
 from sgl_loopkv.cache.copy_stream import pinned_host
 from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, CorruptSegment, Found, SegmentRecord
@@ -197,7 +198,8 @@ class LoopKVRadixCache(RadixCache):
         job = self.pruned.get(req.rid)
         if job is not None:  # its history's slots hold only the chunks some period kept: not the tree's
             if not self.disable and req.finished():  # now, not deferred: on_release frees its page cache
-                self._store_pruned_turn(req, job, up_to)
+                if retention.of_request(req).retain != "none":  # a pin is not applied on this path (yet)
+                    self._store_pruned_turn(req, job, up_to)
                 self.importance.pop(req.kv.req_pool_idx)
                 self.metrics.publish(self.store.count_tokens())
             return
@@ -210,9 +212,14 @@ class LoopKVRadixCache(RadixCache):
         # request's row (its layer pairs, its chunk importance) is taken now.
         if not self.disable and req.finished() and req.last_node is not None:
             pairs = self.sharing.turn_end(req.kv.req_pool_idx, req.last_node, self.root_node) if self.sharing else []
-            self.queue_backup(req.last_node, pairs, self.importance.pop(req.kv.req_pool_idx))
+            mass = self.importance.pop(req.kv.req_pool_idx)
+            hint = retention.of_request(req)
+            if hint.retain != "none":  # "none": its KV stays in the device tree only (cache.retention)
+                self.queue_backup(req.last_node, pairs, mass, hint)
 
-    def queue_backup(self, node: TreeNode, pairs: list[tuple[int, int]], mass: torch.Tensor | None) -> None:
+    def queue_backup(
+        self, node: TreeNode, pairs: list[tuple[int, int]], mass: torch.Tensor | None, hint=retention.DEFAULT
+    ) -> None:
         """Store the path to ``node`` at the next :meth:`flush_pending_backups`; locked until then.
         Its segments are announced on the shared disk tier now, before the last token goes out: the
         conversation's next turn may reach another worker first, whose lookup then waits for them."""
@@ -223,7 +230,7 @@ class LoopKVRadixCache(RadixCache):
                 record = self._record_of(n)
                 self.store.disk.announce(record)
                 announced.append((n, record))
-        self._backups.append((self.lock(node), pairs, mass, announced))
+        self._backups.append((self.lock(node), pairs, mass, announced, hint))
 
     def flush_pending_backups(self) -> None:
         """SGLang's seam for deferred host backups (called after a batch's outputs are streamed, and
@@ -236,10 +243,12 @@ class LoopKVRadixCache(RadixCache):
         with torch_single_threaded():  # bulk copies while the next request is being tokenized
             for job in offering:
                 job.offer_reads()
-            for lock, pairs, mass, announced in backups:
+            for lock, pairs, mass, announced, hint in backups:
                 try:
                     self._store_path(lock.node, pairs)
                     self._touch_path(lock.node, mass)
+                    if hint.retain == "pin":
+                        retention.pin_path(self, lock.node, hint.ttl_s)
                 finally:
                     self.unlock(lock)
                     for n, record in announced:  # not stored under that name: lookups stop waiting for it
