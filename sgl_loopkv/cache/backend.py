@@ -142,5 +142,6 @@ def cached_tokens_details(original, self, req, *args, **kwargs):
         "storage_backend": "loopkv-disk",
         "storage_shared": tiers["shared"],  # of "storage": stored by another worker of the cluster
         "worker": cache.worker_id,  # which worker served it (opaque), for clients and benchmarks behind a router
+        **({"pin": tiers["pin"]} if "pin" in tiers else {}),  # a pin hint's outcome (cache.retention)
         **({"pruned": tiers["pruned"]} if "pruned" in tiers else {}),  # a chunk-pruned restore's reads
     }

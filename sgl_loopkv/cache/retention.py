@@ -86,6 +86,14 @@ def pin_path(cache, node, ttl_s: float | None) -> list[bool]:
     return [cache.store.pin(seg_id, ttl_s) for seg_id in reversed(seg_ids)]
 
 
+def pin_outcome(pinned: list[bool]) -> str:
+    """What a pin request's answer reports: ``pinned`` (its whole stored history), ``partial`` (its front:
+    the pin quota ran out), ``degraded`` (nothing pinned: over the quota, or nothing stored)."""
+    if pinned and all(pinned):
+        return "pinned"
+    return "partial" if any(pinned) else "degraded"
+
+
 def tenant_of(cache_salt: str | None) -> str:
     return cache_salt or DEFAULT_TENANT
 

@@ -1,10 +1,11 @@
 """Retention hints in a real server (the session's ``keyed_server``: a small device pool, a host tier of
 ~4 conversations, a disk tier, ``--loopkv-pin-bytes``): malformed hints are 400s, ``retain: none`` reaches
 neither the host nor the disk tier, a pinned conversation keeps its host copy under pressure that moves an
-unpinned one of the same size out of it. Each test uses salts of its own and forgets them at the end."""
+unpinned one of the same size out of it, and the answer reports a pin's outcome. Each test uses salts of its own and forgets them at the end."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 
@@ -19,8 +20,8 @@ USER = {"Authorization": f"Bearer {API_KEY}"}
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
-def conversation(tag: str) -> str:
-    facts = " ".join(f"In story {tag}, room {j} holds {j % 11} {['lamps', 'books', 'cups'][j % 3]}." for j in range(70))
+def conversation(tag: str, things=("lamps", "books", "cups")) -> str:
+    facts = " ".join(f"In story {tag}, room {j} holds {j % 11} {things[j % 3]}." for j in range(70))
     return f"Conversation {tag}. {facts} Question: how many lamps are in room 3?"  # ~900 tokens
 
 
@@ -37,6 +38,11 @@ def tiers(r: requests.Response) -> dict:
     return {"device": d.get("device", 0), "host": d.get("host", 0), "disk": d.get("storage", 0)}
 
 
+def pin_report(r: requests.Response) -> str | None:
+    assert r.status_code == 200, r.text
+    return (r.json()["meta_info"].get("cached_tokens_details") or {}).get("pin")
+
+
 def forget_salt(url: str, salt: str) -> None:
     requests.post(f"{url}/loopkv/forget", json={"cache_salt": salt}, headers=ADMIN, timeout=120)
 
@@ -44,11 +50,11 @@ def forget_salt(url: str, salt: str) -> None:
 def files_holding(root, token_runs: list[list[int]]) -> list[str]:
     """Files of the disk tier whose bytes hold one of the runs of token ids (headers keep them as JSON);
     a file renamed or evicted while the scan reads the directory is skipped."""
-    needles = [", ".join(map(str, r)).encode() for r in token_runs]
+    needles = [re.compile(rb"(?<!\d)" + ", ".join(map(str, r)).encode() + rb"(?!\d)") for r in token_runs]
     out = []
     for f in root.rglob("*"):
         try:
-            if f.is_file() and any(n in f.read_bytes() for n in needles):
+            if f.is_file() and any(n.search(f.read_bytes()) for n in needles):
                 out.append(str(f))
         except FileNotFoundError:
             continue
@@ -60,6 +66,10 @@ def wait_for_disk(root, token_runs, timeout_s: float = 30) -> None:
     while not files_holding(root, token_runs):
         assert time.monotonic() < deadline, "the default request never reached the disk tier"
         time.sleep(0.2)
+
+
+def _contains(ids: list[int], run: list[int]) -> bool:
+    return any(ids[i : i + len(run)] == run for i in range(len(ids) - len(run) + 1))
 
 
 def runs(tokenizer, text: str) -> list[list[int]]:
@@ -98,12 +108,15 @@ def tokenizer(tiny_model_dir):
 
 def test_retain_none_stores_nothing_in_the_host_or_disk_tier(keyed_server, keyed_disk_dir, tokenizer):
     url, salt = keyed_server.url, f"none-{uuid.uuid4().hex[:8]}"
-    secret, control = conversation(f"N{salt}"), conversation(f"D{salt}")
+    secret, control = conversation(f"N{salt}", ("violins", "kettles", "anchors")), conversation(f"D{salt}")
+    control_ids = tokenizer(control, add_special_tokens=False)["input_ids"]
+    own = [r for r in runs(tokenizer, secret) if not _contains(control_ids, r)]  # the secret's own runs
+    assert len(own) >= 5
     try:
         assert tiers(generate(url, secret, salt, {"retain": "none"}))["host"] == 0
         tiers(generate(url, control, salt))  # the same server stores a default request (the check can fail)
         wait_for_disk(keyed_disk_dir, runs(tokenizer, control))
-        assert not files_holding(keyed_disk_dir, runs(tokenizer, secret))
+        assert not files_holding(keyed_disk_dir, own)
         again = tiers(generate(url, secret, salt, {"retain": "none"}))
         assert again["host"] == again["disk"] == 0, again
     finally:
@@ -114,8 +127,11 @@ def test_a_pinned_conversation_keeps_its_host_copy_under_pressure(keyed_server):
     url, salt = keyed_server.url, f"pin-{uuid.uuid4().hex[:8]}"
     pinned, plain = conversation(f"P{salt}"), conversation(f"U{salt}")
     try:
-        tiers(generate(url, pinned, salt, {"retain": "pin", "ttl": 300}))
+        first = generate(url, pinned, salt, {"retain": "pin", "ttl": 300})
+        assert pin_report(first) == "pinned", first.json()["meta_info"]
         tiers(generate(url, plain, salt))
+        more = [pin_report(generate(url, conversation(f"Q{i}{salt}"), salt, {"retain": "pin"})) for i in range(4)]
+        assert set(more) - {"pinned"} <= {"partial", "degraded"} and more[-1] != "pinned", more  # 1 MB of pins
         for i in range(6):  # ~6 conversations of the same size: the host tier holds ~4
             tiers(generate(url, conversation(f"F{i}{salt}"), salt))
         back = tiers(generate(url, pinned, salt))

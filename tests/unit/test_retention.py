@@ -8,7 +8,14 @@ import json
 import pytest
 
 from sgl_loopkv.cache.disk import DiskSegmentStore
-from sgl_loopkv.cache.retention import TENANT_BUCKETS, Retention, RetentionBook, parse_hint, tenant_label
+from sgl_loopkv.cache.retention import (
+    TENANT_BUCKETS,
+    Retention,
+    RetentionBook,
+    parse_hint,
+    pin_outcome,
+    tenant_label,
+)
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 from sgl_loopkv.config import LifecycleConfig
@@ -170,3 +177,9 @@ def test_tenant_labels_are_bounded_and_hide_the_salt():
 def test_bad_retention_flags_are_start_up_errors(bad):
     with pytest.raises(ValueError, match="--loopkv-"):
         LifecycleConfig(**bad)
+
+
+def test_a_pin_reports_its_outcome():
+    assert pin_outcome([True, True]) == "pinned"
+    assert pin_outcome([True, False]) == "partial"
+    assert pin_outcome([False]) == pin_outcome([]) == "degraded"
