@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     from sgl_loopkv.server.limits import install_http_limits
     from sgl_loopkv.server.redact import redact_server_args
     from sgl_loopkv.server.rendezvous import private_rendezvous
+    from sgl_loopkv.server.retention import install_retention_hints
 
     load_plugins()  # our entry point and any other installed plugin, as sglang.launch_server does
     register()  # idempotent; keeps loopkv available even if SGLANG_PLUGINS filters entry points
@@ -226,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     # Only the one-tokenizer app: with --tokenizer-worker-num > 1 uvicorn workers import a fresh app.
     install_http_limits(app, config.limits)
     install_route(app)  # POST /loopkv/forget
+    install_retention_hints(app)  # the "loopkv" body field (retain / ttl)
     try:
         with private_rendezvous(server_args):  # no scheduler socket on every interface
             run_server(server_args)

@@ -577,12 +577,45 @@ class LifecycleConfig:
         },
     )
 
+    pin_bytes: Bytes = field(
+        default=0,
+        metadata={
+            "help": 'Host-arena bytes that requests with "loopkv": {"retain": "pin"} may pin in all (eviction skips '
+            "pinned segments until the pin's ttl ends). A pin beyond it is stored unpinned and counted in "
+            "loopkv_pins_refused. 0 (default): no pins.",
+        },
+    )
+
+    tenant_host_share: float = field(
+        default=1.0,
+        metadata={
+            "help": "Share, in (0, 1], of the host tier's quota that one tenant (its cache_salt; no salt: one "
+            "'default' tenant) holds before the host tier's eviction takes that tenant's segments first. "
+            "1 (default): no per-tenant share.",
+        },
+    )
+
+    tenant_disk_share: float = field(
+        default=1.0,
+        metadata={
+            "help": "Share, in (0, 1], of the disk tier's quota that one tenant holds: a store over it first "
+            "deletes that tenant's own least valuable disk segments (those this worker knows). 1 (default): no "
+            "per-tenant share.",
+        },
+    )
+
     @property
     def disk_ttl_s(self) -> float | None:
         return parse_duration(self.disk_ttl, "--loopkv-disk-ttl")
 
     def __post_init__(self):
         parse_duration(self.disk_ttl, "--loopkv-disk-ttl")  # a clear error at start-up, not a silent default
+        if self.pin_bytes < 0:
+            raise ValueError(f"--loopkv-pin-bytes must be >= 0, got {self.pin_bytes}")
+        for name in ("tenant_host_share", "tenant_disk_share"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"--loopkv-{name.replace('_', '-')} must be in (0, 1], got {value}")
 
 
 #: section field of LoopKVConfig -> its dataclass

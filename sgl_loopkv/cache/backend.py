@@ -13,6 +13,7 @@ import torch
 
 from sgl_loopkv.cache.disk_dir import DirectoryLock, bounded_quota
 from sgl_loopkv.cache.layout import KVGeometry
+from sgl_loopkv.cache.retention import RetentionBook
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 from sgl_loopkv.config import LoopKVConfig
@@ -80,6 +81,9 @@ def create_loopkv_radix_cache(ctx):
             layer_group=config.prefix.file_layer_group,  # a pruned restore reads a period's layers together
             read_ahead=tiers.disk_read == "background",
             disk_ttl_s=config.lifecycle.disk_ttl_s,
+            retention=RetentionBook(
+                config.lifecycle.pin_bytes, config.lifecycle.tenant_host_share, config.lifecycle.tenant_disk_share
+            ),
         )
 
     from sgl_loopkv import restore
@@ -138,5 +142,6 @@ def cached_tokens_details(original, self, req, *args, **kwargs):
         "storage_backend": "loopkv-disk",
         "storage_shared": tiers["shared"],  # of "storage": stored by another worker of the cluster
         "worker": cache.worker_id,  # which worker served it (opaque), for clients and benchmarks behind a router
+        **({"pin": tiers["pin"]} if "pin" in tiers else {}),  # a pin hint's outcome (cache.retention)
         **({"pruned": tiers["pruned"]} if "pruned" in tiers else {}),  # a chunk-pruned restore's reads
     }

@@ -37,6 +37,17 @@ class TierMetrics:
             "loopkv_disk_expired_segments", "Disk segments deleted by --loopkv-disk-ttl (this worker)"
         )
         self.forgets = Counter("loopkv_forgets", "Forgets (POST /loopkv/forget) that removed stored KV")
+        self.tenant_bytes = Gauge(
+            "loopkv_tenant_bytes", "Bytes held per tier and tenant (salt hash bucket)", ["tier", "tenant"],
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        self.tenant_tokens = Gauge(
+            "loopkv_tenant_tokens", "Tokens held per tier and tenant (salt hash bucket)", ["tier", "tenant"],
+            multiprocess_mode="mostrecent",
+        )  # fmt: skip
+        self.pinned = Gauge("loopkv_pinned_bytes", "Host bytes pinned by retain: pin", multiprocess_mode="mostrecent")
+        self.pins_refused = Counter("loopkv_pins_refused", "Pins over --loopkv-pin-bytes, stored unpinned")
+        self._tenant_labels: set[tuple[str, str]] = set()
         self.restores = Counter("loopkv_restores", "Histories restored from the host/disk tiers")
         self.restore_recompute = Gauge(
             "loopkv_restore_recompute_fraction",
@@ -152,6 +163,15 @@ class TierMetrics:
         self.gone.inc(stats.gone_segments - last.gone_segments)
         self.expired.inc(stats.disk_expired - last.disk_expired)
         self.forgets.inc(stats.forgets - last.forgets)
+        self.pinned.set(stats.pinned_bytes)
+        self.pins_refused.inc(stats.pins_refused - last.pins_refused)
+        for key in self._tenant_labels - stats.tenants.keys():  # a bucket emptied: 0, not its last value
+            self.tenant_tokens.labels(*key).set(0)
+            self.tenant_bytes.labels(*key).set(0)
+        for key, (tokens, nbytes) in stats.tenants.items():
+            self.tenant_tokens.labels(*key).set(tokens)
+            self.tenant_bytes.labels(*key).set(nbytes)
+        self._tenant_labels |= stats.tenants.keys()
         self._last = TierStats(
             stats.host_bytes,
             stats.disk_bytes,
@@ -165,4 +185,5 @@ class TierMetrics:
             disk_write_errors=stats.disk_write_errors,
             disk_expired=stats.disk_expired,
             forgets=stats.forgets,
+            pins_refused=stats.pins_refused,
         )

@@ -39,6 +39,7 @@ from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
 from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
 from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.cache.retention import Candidate, RetentionBook, tenant_label, tenant_of
 from sgl_loopkv.cache.value import ValuePolicy
 from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
@@ -77,6 +78,9 @@ class TierStats:
     host_chunk_bytes: int = 0  # the host chunk cache's (chunks of disk-only segments, in the arena's free room)
     disk_expired: int = 0  # segments the disk TTL (--loopkv-disk-ttl) deleted, by this worker
     forgets: int = 0  # forgets (POST /loopkv/forget) that removed something here
+    pinned_bytes: int = 0  # host bytes pinned by "retain": "pin" requests
+    pins_refused: int = 0  # pins over --loopkv-pin-bytes: stored unpinned
+    tenants: dict = field(default_factory=dict)  # (tier, tenant metrics label) -> (tokens, bytes)
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -98,6 +102,7 @@ class TieredKVStore:
         layer_group: int = LAYER_GROUP,
         read_ahead: bool = True,
         disk_ttl_s: float | None = None,
+        retention: RetentionBook | None = None,
     ):
         self.geometry, self.policy = geometry, policy
         self.dir_lock = dir_lock  # a shared hold while the store lives (keeps format-2 servers out)
@@ -105,6 +110,7 @@ class TieredKVStore:
         self.on_lost = on_lost
         self.segments: dict[str, StoredSegment] = {}
         self.stats = TierStats()
+        self.retention = retention or RetentionBook()  # pins and tenant shares (cache.retention)
         # Chunks that pruned restores read from disk, in the arena's room that segments leave free
         self.chunk_cache = HostChunkCache(
             lambda: self.host_quota - self.stats.host_bytes, policy.chunk_values, self._disk_only
@@ -194,7 +200,10 @@ class TieredKVStore:
         to_disk = self.disk is not None and self.disk.file_bytes(record.n_chunks, len(record.token_ids)) <= (
             self.disk.quota_bytes
         )
-        in_host = self._reserve_host(nbytes)
+        tenant = tenant_of(record.cache_salt)
+        if to_disk and self.retention.disk_share < 1.0:
+            to_disk = self._tenant_disk_room(tenant, self.disk.file_bytes(record.n_chunks, len(record.token_ids)))
+        in_host = self._reserve_host(nbytes, tenant=tenant)
         if not (in_host or to_disk):
             return False
         seg = StoredSegment(record, kv, summaries, pending_disk=to_disk)
@@ -288,19 +297,26 @@ class TieredKVStore:
     def _host_bytes(self, seg: StoredSegment) -> int:
         return kv_nbytes(seg.host_kv) + seg.host_summaries.numel() * seg.host_summaries.element_size()
 
-    def _reserve_host(self, nbytes: int, keep: Collection[str] = ()) -> bool:
-        """Room for a segment of ``nbytes`` in the arena, counted as held (the caller puts it there):
-        the chunk cache gives its room first (copies of disk extents), then the least valuable
-        segments but ``keep`` go."""
+    def _reserve_host(self, nbytes: int, keep: Collection[str] = (), tenant: str | None = None) -> bool:
+        """Room for a segment of ``nbytes`` (of ``tenant``) in the arena, counted as held (the caller
+        puts it there): the chunk cache gives its room first (copies of disk extents), then segments
+        but ``keep`` and pinned ones go, an over-share tenant's first, least valuable first
+        (:meth:`RetentionBook.victim`)."""
         if nbytes > self.host_quota:
             return False
         # the scheduler thread is the only one that adds to the cache or the arena: no lock across both
         self.chunk_cache.shrink(max(self.host_quota - self.stats.host_bytes - nbytes, 0))
         while self.stats.host_bytes + nbytes > self.host_quota:
-            victims = [s for s in self.segments.values() if s.in_host and s.record.seg_id not in keep]
-            if not victims:
+            pick = self.retention.victim(
+                self._candidates(lambda s: s.in_host and s.record.seg_id not in keep, self._host_bytes),
+                self.host_quota,
+                self.retention.host_share,
+                tenant,
+                nbytes,
+            )
+            if pick is None:
                 return False
-            victim = min(victims, key=lambda s: self.policy.value(s.record.seg_id))
+            victim = self.segments[pick.seg_id]
             if victim.pending_disk:
                 self.flush()  # never drop the only copy while its disk write is queued
             self.stats.host_bytes -= self._host_bytes(victim)
@@ -309,6 +325,38 @@ class TieredKVStore:
                 self._lose(victim.record.seg_id)
         self.stats.host_bytes += nbytes
         return True
+
+    def _candidates(self, which: Callable[[StoredSegment], bool], nbytes: Callable[[StoredSegment], int]):
+        return [
+            Candidate(s.record.seg_id, tenant_of(s.record.cache_salt), nbytes(s), self.policy.value(s.record.seg_id))
+            for s in self.segments.values()
+            if which(s)
+        ]
+
+    def _disk_bytes(self, seg: StoredSegment) -> int:
+        return self.disk.file_bytes(seg.record.n_chunks, len(seg.record.token_ids))
+
+    def _tenant_disk_room(self, tenant: str, nbytes: int) -> bool:
+        """With a disk share: delete ``tenant``'s least valuable disk segments (this worker's view of the
+        shared tier) until ``nbytes`` more stay within its share; False when they cannot. Beyond the
+        share the disk's own LRU eviction (any worker's segments) still holds the whole quota."""
+        limit = self.retention.disk_share * self.disk.quota_bytes
+        if nbytes > limit:
+            return False
+        while True:
+            mine = self._candidates(
+                lambda s: s.on_disk and not s.pending_disk and tenant_of(s.record.cache_salt) == tenant,
+                self._disk_bytes,
+            )
+            if sum(c.nbytes for c in mine) + nbytes <= limit:
+                return True
+            victim = min(mine, key=lambda c: c.value)
+            seg = self.segments[victim.seg_id]
+            self.disk.delete(victim.seg_id)
+            seg.on_disk = False
+            self.stats.disk_bytes = self.disk.used_bytes
+            if not seg.in_host:
+                self._lose(victim.seg_id)
 
     def sync(self) -> None:
         """Apply the disk evictions the writer thread made (scheduler thread): a segment no tier
@@ -347,6 +395,7 @@ class TieredKVStore:
         if seg.in_host:
             self.stats.host_bytes -= self._host_bytes(seg)
         self.policy.forget(seg_id)
+        self.retention.unpin(seg_id)
         self.chunk_cache.drop(seg_id)
         if self.prefetch is not None:
             self.prefetch.discard(seg_id)
@@ -375,12 +424,34 @@ class TieredKVStore:
             self.flush()
         self._lose(seg_id, lost=False)
 
+    def pin(self, seg_id: str, ttl_s: float | None) -> bool:
+        """Pin a stored segment's host copy (:meth:`RetentionBook.pin`); False: not in the arena, or over the quota."""
+        seg = self.segments.get(seg_id)
+        if seg is None or not seg.in_host:
+            return False
+        return self.retention.pin(seg_id, self._host_bytes(seg), ttl_s)
+
+    def tenant_usage(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """(tier, tenant label) -> (tokens, bytes) held (:func:`tenant_label`: bounded, the salt hashed)."""
+        out: dict[tuple[str, str], tuple[int, int]] = {}
+        c = self.geometry.chunk_tokens
+        for s in self.segments.values():
+            tenant = tenant_label(tenant_of(s.record.cache_salt))
+            for tier, held, nbytes in (("host", s.in_host, self._host_bytes), ("disk", s.on_disk, self._disk_bytes)):
+                if held:
+                    tokens, total = out.get((tier, tenant), (0, 0))
+                    out[(tier, tenant)] = (tokens + s.record.n_chunks * c, total + nbytes(s))
+        return out
+
     def count_tokens(self) -> TierStats:
         """Refresh the per-tier token counts (for metrics) and return the stats."""
         c = self.geometry.chunk_tokens
         self.stats.host_tokens = sum(s.record.n_chunks * c for s in self.segments.values() if s.in_host)
         self.stats.disk_tokens = sum(s.record.n_chunks * c for s in self.segments.values() if s.on_disk)
         self.stats.host_chunk_bytes = self.chunk_cache.stats.bytes
+        self.stats.pinned_bytes = self.retention.pinned_bytes
+        self.stats.pins_refused = self.retention.refused
+        self.stats.tenants = self.tenant_usage()
         return self.stats
 
     # --- out -----------------------------------------------------------------------------------
@@ -454,7 +525,9 @@ class TieredKVStore:
         self.stats.disk_bytes_used += kv_nbytes(kv)
         g = self.geometry
         nbytes = kv_nbytes(kv) + g.num_layers * seg.record.n_chunks * g.summary_bytes_per_chunk_layer
-        if self._reserve_host(nbytes, keep={seg_id, *keep}):  # promote (the summaries only once it fits)
+        if self._reserve_host(
+            nbytes, keep={seg_id, *keep}, tenant=tenant_of(seg.record.cache_salt)
+        ):  # promote (the summaries only once it fits)
             if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
                 summaries = self.disk.read_summaries(seg_id)
             else:  # the verified keys give the summaries back without another read

@@ -112,11 +112,12 @@ def keyed_disk_dir(tmp_path_factory) -> Path:
 def keyed_server(tiny_model_dir, server_logs, keyed_disk_dir):
     """sgl-loopkv on the tiny model with ``--api-key``/``--admin-api-key``, ``--enable-metrics``, an
     explicit disk tier directory, and a device pool of ~2 conversations of ~900 tokens and a host tier of
-    ~4, so host and disk hits happen (the sizes of tests/e2e/test_tiered_cache.py)."""
+    ~4, so host and disk hits happen (the sizes of tests/e2e/test_tiered_cache.py), and 1 MB of pins."""
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"),
         *("--loopkv-host-bytes", "2200000", "--loopkv-disk-dir", str(keyed_disk_dir)),
         *("--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--enable-metrics"),
+        *("--loopkv-pin-bytes", "1MB"),  # only requests with a pin hint use it (tests/e2e/test_retention.py)
     ]
     auth = {"Authorization": f"Bearer {API_KEY}"}  # a keyless readiness probe would get 401 forever
     with ServerProcess(args, headers=auth, log_path=server_logs / "keyed.log").start() as srv:
