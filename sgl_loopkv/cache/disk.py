@@ -57,6 +57,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX, Presence, SharedDirectory, pid_alive
 from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV
@@ -114,16 +115,24 @@ def _fsync_dir(path: Path) -> None:
 
 class DiskSegmentStore:
     """Segment files in ``root``, shared with other workers; never more than ``quota_bytes`` of
-    them in all (published and being written, whoever writes)."""
+    them in all (published and being written, whoever writes). With a ``cipher`` every file is
+    written sealed and only sealed files are read (:mod:`sgl_loopkv.cache.cipher`)."""
 
-    def __init__(self, root: Path, quota_bytes: int, geometry: KVGeometry, layer_group: int = LAYER_GROUP):
+    def __init__(
+        self,
+        root: Path,
+        quota_bytes: int,
+        geometry: KVGeometry,
+        layer_group: int = LAYER_GROUP,
+        cipher: SegmentCipher | None = None,
+    ):
         self.root, self.quota_bytes, self.geometry = Path(root), quota_bytes, geometry
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / CHUNKS).mkdir(mode=0o700, exist_ok=True)
         self.dir = SharedDirectory(self.root)
         self.presence = Presence(self.root)  # other workers on this directory (their lookups may wait for our writes)
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
-        self.codec = SegmentCodec(geometry, layer_group)  # files grouped by the writer's prefix period
+        self.codec = SegmentCodec(geometry, layer_group, cipher)  # files grouped by the writer's prefix period
         self.bytes_written = 0
         self._announced: dict[str, tuple[int, int]] = {}  # seg_id -> (device, inode) of its own marker
         with self.dir.eviction_lock():
