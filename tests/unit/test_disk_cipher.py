@@ -247,3 +247,15 @@ def test_sealed_units_are_sealed_under_distinct_nonces(tmp_path):
     x, y = a.path(rec.seg_id).read_bytes(), b.path(rec.seg_id).read_bytes()
     k = layout.kv_offset
     assert not np.array_equal(np.frombuffer(x[k : k + 64], np.uint8), np.frombuffer(y[k : k + 64], np.uint8))
+
+
+@pytest.mark.parametrize(("data", "mode", "says"), [(b"short", 0o600, "holds 5 bytes"), (b"x" * 32, 0o644, "chmod")])
+def test_the_launcher_stops_on_a_bad_key_file(tmp_path, capsys, data, mode, says):
+    from sgl_loopkv.server.launch import build_sglang_argv
+
+    with pytest.raises(SystemExit) as e:
+        build_sglang_argv(["--loopkv-disk-key-file", str(key_file(tmp_path, data, mode))])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_sglang_argv(["--loopkv-disk-key-file", str(tmp_path / "missing")])
+    assert "cannot read the key file" in capsys.readouterr().err
