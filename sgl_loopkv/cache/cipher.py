@@ -118,6 +118,11 @@ class SegmentCipher:
         out = self._aead.encrypt(nonce, plain, aad)
         return out[:-TAG_BYTES], out[-TAG_BYTES:]
 
+    def seal_into(self, seg_id: str, salt: bytes, unit: int, plain, out: bytearray) -> None:
+        """Encrypt unit ``unit`` into ``out`` (``len(plain) + TAG_BYTES``: the ciphertext, then its tag)."""
+        nonce, aad = self._nonce_aad(seg_id, salt, unit)
+        self._aead.encrypt_into(nonce, plain, aad, out)
+
     def open_into(self, seg_id: str, salt: bytes, unit: int, sealed: bytearray, out) -> bool:
         """Decrypt unit ``unit`` into ``out`` (a writable buffer of the plain length); ``sealed`` is
         its ciphertext followed by its tag. -> False when the tag fails (``out`` is then garbage)."""

@@ -39,6 +39,10 @@ Every extent (one chunk of one layer) and the header carry a crc32; a read that 
 A write that fails (a full disk: ``OSError``) leaves nothing behind. Layout of one file:
 :mod:`sgl_loopkv.cache.layout`.
 
+With ``--loopkv-disk-key-file`` every file is sealed (AES-256-GCM per extent, summary layer and
+header: :mod:`sgl_loopkv.cache.cipher`), in a directory of its own per key (``cache.backend``); a
+unit that does not decrypt is a :class:`CorruptSegment` like a failed crc32.
+
 Format 2 (one server per directory, ``index.json`` + ``seg_<uuid>.kv``) is not shareable: its
 files are dropped at start-up, with a warning (those conversations are recomputed).
 """
