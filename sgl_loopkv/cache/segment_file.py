@@ -271,6 +271,9 @@ class SegmentCodec:
             or header.get("geometry") != self.geometry.to_json()
         ):
             raise CorruptSegment(f"segment {seg_id}: another format or KV geometry")
+        if self.cipher is not None and not seg_id.startswith("chunk ") and header.get("seg_id") != seg_id:
+            # a whole sealed file copied over another name: intact under the key, but another history's KV
+            raise CorruptSegment(f"segment {seg_id}: its sealed header names another segment")
         header["kv_offset"] = align_up(PREAMBLE_BYTES + hlen)
         return header
 

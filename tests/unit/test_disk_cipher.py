@@ -259,3 +259,13 @@ def test_the_launcher_stops_on_a_bad_key_file(tmp_path, capsys, data, mode, says
     with pytest.raises(SystemExit):
         build_sglang_argv(["--loopkv-disk-key-file", str(tmp_path / "missing")])
     assert "cannot read the key file" in capsys.readouterr().err
+
+
+def test_a_sealed_file_copied_over_another_name_is_refused(tmp_path):
+    store, rec, _, _ = written(tmp_path, cipher(), seed=0)
+    other, _, _ = segment(1)
+    other.seg_id = "s1"
+    store.write(other, *segment(1)[1:])
+    store.path("s1").write_bytes(store.path(rec.seg_id).read_bytes())  # intact under the key, wrong history
+    with pytest.raises(CorruptSegment, match="names another segment"):
+        store.read("s1", 0, CHUNKS)
