@@ -10,7 +10,9 @@ history, so one filler request evicts it):
 - fixed: ``fixed --loopkv-restore-ratio 0.4`` (Krul's 2:3 recompute:load in every layer);
 - loopkv_planner: the ``krul`` planner (cost model calibrated on this machine), no compression;
 - loopkv: the planner over int8 tiers (``--loopkv-store-dtype int8``): sgl-loopkv's compressed config;
-- loopkv_share: loopkv plus Krul's cross-layer sharing (minicache codec, selection at its defaults).
+- loopkv_share: loopkv plus Krul's cross-layer sharing (minicache codec, selection at its defaults);
+- loopkv_encrypted: loopkv with its disk tier encrypted (``--loopkv-disk-key-file``, a fresh key), disk only:
+  ``summary.encrypted_over_plain_disk_resume_4k`` is its 4K disk-resume TTFT over loopkv's.
 
 Tiers: ``host`` (the history evicted from the device pool into the host arena) and ``disk`` (no
 host arena; the segment files are dropped from the OS page cache before each resume).
@@ -32,6 +34,7 @@ tier bytes / tier tokens (key summaries, scales and file headers included).
 from __future__ import annotations
 
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -71,7 +74,19 @@ SYSTEMS: dict[str, tuple[list[str] | None, tuple[str, ...]]] = {  # name -> (fla
         ["--loopkv-restore-planner", "krul", "--loopkv-store-dtype", "int8", "--loopkv-share-layers", "minicache"],
         ("host", "disk"),
     ),
+    "loopkv_encrypted": (
+        ["--loopkv-restore-planner", "krul", "--loopkv-store-dtype", "int8", "--loopkv-disk-key-file", "{key}"],
+        ("disk",),
+    ),
 }
+
+
+def key_file() -> str:
+    """A fresh 0600 key file for the encrypted system (the benchmark's, never a real one)."""
+    fd, path = tempfile.mkstemp(prefix="loopkv-bench-", suffix=".key")  # mkstemp: mode 0600
+    os.write(fd, os.urandom(32).hex().encode())
+    os.close(fd)
+    return path
 
 
 def turn_ids(tok) -> list[int]:
@@ -117,6 +132,7 @@ def prefix_agreement(ours: list[int], ref: list[int]) -> float:
 
 def run_config(name: str, tier: str, tok, L: int, repeats: int, ref: dict | None) -> dict:
     flags, _ = SYSTEMS[name]
+    flags = [key_file() if f == "{key}" else f for f in flags] if flags else flags
     hist = synthetic_ids(tok, L, seed=L)
     prompt = hist + turn_ids(tok)
     pool = ["--max-total-tokens", str(L + 1024)]
@@ -182,7 +198,7 @@ def _configs(p: dict) -> list[tuple[str, str]]:
 
 def plot(p: dict, path: Path) -> None:
     results, lengths = _int_lengths(p), p["lengths"]
-    styles = dict(zip(p["systems"], ("--s", "-o", "-^", "-D", "-*", "-v")))
+    styles = dict(zip(p["systems"], ("--s", "-o", "-^", "-D", "-*", "-v", ":x")))
     with figure(path, 1, 2, size=(11, 4.2), dpi=120, sharey=True) as (fig, axes):
         for ax, tier in zip(axes, ("host", "disk")):
             for i, name in enumerate(p["systems"]):  # one colour per system in both panels
@@ -322,6 +338,7 @@ def run(args, env: dict) -> dict:
         "ttft_full_load_over_loopkv_4k": head["ttft_full_load_over_it_4k"],
         "ttft_full_load_over_loopkv_4k_disk": head["ttft_full_load_over_it_4k_disk"],
         "ttft_fixed_over_loopkv_4k": at4k("fixed") / at4k(HEAD),
+        "encrypted_over_plain_disk_resume_4k": at4k("loopkv_encrypted", "disk") / at4k(HEAD, "disk"),
         "storage_reduction": head["storage_reduction"],
         "storage_reduction_disk": head["storage_reduction_disk"],
         "greedy_agreement": head["greedy_agreement"],
@@ -340,6 +357,7 @@ def run(args, env: dict) -> dict:
             "ttft_full_load_over_loopkv_4k": 2.5,
             "storage_reduction": 3,
             "greedy_agreement": 0.9,
+            "encrypted_over_plain_disk_resume_4k": 1.15,  # at most
         },
     }
     for n, t, L in ((n, t, L) for n, t in configs for L in lengths):

@@ -157,6 +157,13 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
         config = LoopKVConfig.from_cli_args(ns)
     except ValueError as e:  # a section's own check: a usage error like argparse's, not a traceback
         parser.error(str(e))
+    if config.lifecycle.disk_key_file:  # read again where the tier opens; a bad key stops the launch here
+        from sgl_loopkv.cache.cipher import KeyFileError, load_key
+
+        try:
+            load_key(config.lifecycle.disk_key_file)
+        except KeyFileError as e:
+            parser.error(str(e))
     if not config.stock:  # before SGLang is imported here or in a subprocess: see sglang_archs
         os.environ.setdefault(sglang_archs.ENV, sglang_archs.PACKAGE)
     on_gpu = config.device == "cuda" or (config.device == "auto" and has_cuda())

@@ -604,6 +604,17 @@ class LifecycleConfig:
         },
     )
 
+    disk_key_file: str = field(
+        default="",
+        metadata={
+            "help": "Encrypt the disk tier's segment files (KV, summaries and headers with the token ids) with "
+            "AES-256-GCM under the key in this file: 32 raw bytes or 64 hex digits, mode 0600 (the key is never "
+            "written or logged). Files that do not decrypt are recomputed. Every worker sharing a disk directory "
+            "needs the same file. Default '': files are not encrypted.",
+            "metavar": "FILE",
+        },
+    )
+
     @property
     def disk_ttl_s(self) -> float | None:
         return parse_duration(self.disk_ttl, "--loopkv-disk-ttl")

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.disk_dir import DirectoryLock, bounded_quota
 from sgl_loopkv.cache.layout import KVGeometry
 from sgl_loopkv.cache.retention import RetentionBook
@@ -56,11 +57,15 @@ def create_loopkv_radix_cache(ctx):
     config = LoopKVConfig.from_env()
     tiers, sharing = config.tiers, config.sharing
     kv_pool = ctx.params.token_to_kv_pool_allocator.get_kvcache()
+    key_file = config.lifecycle.disk_key_file
+    cipher = SegmentCipher.from_file(key_file) if key_file and tiers.disk_path is not None else None
 
     def store_factory(geometry, on_lost):
         disk_dir, lock, quota = None, None, 0
         if tiers.disk_path is not None:
             disk_dir = tiers.disk_path / model_fingerprint(ctx.server_args.model_path, geometry)
+            if cipher is not None:  # one directory per key: another key's files are never looked up, nor plain ones
+                disk_dir = disk_dir.with_name(f"{disk_dir.name}-key-{cipher.key_id}")
             lock = DirectoryLock(disk_dir)  # shared with other workers; before anything reads or cleans it
             quota = bounded_quota(disk_dir, tiers.disk_bytes, tiers.disk_free_share)
             if quota < tiers.disk_bytes:
@@ -84,6 +89,7 @@ def create_loopkv_radix_cache(ctx):
             retention=RetentionBook(
                 config.lifecycle.pin_bytes, config.lifecycle.tenant_host_share, config.lifecycle.tenant_disk_share
             ),
+            disk_cipher=cipher,
         )
 
     from sgl_loopkv import restore

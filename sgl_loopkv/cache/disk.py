@@ -39,6 +39,10 @@ Every extent (one chunk of one layer) and the header carry a crc32; a read that 
 A write that fails (a full disk: ``OSError``) leaves nothing behind. Layout of one file:
 :mod:`sgl_loopkv.cache.layout`.
 
+With ``--loopkv-disk-key-file`` every file is sealed (AES-256-GCM per extent, summary layer and
+header: :mod:`sgl_loopkv.cache.cipher`), in a directory of its own per key (``cache.backend``); a
+unit that does not decrypt is a :class:`CorruptSegment` like a failed crc32.
+
 Format 2 (one server per directory, ``index.json`` + ``seg_<uuid>.kv``) is not shareable: its
 files are dropped at start-up, with a warning (those conversations are recomputed).
 """
@@ -57,6 +61,7 @@ from pathlib import Path
 
 import torch
 
+from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX, Presence, SharedDirectory, pid_alive
 from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV
@@ -114,16 +119,24 @@ def _fsync_dir(path: Path) -> None:
 
 class DiskSegmentStore:
     """Segment files in ``root``, shared with other workers; never more than ``quota_bytes`` of
-    them in all (published and being written, whoever writes)."""
+    them in all (published and being written, whoever writes). With a ``cipher`` every file is
+    written sealed and only sealed files are read (:mod:`sgl_loopkv.cache.cipher`)."""
 
-    def __init__(self, root: Path, quota_bytes: int, geometry: KVGeometry, layer_group: int = LAYER_GROUP):
+    def __init__(
+        self,
+        root: Path,
+        quota_bytes: int,
+        geometry: KVGeometry,
+        layer_group: int = LAYER_GROUP,
+        cipher: SegmentCipher | None = None,
+    ):
         self.root, self.quota_bytes, self.geometry = Path(root), quota_bytes, geometry
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / CHUNKS).mkdir(mode=0o700, exist_ok=True)
         self.dir = SharedDirectory(self.root)
         self.presence = Presence(self.root)  # other workers on this directory (their lookups may wait for our writes)
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
-        self.codec = SegmentCodec(geometry, layer_group)  # files grouped by the writer's prefix period
+        self.codec = SegmentCodec(geometry, layer_group, cipher)  # files grouped by the writer's prefix period
         self.bytes_written = 0
         self._announced: dict[str, tuple[int, int]] = {}  # seg_id -> (device, inode) of its own marker
         with self.dir.eviction_lock():

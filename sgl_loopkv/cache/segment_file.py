@@ -4,6 +4,7 @@ summaries from an open descriptor, every part verified by its crc32. Layout:
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import struct
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sgl_loopkv.cache.cipher import MAGIC_SEALED, TAG_BYTES, SegmentCipher
 from sgl_loopkv.cache.layout import MAGIC, PREAMBLE_BYTES, Block, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
@@ -94,10 +96,13 @@ def _file_order(rows: torch.Tensor, m: int, c: int, group: int) -> np.ndarray:
 @dataclass(slots=True)
 class SegmentCodec:
     """Encodes and decodes segment files of one KV geometry; counts the bytes it reads. Files it
-    writes group rows by ``layer_group`` (the writer's gate); it reads any grouping."""
+    writes group rows by ``layer_group`` (the writer's gate); it reads any grouping. With a
+    ``cipher`` it writes and reads only sealed files (:mod:`sgl_loopkv.cache.cipher`): a unit's tag
+    takes the place of its crc32, and a file it cannot open is a :class:`CorruptSegment`."""
 
     geometry: KVGeometry
     layer_group: int = LAYER_GROUP
+    cipher: SegmentCipher | None = None
     bytes_read: int = field(default=0)
     reads: int = field(default=0)  # extent reads issued (cold reads cost per request here, not per byte)
     _crc_tables: dict = field(default_factory=dict, repr=False)
@@ -132,7 +137,6 @@ class SegmentCodec:
             raw = np.concatenate(
                 [raw[g0 : g0 + G].transpose(1, 0, 2).reshape(-1, raw.shape[2]) for g0 in range(0, R, G)]
             )
-        crcs = [crc32(row) for row in raw]
         summary_raw = _to_bytes(summaries.to(g.summary_dtype))
         per_layer = summary_raw.reshape(g.num_layers, -1)  # layer-major: a restore reads only the layers it scores
         side_raw, side_meta = np.zeros(0, np.uint8), []
@@ -146,19 +150,10 @@ class SegmentCodec:
                     blobs.append(b)
                 side_meta.append(entry)
             side_raw = np.concatenate(blobs) if blobs else side_raw
-        header = {
-            "format": FORMAT_VERSION,
-            "seg_id": record.seg_id,
-            "parent": record.parent,
-            "start": record.start,
-            "n_chunks": m,
-            "extra_key": record.extra_key,
-            "cache_salt": record.cache_salt,
-            "geometry": g.to_json(),
-            "token_ids": record.token_ids,
-            "chunk_hashes": record.chunk_hashes,
-            "writer": writer,
-            "layer_group": G,
+        if self.cipher is not None:
+            return self._encode_sealed(record, writer, R, G, packed, raw, per_layer, side_raw, side_meta)
+        crcs = [crc32(row) for row in raw]
+        header = self._header_common(record, writer, G) | {
             "extent_crc32": crcs,
             "summary_crc32": crc32(summary_raw),
             "summary_layer_crc32": [crc32(row) for row in per_layer],
@@ -167,27 +162,118 @@ class SegmentCodec:
             header |= packed.header() | {"rows": R, "side": side_meta, "side_crc32": crc32(side_raw)}
             header["side_bytes"] = len(side_raw)
         record.writer = writer
-        hbytes = json.dumps(header).encode()
+        return self._frame(MAGIC, json.dumps(header).encode(), [raw.reshape(-1).data, summary_raw.tobytes(), side_raw])
+
+    def _header_common(self, record: SegmentRecord, writer: str, group: int) -> dict:
+        return {
+            "format": FORMAT_VERSION,
+            "seg_id": record.seg_id,
+            "parent": record.parent,
+            "start": record.start,
+            "n_chunks": record.n_chunks,
+            "extra_key": record.extra_key,
+            "cache_salt": record.cache_salt,
+            "geometry": self.geometry.to_json(),
+            "token_ids": record.token_ids,
+            "chunk_hashes": record.chunk_hashes,
+            "writer": writer,
+            "layer_group": group,
+        }
+
+    @staticmethod
+    def _frame(magic: bytes, hbytes: bytes, body: list) -> list[bytes | memoryview]:
         kv_offset = align_up(PREAMBLE_BYTES + len(hbytes))
-        preamble = MAGIC + struct.pack("<II", len(hbytes), crc32(hbytes))
+        preamble = magic + struct.pack("<II", len(hbytes), crc32(hbytes))
         gap = bytes(kv_offset - PREAMBLE_BYTES - len(hbytes))
-        return [preamble, hbytes, gap, raw.reshape(-1).data, summary_raw.tobytes(), side_raw.tobytes()]
+        return [preamble, hbytes, gap, *(memoryview(b).cast("B") for b in body)]
+
+    def _encode_sealed(self, record, writer, R, G, packed, raw, per_layer, side_raw, side_meta):
+        """:meth:`encode` under the cipher: units sealed in order (extents, summary layers, side data),
+        their tags in the header, the header sealed (:mod:`sgl_loopkv.cache.cipher`)."""
+        seal, salt, sid = self.cipher.seal, self.cipher.new_salt(), record.seg_id
+        ext, tags, staged = np.empty_like(raw), [], bytearray(raw.shape[1] + TAG_BYTES)
+        view = np.frombuffer(staged, np.uint8)
+        for k, row in enumerate(raw):  # one staging buffer: a new ciphertext per extent tripled the write's time
+            self.cipher.seal_into(sid, salt, k, row, staged)
+            ext[k] = view[: raw.shape[1]]
+            tags.append(bytes(staged[raw.shape[1] :]))
+        E, summ = len(raw), []
+        for layer, row in enumerate(per_layer):
+            ct, tag = seal(sid, salt, E + layer, row)
+            summ.append(ct)
+            tags.append(tag)
+        side_ct, side_tag = seal(sid, salt, E + len(per_layer), side_raw)
+        tags.append(side_tag)
+        header = self._header_common(record, writer, G) | {
+            "cipher": "aes-256-gcm",
+            "salt": salt.hex(),
+            "tags": base64.b64encode(b"".join(tags)).decode(),
+        }
+        if packed:
+            header |= packed.header() | {"rows": R, "side": side_meta, "side_bytes": len(side_raw)}
+        record.writer = writer
+        hbytes = self.cipher.seal_header(json.dumps(header).encode())
+        return self._frame(MAGIC_SEALED, hbytes, [ext.reshape(-1).data, b"".join(summ), side_ct])
+
+    def _open_extents(self, header: dict, k0: int, src: memoryview, dst: memoryview, got: int, n: int) -> np.ndarray:
+        """Decrypt the first ``got`` of ``n`` sealed extents (units ``k0 ...``) from ``src`` into ``dst``
+        -> ok [n]. One staging buffer for ciphertext | tag (AES-GCM wants them adjacent; the tags are in
+        the header): a new one per extent cost as much as the decryption."""
+        eb, tags, sid, salt = self.geometry.extent_bytes, header["_tags"], header["seg_id"], header["_salt"]
+        sealed = bytearray(eb + TAG_BYTES)
+        staged, open_into, ok = memoryview(sealed), self.cipher.open_into, np.zeros(n, bool)
+        for i in range(got):
+            staged[:eb] = src[i * eb : (i + 1) * eb]
+            staged[eb:] = tags[(k0 + i) * TAG_BYTES : (k0 + i + 1) * TAG_BYTES]
+            ok[i] = open_into(sid, salt, k0 + i, sealed, dst[i * eb : (i + 1) * eb])
+        return ok
+
+    def _unit_ok(self, header: dict, unit: int, data, crc: int | None, out=None) -> bool:
+        """Is unit ``unit`` (``data``, its stored bytes) intact? Plain: its crc32 is ``crc``. Sealed:
+        it decrypts under its tag, into ``out`` (a writable buffer of its length)."""
+        if self.cipher is None:
+            return crc32(data) == crc
+        sealed = bytearray(len(data) + TAG_BYTES)
+        sealed[: len(data)] = data
+        sealed[len(data) :] = header["_tags"][unit * TAG_BYTES : (unit + 1) * TAG_BYTES]
+        return self.cipher.open_into(header["seg_id"], header["_salt"], unit, sealed, out)
 
     def header(self, fd: int, seg_id: str) -> dict:
-        """The verified header of an open segment file (``kv_offset`` added)."""
+        """The verified header of an open segment file (``kv_offset`` added; a sealed file's salt and
+        tags decoded as ``_salt``, ``_tags``)."""
+        magic = MAGIC if self.cipher is None else MAGIC_SEALED
         try:
             pre = os.pread(fd, PREAMBLE_BYTES, 0)
-            if len(pre) != PREAMBLE_BYTES or pre[:8] != MAGIC:
-                raise CorruptSegment(f"segment {seg_id}: bad preamble")
+            if len(pre) != PREAMBLE_BYTES or pre[:8] != magic:
+                sealed = "sealed" if pre[:8] == MAGIC_SEALED else "plain" if pre[:8] == MAGIC else "unknown"
+                raise CorruptSegment(
+                    f"segment {seg_id}: bad preamble (a {sealed} file, this tier reads only "
+                    f"{'plain' if self.cipher is None else 'sealed'} ones)"
+                )
             hlen, hcrc = struct.unpack("<II", pre[8:])
             hbytes = os.pread(fd, hlen, PREAMBLE_BYTES)
         except OSError as e:
             raise CorruptSegment(f"segment {seg_id}: {e}") from e
         if len(hbytes) != hlen or crc32(hbytes) != hcrc:
             raise CorruptSegment(f"segment {seg_id}: header checksum mismatch")
-        header = json.loads(hbytes)
-        if header.get("format") != FORMAT_VERSION or header.get("geometry") != self.geometry.to_json():
+        plain = hbytes if self.cipher is None else self.cipher.open_header(hbytes)
+        if plain is None:
+            raise CorruptSegment(f"segment {seg_id}: header does not decrypt with this key (another key, or tampered)")
+        try:
+            header = json.loads(plain)
+            if self.cipher is not None:
+                header["_salt"], header["_tags"] = bytes.fromhex(header["salt"]), base64.b64decode(header["tags"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptSegment(f"segment {seg_id}: unreadable header ({type(e).__name__})") from e
+        if (
+            not isinstance(header, dict)
+            or header.get("format") != FORMAT_VERSION
+            or header.get("geometry") != self.geometry.to_json()
+        ):
             raise CorruptSegment(f"segment {seg_id}: another format or KV geometry")
+        if self.cipher is not None and not seg_id.startswith("chunk ") and header.get("seg_id") != seg_id:
+            # a whole sealed file copied over another name: intact under the key, but another history's KV
+            raise CorruptSegment(f"segment {seg_id}: its sealed header names another segment")
         header["kv_offset"] = align_up(PREAMBLE_BYTES + hlen)
         return header
 
@@ -205,17 +291,17 @@ class SegmentCodec:
         self,
         fd: int,
         layout: SegmentFileLayout,
-        crcs: list[int],
+        header: dict,
         blocks: list[Block],
         parallel: bool,
         into: list[np.ndarray] | None = None,
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Each block's extents -> ([n_chunks, rows, extent bytes], ok [n_chunks, rows]: read whole and
-        crc32 verified), one block at a time (used while its buffer is still in the CPU cache).
+        crc32 verified, or decrypted under its tag), one block at a time (used while its buffer is still in the CPU cache).
         ``parallel``: the reads in flight together (scattered runs are latency-bound on a cold
         file; pread drops the GIL). ``into``: per block, the contiguous uint8 array [n_chunks, rows,
         extent bytes] to read into (``preadv``: the kernel's copy is the only one), yielded back."""
-        eb = self.geometry.extent_bytes
+        eb, crcs = self.geometry.extent_bytes, header.get("extent_crc32")
 
         def pread(i: int) -> bytes | np.ndarray:
             b = blocks[i]
@@ -231,7 +317,11 @@ class SegmentCodec:
             self.reads += 1
             n = b.n_chunks * (b.row1 - b.row0)
             got, mv, k0 = len(buf) // eb, memoryview(buf), (b.offset - layout.kv_offset) // eb
-            ok = np.array([i < got and crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
+            if self.cipher is None:
+                ok = np.array([i < got and crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
+            else:  # decrypted in place (a read into ``into``) or into a new buffer (``buf`` is bytes)
+                buf = buf if into is not None else np.empty(got * eb, np.uint8)
+                ok = self._open_extents(header, k0, mv, memoryview(buf).cast("B"), min(got, n), n)
             shape = (b.n_chunks, b.row1 - b.row0)
             if into is not None:  # read in place: a short read's missing extents are not ok (the caller zeroes them)
                 yield into[i_block], ok.reshape(shape)
@@ -267,7 +357,7 @@ class SegmentCodec:
             if start >= chunk_hi:
                 continue
             blocks = layout.blocks(range(g0, g1), list(range(start, chunk_hi)))
-            for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, header["extent_crc32"], blocks, parallel=False)):
+            for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, header, blocks, parallel=False)):
                 for r in range(b.row0, b.row1):
                     need = max(lo[r] - b.chunk0, 0)  # a row's chunks before its first are not used
                     if not ok[need:, r - b.row0].all():
@@ -308,8 +398,7 @@ class SegmentCodec:
         blocks = layout.blocks(rows, chunks)
         direct = all(b.row1 - b.row0 == R for b in blocks)
         into = [buf[where[b.chunk0] : where[b.chunk0] + b.n_chunks] for b in blocks] if direct else None
-        crcs = header["extent_crc32"]
-        for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, crcs, blocks, parallel=True, into=into)):
+        for b, (arr, ok) in zip(blocks, self._fetch(fd, layout, header, blocks, parallel=True, into=into)):
             at, r0 = where[b.chunk0], b.row0 - rows.start  # a block's chunks are adjacent in ``chunks`` too
             if not direct:
                 buf[at : at + b.n_chunks, r0 : r0 + b.row1 - b.row0] = arr
@@ -335,7 +424,7 @@ class SegmentCodec:
         (no native reader, an int8 tier, a pool of another dtype or layout, or reads that do not
         span every row of ``rows``): the caller uses :meth:`read_chunks`."""
         g = self.geometry
-        native = _chunk_io()
+        native = _chunk_io() if self.cipher is None else None  # it checks crc32s, it cannot decrypt
         if native is None or g.quantized or not chunks:
             return None
         c, half = g.chunk_tokens, g.chunk_tokens * g.num_kv_heads * g.head_dim * g.itemsize
@@ -407,9 +496,11 @@ class SegmentCodec:
     def _read_side(self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout) -> list[dict]:
         buf = os.pread(fd, layout.side_bytes, layout.side_offset)
         self.bytes_read += len(buf)
-        if len(buf) != layout.side_bytes or crc32(buf) != header["side_crc32"]:
+        plain = bytearray(len(buf)) if self.cipher is not None else None
+        unit = layout.rows * layout.n_chunks + self.geometry.num_layers  # after the extents and summary layers
+        if len(buf) != layout.side_bytes or not self._unit_ok(header, unit, buf, header.get("side_crc32"), plain):
             raise CorruptSegment(f"segment {seg_id}: side data checksum mismatch")
-        raw, out = np.frombuffer(buf, np.uint8), []
+        raw, out = np.frombuffer(buf if plain is None else plain, np.uint8), []
         for entry in header["side"]:
             tensors = {}
             for name, (dtype, shape, off) in entry.items():
@@ -430,6 +521,8 @@ class SegmentCodec:
         layout = self.layout(header)
         block = layout.n_chunks * g.summary_bytes_per_chunk_layer
         crcs = header.get("summary_layer_crc32")
+        if self.cipher is not None:  # sealed per layer: all layers are every layer's block
+            return self._sealed_summaries(fd, seg_id, header, layout, range(g.num_layers) if layers is None else layers)
         if layers is None or crcs is None:
             buf = os.pread(fd, g.num_layers * block, layout.summary_offset)
             self.bytes_read += len(buf)
@@ -447,6 +540,17 @@ class SegmentCodec:
                 raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch at layer {layer}")
             parts.append(buf)
         return self._summaries(b"".join(parts), len(layers), layout.n_chunks)
+
+    def _sealed_summaries(self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout, layers) -> torch.Tensor:
+        block = layout.n_chunks * self.geometry.summary_bytes_per_chunk_layer
+        E, plain = layout.rows * layout.n_chunks, bytearray(len(layers) * block)
+        for i, layer in enumerate(layers):
+            buf = os.pread(fd, block, layout.summary_offset + layer * block)
+            self.bytes_read += len(buf)
+            out = memoryview(plain)[i * block : (i + 1) * block]
+            if len(buf) != block or not self._unit_ok(header, E + layer, buf, None, out):
+                raise CorruptSegment(f"segment {seg_id}: summary checksum mismatch at layer {layer}")
+        return self._summaries(bytes(plain), len(layers), layout.n_chunks)
 
     def _summaries(self, buf: bytes, n_layers: int, n_chunks: int) -> torch.Tensor:
         g = self.geometry

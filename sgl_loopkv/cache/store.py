@@ -33,6 +33,7 @@ from shutil import disk_usage
 import torch
 
 from sgl_loopkv.cache.chunk_cache import HostChunkCache
+from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore, NoRoom, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.disk_dir import DirectoryLock
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -103,6 +104,7 @@ class TieredKVStore:
         read_ahead: bool = True,
         disk_ttl_s: float | None = None,
         retention: RetentionBook | None = None,
+        disk_cipher: SegmentCipher | None = None,
     ):
         self.geometry, self.policy = geometry, policy
         self.dir_lock = dir_lock  # a shared hold while the store lives (keeps format-2 servers out)
@@ -116,7 +118,9 @@ class TieredKVStore:
             lambda: self.host_quota - self.stats.host_bytes, policy.chunk_values, self._disk_only
         )
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
-        self.disk = DiskSegmentStore(disk_dir, disk_quota_bytes, geometry, layer_group) if disk_dir else None
+        self.disk = (
+            DiskSegmentStore(disk_dir, disk_quota_bytes, geometry, layer_group, disk_cipher) if disk_dir else None
+        )
         # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-disk-read background)
         self.prefetch = DiskPrefetch() if self.disk is not None and read_ahead else None
         # Two writers: one at background priority (nobody waits for its writes: the forward should

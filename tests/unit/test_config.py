@@ -26,7 +26,7 @@ decode-policy decode-budget decode-page-size decode-logical-page decode-sink dec
 decode-n-d decode-dense-steps decode-min-context decode-executor
 prefix-budget prefix-period prefix-gate prefix-local prefix-prefetch prefix-min-tokens prefix-stream prefix-selection prefix-layer-group prefix-no-host-cache
 max-n default-max-tokens max-client-requests shutdown-grace-s
-disk-ttl require-salt pin-bytes tenant-host-share tenant-disk-share
+disk-ttl require-salt pin-bytes tenant-host-share tenant-disk-share disk-key-file
 """.split()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV
@@ -52,9 +53,10 @@ def test_pack_unpack_matches_the_codec_and_keeps_unpaired_layers(codec):
     assert torch.equal(packed.slice_tokens(16, 48).unpack(), got[:, :, 16:48])
 
 
+@pytest.mark.parametrize("sealed", [False, True])  # with --loopkv-disk-key-file: the side data sealed too
 @pytest.mark.parametrize("codec", ["reuse", "minicache"])
-def test_disk_roundtrip_of_a_packed_segment(tmp_path, codec):
-    disk = DiskSegmentStore(tmp_path, 1 << 30, GEO)
+def test_disk_roundtrip_of_a_packed_segment(tmp_path, codec, sealed):
+    disk = DiskSegmentStore(tmp_path, 1 << 30, GEO, cipher=SegmentCipher(b"k" * 32) if sealed else None)
     rec, kv, summ = segment(4, 2)
     packed = PackedKV.pack(kv, PAIRS, codec)
     disk.write(rec, packed, summ)
