@@ -181,6 +181,8 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
         from sgl_loopkv.models.gguf.serving import refuse_gguf_on_cpu
 
         refuse_gguf_on_cpu(_value(rest, "--model-path"))
+    if config.weights == "gguf":
+        refuse_gguf_weights_without_a_source(_value(rest, "--model-path"), on_gpu)
     if on_gpu:
         defaults = {"--enable-cache-report": None} if config.stock else GPU_DEFAULTS
     else:
@@ -189,6 +191,20 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     if not config.stock:  # the paged cache's rounding comes on top of the user's token budget
         argv = with_page_headroom(argv)
     return config, argv, on_gpu
+
+
+def refuse_gguf_weights_without_a_source(model_path: str, on_gpu: bool) -> None:
+    """``--loopkv-weights gguf`` serves a model converted from a GGUF file (today: the default model) on the
+    CPU; any other start exits here, before SGLang loads anything."""
+    from sgl_loopkv.models.default_model import converted_from
+
+    if on_gpu:
+        raise SystemExit("sgl-loopkv: --loopkv-weights gguf runs on the CPU only (start with --loopkv-device cpu)")
+    if converted_from(model_path) is None:
+        raise SystemExit(
+            f"sgl-loopkv: --loopkv-weights gguf serves the embedded default model only (start without --model-path); "
+            f"{model_path} was not converted from its GGUF file"
+        )
 
 
 def refuse_a_taken_port(host: str, port: int) -> None:

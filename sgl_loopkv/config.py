@@ -675,6 +675,16 @@ class LoopKVConfig:
             "registry": "sgl_loopkv.attention.executor:EXECUTORS",
         },
     )
+    weights: str = field(
+        default="float32",
+        metadata={
+            "help": "What the linear layers and the embedding of the embedded default model compute from on the CPU: "
+            "'float32' (default): the converted float weights, as stock SGLang; 'gguf': the blocks of its GGUF file "
+            "(Q4_1, Q8_0 embedding), no float copy kept (docs/models.md). 'gguf' needs the default model "
+            "(no --model-path) and the CPU.",
+            "choices": ["float32", "gguf"],
+        },
+    )
     stock: bool = field(
         default=False,
         metadata={
@@ -696,6 +706,10 @@ class LoopKVConfig:
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
+        if self.weights not in ("float32", "gguf"):
+            raise ValueError(f"--loopkv-weights must be float32 or gguf, not {self.weights!r}")
+        if self.weights == "gguf" and self.stock:
+            raise ValueError("--loopkv-weights gguf is not stock SGLang: it cannot go with --loopkv-stock")
         if self.tiers.disk_dir == "auto":  # resolved here, so the subprocesses get the launcher's path
             self.tiers.disk_dir = str(self.resolved_cache_dir / "kv")
 

@@ -23,6 +23,7 @@ SERVER_FIXTURES = {
     "keyed_server",
     "faults_server",
     "fuzz_server",
+    "gguf_server",
 }
 
 

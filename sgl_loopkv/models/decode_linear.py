@@ -14,20 +14,38 @@ returns bitwise what ``F.linear`` returns. Every other call, and every other dev
   its plain-weight branch is ``hidden @ lm_head.weight.T``; LoRA, quantized and AMX heads, an fp32
   head and the RL on-policy path keep SGLang's code.
 
+A layer that carries GGUF blocks (``--loopkv-weights gguf``: :mod:`sgl_loopkv.models.gguf.weights`,
+attached by :func:`attach_gguf_after_load` once SGLang has loaded the model) has no float weight left:
+both hooks compute it from its blocks at any row count, and a third, on
+``UnquantizedEmbeddingMethod.embedding``, decodes only the embedding rows a batch looks up.
+
 The plugin registers them only in servers started by sgl-loopkv's launcher, never with
-``--loopkv-stock`` (the baseline is SGLang as shipped).
+``--loopkv-stock`` (the baseline is SGLang as shipped); the GGUF ones only with ``--loopkv-weights gguf``.
 """
 
 from __future__ import annotations
 
 from sgl_loopkv.kernels.decode_linear import applies, linear
+from sgl_loopkv.models.gguf import weights as gguf_weights
+from sgl_loopkv.models.gguf.reader import GGUFError
 
 LINEAR_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
+EMBEDDING_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedEmbeddingMethod.embedding"
+LOAD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
+
+
+def project(layer, x, bias=None):
+    """``layer``'s linear map of x, from its GGUF blocks or its float weight (what :func:`linear_apply`
+    computes; the lean forward calls it directly)."""
+    blocks = gguf_weights.of(layer)
+    return blocks(x, bias) if blocks is not None else linear(x, layer.weight, bias)
 
 
 def linear_apply(original, self, layer, x, bias=None, *args, **kwargs):
     """AROUND hook on ``UnquantizedLinearMethod.apply``."""
+    if (blocks := gguf_weights.of(layer)) is not None:
+        return blocks(x, bias)
     if not args and not kwargs and not getattr(layer, "use_intel_amx_backend", False) and applies(x, layer.weight):
         if bias is None or bias.dtype == x.dtype:
             return linear(x, layer.weight, bias)
@@ -36,6 +54,8 @@ def linear_apply(original, self, layer, x, bias=None, *args, **kwargs):
 
 def compute_lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kwargs):
     """AROUND hook on ``LogitsProcessor._compute_lm_head``."""
+    if (blocks := gguf_weights.of(lm_head)) is not None:  # SGLang's CPU head ignores ``out`` and the bias too
+        return blocks(hidden_states)
     from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
 
     w = getattr(lm_head, "weight", None)
@@ -50,3 +70,22 @@ def compute_lm_head(original, self, hidden_states, lm_head, embedding_bias=None,
     ):
         return linear(hidden_states, w)
     return original(self, hidden_states, lm_head, embedding_bias, **kwargs)
+
+
+def embedding(original, self, layer, input_):
+    """AROUND hook on ``UnquantizedEmbeddingMethod.embedding``: the looked-up rows decoded from blocks."""
+    if (blocks := gguf_weights.of(layer)) is not None:
+        return blocks.rows(input_, layer.weight.dtype)
+    return original(self, layer, input_)
+
+
+def attach_gguf_after_load(result, runner, *args, **kwargs):
+    """AFTER hook on ``ModelRunner.load_model``: the loaded model served from the GGUF file it was
+    converted from (the launcher has checked that there is one)."""
+    from sgl_loopkv.models.default_model import converted_from
+
+    source = converted_from(runner.model_config.model_path)
+    if source is None:
+        raise GGUFError(f"{runner.model_config.model_path}: not a folder converted from a GGUF file")
+    gguf_weights.attach(runner.model, source)
+    return result

@@ -53,6 +53,17 @@ def ensure_default_model(cache_dir: Path) -> Path:
     return target
 
 
+def converted_from(model_path: str | os.PathLike) -> Path | None:
+    """The GGUF file the folder ``model_path`` was converted from (the default model's), or None (any other
+    model: a folder SGLang loads as it is)."""
+    marker = Path(model_path) / _DONE_MARKER
+    try:
+        converted = marker.is_file() and marker.read_text().split() == ["converted", "from", _GGUF_FILE]
+    except OSError:
+        return None
+    return default_model_gguf() if converted else None
+
+
 def _convert(gguf: Path, target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

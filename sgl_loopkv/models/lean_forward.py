@@ -12,8 +12,8 @@ per forward. A plain loop over the same layers costs a fraction of that (``bench
 a model it can run (:func:`runnable`: one pipeline and tensor-parallel rank, no AMX, SGLang's own Llama
 layers with plain weights and a neox rotary embedding over whole heads) it runs every layer in a plain
 loop, calling what the layers' modules would: each norm's and activation's own module (SGLang's
-CustomOp dispatch), :func:`~sgl_loopkv.kernels.decode_linear.linear` for the projections (what
-SGLang's linear layers call through the decode-linear hook), the rotary embedding's element operations in SGLang's order, and the layer's own
+CustomOp dispatch), :func:`~sgl_loopkv.models.decode_linear.project` for the projections (what
+SGLang's linear layers call through the decode-linear hook: float weights or GGUF blocks), the rotary embedding's element operations in SGLang's order, and the layer's own
 ``RadixAttention.forward``, so the attention backend (KV writes, tiers, sparse and pruned plans,
 metrics) sees exactly the calls it sees otherwise. The residual stream is the plain one
 (``h = norm(x + residual)``) that the stages compute for such a model. ``tests/e2e/test_lean_forward.py``
@@ -29,7 +29,8 @@ import os
 
 import torch
 
-from sgl_loopkv.kernels.decode_linear import linear
+from sgl_loopkv.models.decode_linear import project
+from sgl_loopkv.models.gguf import weights as gguf_weights
 
 TARGET = "sglang.srt.models.llama.LlamaModel.forward"
 ENV = "LOOPKV_LEAN_FORWARD"
@@ -47,13 +48,12 @@ def _plain_linear(layer) -> bool:
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
     w = getattr(layer, "weight", None)
+    plain_weight = isinstance(w, torch.Tensor) and w.device.type == "cpu"
+    plain_weight = plain_weight and (gguf_weights.of(layer) is not None or (w.dim() == 2 and w.is_contiguous()))
     return (
         type(getattr(layer, "quant_method", None)) is UnquantizedLinearMethod
         and not getattr(layer, "use_intel_amx_backend", False)
-        and isinstance(w, torch.Tensor)
-        and w.dim() == 2
-        and w.is_contiguous()
-        and w.device.type == "cpu"
+        and plain_weight
         and (layer.bias is None or layer.bias.dtype == w.dtype)
         and not getattr(layer, "skip_bias_add", False)
         and getattr(layer, "tp_size", 1) == 1
@@ -145,7 +145,7 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
             residual, h = x, layer.input_layernorm(x)
         else:
             h, residual = layer.input_layernorm(x, residual)
-        qkv = linear(h, attn.qkv_proj.weight, attn.qkv_proj.bias)
+        qkv = project(attn.qkv_proj, h, attn.qkv_proj.bias)
         rope = attn.rotary_emb
         if (cs := rotary.get(id(rope))) is None:
             cs = rotary[id(rope)] = _cos_sin(rope, positions, qkv.dtype)
@@ -154,10 +154,10 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
         # output like q: torch_native does)
         q, k = qk[:, : attn.num_heads].reshape(n, -1), qk[:, attn.num_heads :].reshape(n, -1)
         o = attn.attn.forward(q, k, qkv[:, attn.q_size + attn.kv_size :], forward_batch)
-        x = linear(o, attn.o_proj.weight, attn.o_proj.bias)
+        x = project(attn.o_proj, o, attn.o_proj.bias)
         h, residual = layer.post_attention_layernorm(x, residual)
-        gate_up = linear(h, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias)
-        x = linear(mlp.act_fn(gate_up), mlp.down_proj.weight, mlp.down_proj.bias)
+        gate_up = project(mlp.gate_up_proj, h, mlp.gate_up_proj.bias)
+        x = project(mlp.down_proj, mlp.act_fn(gate_up), mlp.down_proj.bias)
     return model.norm(x, residual)[0]
 
 

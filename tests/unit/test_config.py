@@ -18,7 +18,7 @@ from sgl_loopkv.flags import Bytes, Option, format_bytes, parse_bytes
 
 #: Every flag users and scripts may already pass (removing or renaming one breaks them).
 FLAGS = """
-cache-dir device attention-executor stock host-bytes disk-dir disk-bytes disk-free-share disk-read value-policy store-dtype
+cache-dir device attention-executor weights stock host-bytes disk-dir disk-bytes disk-free-share disk-read value-policy store-dtype
 restore-planner restore-ratio share-layers share-gamma share-ratio share-pairing share-stride
 prefill-policy alpha block-size sparse-min-len sparse-dense-tail sparse-tail-samples sparse-full-density
 streaming-fraction streaming-sink streaming-local streaming-calibration sparse-executor

@@ -1,11 +1,15 @@
 """Serving a GGUF file: what exists and what does not yet (issue 53, step 4).
 
-Built: the reader (:class:`~sgl_loopkv.models.gguf.reader.GGUFFile`) and the block kernels
-(:func:`~sgl_loopkv.models.gguf.linear.linear`). Not built: the CPU implementation of SGLang 0.5.23's
-GGUF path (``--load-format gguf``, ``GGUFConfig`` and the linear / embedding methods of
-``sglang/srt/layers/quantization/gguf.py``, whose kernels are CUDA-only) through the plugin, and the
-tokenizer and chat template from GGUF metadata. Until then a CPU start on a GGUF model path stops
-here with a clear message instead of failing inside SGLang's CUDA-only GGUF kernels.
+Built: the reader (:class:`~sgl_loopkv.models.gguf.reader.GGUFFile`), the block kernels
+(:func:`~sgl_loopkv.models.gguf.linear.linear`), and ``--loopkv-weights gguf``
+(:mod:`sgl_loopkv.models.gguf.weights`): the embedded default model, loaded from its converted folder,
+has its linear layers and embedding served from its GGUF file's blocks with no float copy kept (CPU,
+Llama, tensor parallelism 1). Not built: ``--model-path x.gguf`` served directly, i.e. the CPU
+implementation of SGLang 0.5.23's GGUF path (``--load-format gguf``, ``GGUFConfig`` and the linear /
+embedding methods of ``sglang/srt/layers/quantization/gguf.py``, whose kernels are CUDA-only), the
+tokenizer and chat template from GGUF metadata, other architectures, int8-activation prefill, and a
+llama.cpp comparison. Until then a CPU start on a GGUF model path stops here with a clear message
+instead of failing inside SGLang's CUDA-only GGUF kernels.
 """
 
 from __future__ import annotations

@@ -1,0 +1,117 @@
+"""The default model served from its GGUF blocks (``--loopkv-weights gguf``) next to its converted float32
+weights (``float32``, the default): decode TPOT of one request at a ~2K context, the scheduler's memory
+after warm-up, and whether the two serve the same greedy tokens.
+
+Both servers run at once (same flags otherwise) and the timed requests alternate between them, one at a
+time, so drift in the machine's load hits both alike. Per server the context is prefilled once, untimed
+(``max_new_tokens=1``); each repeat then streams ``--gen`` greedy tokens (``ignore_eos``) over the cached
+prefix: TPOT = inter-arrival time of streamed chunks, first excluded (:func:`benchmarks.decode.stream_generate`).
+Memory: RSS of the scheduler process (the one holding the weights), split into anonymous memory and
+file-backed pages (the GGUF file is memory-mapped: its pages count as RssFile once touched).
+
+    python -m benchmarks.studies.gguf_serving            # ~5 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+from pathlib import Path
+
+import psutil
+
+from benchmarks.decode import stream_generate
+from benchmarks.harness.env import environment
+from benchmarks.harness.results import md_table
+from benchmarks.studies import write_results
+from sgl_loopkv.server.process import ServerProcess
+
+ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5", "--dtype", "float32"]
+SYSTEMS = ("float32", "gguf")
+
+
+def scheduler_memory(srv: ServerProcess) -> dict:
+    """MB of the server's largest process (the scheduler): RSS, RssAnon, RssFile."""
+    procs = [psutil.Process(p) for p in srv.pids()]
+    sched = max(procs, key=lambda p: p.memory_info().rss)
+    fields = {}
+    for line in Path(f"/proc/{sched.pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile"):
+            fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mb": fields["VmRSS"], "anon_mb": fields["RssAnon"], "file_mb": fields["RssFile"]}
+
+
+def tpot_intervals(run: dict) -> list[float]:
+    """Seconds per token between streamed chunks, the first chunk excluded."""
+    out = []
+    for (t_a, n_a), (t_b, n_b) in zip(run["arrivals"], run["arrivals"][1:]):
+        if n_b > n_a:
+            out += [(t_b - t_a) / (n_b - n_a)] * (n_b - n_a)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
+    ap.add_argument("--gen", type=int, default=64, help="tokens streamed per repeat")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    ids = [random.Random(0).randrange(100, 40000) for _ in range(args.context)]
+    logs = Path(tempfile.mkdtemp(prefix="gguf-serving-"))
+    servers = {w: ServerProcess([*ARGS, "--loopkv-weights", w], log_path=logs / f"{w}.log") for w in SYSTEMS}
+    res: dict[str, dict] = {w: {"intervals": [], "outputs": []} for w in SYSTEMS}
+    try:
+        for w, srv in servers.items():
+            srv.start()
+            res[w]["startup_s"] = srv.startup_s
+        for w, srv in servers.items():  # prefill, untimed; then memory after warm-up
+            stream_generate(srv.url, ids, 1)
+            res[w]["memory"] = scheduler_memory(srv)
+        for _ in range(args.repeats):
+            for w, srv in servers.items():
+                run = stream_generate(srv.url, ids, args.gen)
+                res[w]["intervals"] += tpot_intervals(run)
+                res[w]["outputs"].append(run["output_ids"])
+                res[w]["cached_tokens_min"] = min(res[w].get("cached_tokens_min", 1 << 30), run["cached_tokens"])
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    for w in SYSTEMS:
+        iv = res[w].pop("intervals")
+        res[w]["tpot_ms_median"] = 1000 * statistics.median(iv)
+        res[w]["n_tokens"] = len(iv)
+    f32, q = res["float32"], res["gguf"]
+    same = sum(a == b for a, b in zip(f32["outputs"][0], q["outputs"][0]))
+    summary = {
+        "tpot_ratio_float32_over_gguf": f32["tpot_ms_median"] / q["tpot_ms_median"],
+        "rss_ratio_float32_over_gguf": f32["memory"]["rss_mb"] / q["memory"]["rss_mb"],
+        "greedy_tokens_equal": f"{same}/{len(f32['outputs'][0])}",
+        "greedy_identical": f32["outputs"][0] == q["outputs"][0],
+    }
+    payload = {"config": vars(args), "systems": res, "summary": summary, "environment": environment()}
+    rows = [
+        [
+            w,
+            f"{r['tpot_ms_median']:.2f}",
+            r["n_tokens"],
+            *(f"{r['memory'][k]:.0f}" for k in ("rss_mb", "anon_mb", "file_mb")),
+        ]
+        for w, r in res.items()
+    ]
+    md = (
+        f"# GGUF blocks vs float32 weights, served (SmolLM2-135M-Instruct, Q4_1)\n\n"
+        f"One request, {args.context}-token context prefilled untimed, {args.repeats} x {args.gen} greedy tokens streamed, "
+        f"the two servers alternating; scheduler memory after the prefill. One run on a shared 2-core machine.\n\n"
+        + md_table(["weights", "TPOT median ms", "tokens", "RSS MB", "anon MB", "file MB"], rows)
+        + f"\n\nTPOT float32 / gguf: **{summary['tpot_ratio_float32_over_gguf']:.2f}x**; RSS float32 / gguf: "
+        f"**{summary['rss_ratio_float32_over_gguf']:.2f}x**; greedy tokens equal: {summary['greedy_tokens_equal']}.\n"
+    )
+    write_results("gguf_serving", payload, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
