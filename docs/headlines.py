@@ -5,7 +5,7 @@ rewrites what is between them::
 
     <!-- value restore summary.storage_reduction {:.2f}x -->3.37x<!-- /value -->
 
-``restore`` names ``benchmarks/results/restore.json``; the key path walks the JSON (``a.b.c``; a key
+``restore`` names ``benchmarks/results/restore.json`` (``studies/x``: ``results/studies/x.json``); the key path walks the JSON (``a.b.c``; a key
 holding a dot goes in brackets: ``summary.by_budget[0.1]``); the optional format is a
 :meth:`str.format` pattern (default ``{}``). Pseudo-keys read the run's environment record (``env``,
 or ``environment`` in older files): ``@date`` (the run's day), ``@machine`` (architecture and
@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-MARKER = re.compile(r"<!-- value (?P<name>[\w.-]+) (?P<path>\S+)(?: (?P<fmt>[^>]*?))? -->(?P<text>.*?)<!-- /value -->")
+MARKER = re.compile(r"<!-- value (?P<name>[\w./-]+) (?P<path>\S+)(?: (?P<fmt>[^>]*?))? -->(?P<text>.*?)<!-- /value -->")
 _KEY = re.compile(r"\[([^\]]+)\]|([^.\[\]]+)")
 
 
