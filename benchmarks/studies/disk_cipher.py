@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.harness.env import environment
+from benchmarks.studies import write_results
 from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.disk import DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -119,10 +121,16 @@ def main() -> None:
     args = ap.parse_args()
     if args.server:
         r = serve(args.tokens, args.repeats)
-        print(
-            f"{args.tokens}-token disk resume TTFT (median of {args.repeats}): plain {r['ttft_s_plain']:.3f} s, "
-            f"encrypted {r['ttft_s_encrypted']:.3f} s: {r['encrypted_over_plain_disk_resume']:.3f}x; {r['ttfts_s']}"
+        md = (
+            f"# Encrypted vs plain disk resume (SmolLM2, int8 tiers, {args.tokens}-token history)\n\n"
+            f"TTFT, median of {args.repeats} alternated resumes with the page cache dropped: plain "
+            f"{r['ttft_s_plain']:.3f} s, encrypted {r['ttft_s_encrypted']:.3f} s: "
+            f"**{r['encrypted_over_plain_disk_resume']:.3f}x**. All TTFTs: {r['ttfts_s']}\n"
         )
+        summary = {"encrypted_over_plain_disk_resume": r["encrypted_over_plain_disk_resume"], "tokens": args.tokens}
+        payload = {"config": vars(args), "systems": r, "summary": summary, "environment": environment()}
+        write_results("disk_cipher", payload, md)
+        print(md)
         return
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.int8):
