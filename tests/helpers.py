@@ -1,13 +1,15 @@
 """Run a snippet in a fresh interpreter (for code that mutates sys.path, the environment or
-SGLang's import-time state) and return what it printed as JSON."""
+SGLang's import-time state) and return what it printed as JSON; scans of the disk tier's files for token ids."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import time
 
 
 def run_fresh(code: str, env: dict[str, str] | None = None, drop_env: tuple[str, ...] = ()) -> dict:
@@ -51,3 +53,26 @@ def stream_in_background(url: str, max_new_tokens: int, timeout_s: float = 60):
         time.sleep(0.2)
     assert meta, "the stream never started"
     return t, meta
+
+
+def files_holding(root, token_runs: list[list[int]]) -> list[str]:
+    """Files under ``root`` whose bytes hold one of the runs of token ids as JSON (segment headers keep
+    them so), whole ids only (``29, 35`` does not match inside ``129, 35``); a file renamed or evicted
+    while the scan reads the directory is skipped."""
+    needles = [re.compile(rb"(?<!\d)" + ", ".join(map(str, r)).encode() + rb"(?!\d)") for r in token_runs]
+    out = []
+    for f in root.rglob("*"):
+        try:
+            if f.is_file() and any(n.search(f.read_bytes()) for n in needles):
+                out.append(str(f))
+        except FileNotFoundError:
+            continue
+    return out
+
+
+def wait_for_disk(root, token_runs: list[list[int]], timeout_s: float = 30) -> None:
+    """Until a file under ``root`` holds one of ``token_runs`` (the disk tier's writes are asynchronous)."""
+    deadline = time.monotonic() + timeout_s
+    while not files_holding(root, token_runs):
+        assert time.monotonic() < deadline, "the tokens never reached the disk tier"
+        time.sleep(0.2)

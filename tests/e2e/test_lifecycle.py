@@ -5,7 +5,6 @@ by a byte scan of the disk tier's directory."""
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import pytest
@@ -13,6 +12,7 @@ import requests
 
 from sgl_loopkv.server.process import ServerProcess
 from tests.e2e.conftest import ADMIN_KEY, API_KEY, COMMON_SERVER_ARGS
+from tests.helpers import files_holding, wait_for_disk
 
 pytestmark = pytest.mark.server
 
@@ -61,18 +61,6 @@ def own_runs(tokenizer, msgs: list[dict]) -> list[list[int]]:
     sys_only = chat_ids(tokenizer, msgs[:1] + [{"role": "user", "content": "x"}])
     start = next(i for i, (a, b) in enumerate(zip(ids, sys_only)) if a != b)
     return [ids[i : i + 16] for i in range(start + 8, len(ids) - 24, 40)]
-
-
-def files_holding(root, runs: list[list[int]]) -> list[str]:
-    needles = [", ".join(map(str, r)).encode() for r in runs]
-    return [str(f) for f in root.rglob("*") if f.is_file() and any(n in f.read_bytes() for n in needles)]
-
-
-def wait_for_disk(root, runs, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not files_holding(root, runs):
-        assert time.monotonic() < deadline, "the conversation never reached the disk tier"
-        time.sleep(0.2)
 
 
 def test_forget_refuses_without_the_admin_key_and_bad_input(keyed_server):

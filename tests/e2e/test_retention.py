@@ -5,14 +5,13 @@ unpinned one of the same size out of it, and the answer reports a pin's outcome.
 
 from __future__ import annotations
 
-import re
-import time
 import uuid
 
 import pytest
 import requests
 
 from tests.e2e.conftest import ADMIN_KEY, API_KEY
+from tests.helpers import files_holding, wait_for_disk
 
 pytestmark = pytest.mark.server
 
@@ -45,27 +44,6 @@ def pin_report(r: requests.Response) -> str | None:
 
 def forget_salt(url: str, salt: str) -> None:
     requests.post(f"{url}/loopkv/forget", json={"cache_salt": salt}, headers=ADMIN, timeout=120)
-
-
-def files_holding(root, token_runs: list[list[int]]) -> list[str]:
-    """Files of the disk tier whose bytes hold one of the runs of token ids (headers keep them as JSON);
-    a file renamed or evicted while the scan reads the directory is skipped."""
-    needles = [re.compile(rb"(?<!\d)" + ", ".join(map(str, r)).encode() + rb"(?!\d)") for r in token_runs]
-    out = []
-    for f in root.rglob("*"):
-        try:
-            if f.is_file() and any(n.search(f.read_bytes()) for n in needles):
-                out.append(str(f))
-        except FileNotFoundError:
-            continue
-    return out
-
-
-def wait_for_disk(root, token_runs, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not files_holding(root, token_runs):
-        assert time.monotonic() < deadline, "the default request never reached the disk tier"
-        time.sleep(0.2)
 
 
 def _contains(ids: list[int], run: list[int]) -> bool:
