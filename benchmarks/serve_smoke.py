@@ -202,7 +202,7 @@ def run(args, env: dict) -> dict:
     results = {}
     # The weights in the page cache before the first server: the system started first would otherwise
     # pay their cold read in its start-up (loopkv's start-up read ~1-3 s slower than stock's for that
-    # alone; started alternately they are at par, benchmarks/results/NOTES.md 2026-11-26).
+    # alone; started alternately they are at par: the lab notes, docs/decisions/index.md).
     for f in Path(model_dir).rglob("*"):
         if f.is_file():
             f.read_bytes()

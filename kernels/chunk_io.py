@@ -3,8 +3,8 @@
 
 Why native: a restore's reader thread shares the GIL with the forward. Read in Python, each extent
 took a ``preadv`` into a buffer, a ``crc32`` call and a share of a copy into its pool page, every
-one a GIL hand-off, and the forward's Python waited for them (``benchmarks/results/NOTES.md``,
-2026-11-28). :func:`load` returns the compiled module (``read_extents(fd, blocks, targets, crcs,
+one a GIL hand-off, and the forward's Python waited for them (``docs/decisions/2026-11-28-native-chunk-reads.md``).
+:func:`load` returns the compiled module (``read_extents(fd, blocks, targets, crcs,
 half, extent_bytes) -> (ok, bytes)``, run without the GIL) or None: callers then read in Python
 (``LOOPKV_NATIVE_CHUNK_IO=0`` turns it off).
 """

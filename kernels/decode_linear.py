@@ -39,14 +39,14 @@ from sgl_loopkv.kernels.native import NativeExtension
 
 EXTENSION = NativeExtension("decode_linear", "LOOPKV_NATIVE_LINEAR", "decode linear")
 #: Rows up to which the split wins: SmolLM2's 30 layers of linears with cold weights, float32, 2
-#: cores (NOTES.md, 2026-11-24): 1.66x at 1 row, 1.45x at 32, 1.22x at 256, at par at 1024, where
+#: cores (docs/decisions/2026-11-27-decode-linears-without-mkl.md): 1.66x at 1 row, 1.45x at 32, 1.22x at 256, at par at 1024, where
 #: MKL threads the call itself. Covers decode batches, short extends and the LM head's rows.
 MAX_ROWS = 256
 #: Rows up to which ``gemv_f32`` / ``gemv_bf16`` beat the split (SmolLM2's 30 layers of linears and its
-#: LM head's one row, cold weights, 2 threads, this EPYC; ``benchmarks/gemv.md``). Up to 2 rows memory
+#: LM head's one row, cold weights, 2 threads, AMD EPYC; ``benchmarks/results/studies/gemv.md``). Up to 2 rows memory
 #: bounds them (1.4-2.3x the split); from 4 the FMAs do, and the register tile over 4 weight rows x 4
 #: rows of x keeps them ahead of MKL's small gemm to ~32 float32 rows (1.3x at 16, 1.1x at 32, par at
-#: 64) and of oneDNN to ~24 bf16 rows (1.5x at 16, 1.2x at 24, par at 32) (NOTES.md, 2026-11-28).
+#: 64) and of oneDNN to ~24 bf16 rows (1.5x at 16, 1.2x at 24, par at 32).
 GEMV_MAX_ROWS = {torch.float32: 32, torch.bfloat16: 24}
 EXACT_ENV = "LOOPKV_EXACT_LINEAR"
 

@@ -126,7 +126,7 @@ class Cluster:
             # routing its conversations to it, and each request failed (500) once its 5 attempts had
             # gone there: the default breaker opens after 10 failures, two requests. At 3,
             # the first request's 4th attempt goes to a live worker: none failed after a kill -9
-            # (benchmarks/results/NOTES.md, 2026-11-27). A restarted worker is tried again after 10 s.
+            # (docs/decisions/2026-11-27-router-circuit-breaker.md). A restarted worker is tried again after 10 s.
             "--cb-failure-threshold": "3",
             "--cb-timeout-duration-secs": "10",
             "--log-level": "warn",

@@ -111,7 +111,7 @@ def keep_torch_on_this_thread() -> bool:
     manages more threads than there are CPUs it stops spinning between parallel regions, so every
     op of the forward has to wake its worker through the kernel: on 2 cores that made decode after
     the first resume or disk write slower than stock SGLang, and it stayed so
-    (``benchmarks/results/NOTES.md``, 2026-11-24).
+    (docs/decisions/2026-11-24-helper-threads-out-of-openmp.md).
     ``torch.set_num_threads(1)`` would also lower the default of every thread started later (it is
     process-wide), so only this thread's OpenMP setting is changed. False where the OpenMP runtime
     is not libgomp (torch's threads are then left alone)."""
@@ -132,7 +132,7 @@ def torch_single_threaded() -> Iterator[None]:
     the tokenizer and HTTP processes are busy with the next request, and a parallel op whose second
     OpenMP thread is preempted waits a scheduler slice at its barrier. A 2K-token turn's gather (60
     per-layer copies) took 285-312 ms so in the server against 24 ms alone; one thread, with a busy
-    process beside it, 39 ms (benchmarks/results/NOTES.md, 2026-11-26)."""
+    process beside it, 39 ms (docs/decisions/2026-11-24-helper-threads-out-of-openmp.md)."""
     gomp = _gomp()
     if gomp is None:
         yield
@@ -168,8 +168,8 @@ def yield_cpu_to_the_forward() -> bool:
     """Lower the calling thread's scheduling priority (Linux: nice is per thread) so that, on a
     machine whose cores the forward's threads use, this thread runs when they leave a core free
     instead of taking it from them. Why: the disk writer's crc32 and writes of a 2K-token turn (~94 MB
-    in float32) ran during the next request's prefill and slowed it (benchmarks/results/NOTES.md,
-    2026-11-26). False where the priority cannot be set."""
+    in float32) ran during the next request's prefill and slowed it
+    (docs/decisions/2026-11-26-two-disk-writers.md). False where the priority cannot be set."""
     import threading
 
     try:

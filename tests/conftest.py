@@ -1,7 +1,8 @@
 """Settings shared by tests/unit and tests/e2e: the report header, the rule that every test using a
 server carries the ``server`` marker (``-m "not server"`` must start none), and a count of the server
 processes the session started, with their start-up seconds, at the end of the report (the suite's
-time is mostly start-ups: share a server where a test can)."""
+time is mostly start-ups: share a server where a test can), and the shared servers started ahead of
+their tests while the in-process tests run first (tests/servers.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.server.process import ServerProcess
+from tests.servers import SERVERS, SessionPaths, make_paths
 
 #: fixtures that start a server process (tests/e2e/conftest.py and test modules)
 SERVER_FIXTURES = {
@@ -28,6 +30,8 @@ SERVER_FIXTURES = {
 
 
 def pytest_collection_modifyitems(config, items):
+    # in-process tests first: the shared servers start meanwhile (a stable sort keeps each group's order)
+    items.sort(key=lambda i: i.get_closest_marker("server") is not None)
     unmarked = [i.nodeid for i in items if SERVER_FIXTURES & set(i.fixturenames) and not i.get_closest_marker("server")]
     if unmarked:
         raise pytest.UsageError(f"tests that start a server must carry @pytest.mark.server: {unmarked}")
@@ -64,3 +68,21 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"server starts: {len(STARTS)}, {sum(s for _, s in STARTS):.0f} s spawn-to-ready in all (slowest: {slowest})"
         )
+
+
+@pytest.fixture(scope="session")
+def session_paths(tmp_path_factory) -> SessionPaths:
+    """The models, log and disk directories the shared servers are built from."""
+    return make_paths(tmp_path_factory)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_servers(request, _count_server_starts):
+    """At the first test: start the shared servers the selected tests use, in the order of first use;
+    at the end: stop them all at once."""
+    order = [n for item in request.session.items for n in item.fixturenames if n in SERVERS.names]
+    names = list(dict.fromkeys(order))
+    if names:
+        SERVERS.prestart(request.getfixturevalue("session_paths"), names)
+    yield
+    SERVERS.stop_all()

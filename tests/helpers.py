@@ -3,16 +3,23 @@ SGLang's import-time state) and return what it printed as JSON; scans of the dis
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 
 def run_fresh(code: str, env: dict[str, str] | None = None, drop_env: tuple[str, ...] = ()) -> dict:
+    return start_fresh(code, env, drop_env)()
+
+
+def start_fresh(code: str, env: dict[str, str] | None = None, drop_env: tuple[str, ...] = ()) -> Callable[[], dict]:
+    """:func:`run_fresh` started now and awaited by the returned function: snippets started together
+    import SGLang side by side (one core each) instead of one after another."""
     full_env = {k: v for k, v in os.environ.items() if k not in drop_env}
     # a fresh process starts without the stand-in: an earlier in-process test may have activated it,
     # which appends it to this process's PYTHONPATH (for its children)
@@ -21,11 +28,20 @@ def run_fresh(code: str, env: dict[str, str] | None = None, drop_env: tuple[str,
     paths = [p for p in full_env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(CPU_STANDIN_DIR)]
     full_env["PYTHONPATH"] = os.pathsep.join(paths)
     full_env.update(env or {})
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], env=full_env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, f"snippet failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @functools.cache  # a result may be read by more than one test
+    def result() -> dict:
+        try:
+            out, err = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        assert proc.returncode == 0, f"snippet failed:\n{err[-4000:]}"
+        return json.loads(out.strip().splitlines()[-1])
+
+    return result
 
 
 def stream_in_background(url: str, max_new_tokens: int, timeout_s: float = 60):
@@ -59,15 +75,27 @@ def files_holding(root, token_runs: list[list[int]]) -> list[str]:
     """Files under ``root`` whose bytes hold one of the runs of token ids as JSON (segment headers keep
     them so), whole ids only (``29, 35`` does not match inside ``129, 35``); a file renamed or evicted
     while the scan reads the directory is skipped."""
-    needles = [re.compile(rb"(?<!\d)" + ", ".join(map(str, r)).encode() + rb"(?!\d)") for r in token_runs]
+    needles = [", ".join(map(str, r)).encode() for r in token_runs]
     out = []
     for f in root.rglob("*"):
         try:
-            if f.is_file() and any(n.search(f.read_bytes()) for n in needles):
+            if f.is_file() and _holds_any(f.read_bytes(), needles):
                 out.append(str(f))
         except FileNotFoundError:
             continue
     return out
+
+
+def _holds_any(data: bytes, needles: list[bytes]) -> bool:
+    """Whether one of ``needles`` occurs in ``data`` between non-digits. ``bytes.find`` rather than a
+    regex: a pattern that starts with a lookbehind is tried at every byte (seconds per MB-sized file)."""
+    for n in needles:
+        i = data.find(n)
+        while i != -1:
+            if not data[i - 1 : i].isdigit() and not data[i + len(n) : i + len(n) + 1].isdigit():
+                return True
+            i = data.find(n, i + 1)
+    return False
 
 
 def wait_for_disk(root, token_runs: list[list[int]], timeout_s: float = 30) -> None:

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--token-s", type=float, default=2.52e-5)
     ap.add_argument("--attn-s", type=float, default=2.59e-8)
     ap.add_argument("--copy-gbps", type=float, default=12.6)
-    # 19 MB of selected extents read cold in 39-44 ms (benchmarks/results/NOTES.md, 2026-11-25 night)
+    # 19 MB of selected extents read cold in 39-44 ms (the lab notes of 2026-11-25, docs/decisions/index.md)
     ap.add_argument("--disk-gbps", type=float, default=0.48)
     ap.add_argument("--new-tokens", type=int, default=16)
     args = ap.parse_args()

@@ -512,7 +512,7 @@ class DiskSegmentStore:
 
 #: Bytes per ``write`` of a segment file. On this VM's kernel (6.18, ext4 on virtio) one write of a
 #: 94 MB segment cost 240 ms of kernel time, the same bytes in 1 MB writes 27 ms (4 MB: 240 ms again):
-#: that CPU is taken from the next request's prefill (benchmarks/results/NOTES.md, 2026-11-26).
+#: that CPU is taken from the next request's prefill.
 WRITE_PIECE = 1 << 20
 
 

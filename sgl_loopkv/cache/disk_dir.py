@@ -166,7 +166,7 @@ class Presence:
     ``workers`` while it lives; ``F_GETLK`` asks the kernel (or the NFS lock manager) for a lock that
     would conflict with a write lock, and POSIX locks never conflict with the asking process's own.
     Why: a write that another worker may be waiting for (its lookup found the announcement) must
-    not run at background priority (benchmarks/results/NOTES.md, 2026-11-26 afternoon)."""
+    not run at background priority (docs/decisions/2026-11-26-two-disk-writers.md)."""
 
     # struct flock on Linux, 64-bit off_t: l_type, l_whence, l_start, l_len, l_pid (+ padding)
     _FLOCK = "hhqqi4x"

@@ -25,7 +25,7 @@ the writer's ``--loopkv-prefix-gate``, 4), so a chunk's extents of one gate's la
 and a run of adjacent selected chunks is one read for the whole gate; a group's chunks are
 contiguous too (a whole-history load: a few reads per group). Grouped because cold reads on a
 virtio disk cost per request more than per byte (layer-major order takes G times the reads:
-``benchmarks/results/NOTES.md``, 2026-11-26); by the gate, not the period, because a read of a
+docs/decisions/2026-11-26-grouped-segment-files.md); by the gate, not the period, because a read of a
 whole period would hold every layer of it until the last byte (a streamed full history: slower).
 ``kv_offset`` is a multiple of 4 KiB and ``extent_bytes`` of 512 B (a sector: O_DIRECT-compatible on 512-byte-sector devices); fp32 and
 bf16 extents of the served models are whole 4 KiB pages anyway, while an int8 chunk (6.4 KB for

@@ -282,7 +282,7 @@ class PrunedRestore:
         at budget 0.9 eight in nine of the set, at 0.5 and below none). Consecutive periods of
         SmolLM2 share about half their chunks at budget 0.1, and the best scored are only slightly
         likelier to stay (benchmarks/results/studies/prefetch_survival.md); at 0.75-0.9 reading nothing
-        ahead left each period's reads waiting (NOTES.md, 2026-11-29)."""
+        ahead left each period's reads waiting."""
         forced = always_kept(self.n_chunks, self.keep, self.local)[chunks]
         n = max(int(forced.sum()), round(self.prefetch * len(chunks)), 2 * self.keep - self.n_chunks)
         order = torch.argsort(scores[chunks].masked_fill(forced, torch.inf), descending=True, stable=True)
@@ -559,7 +559,7 @@ class PrunedRestore:
         lo, hi = int(local[0]), int(local[-1])
         if hi - lo == len(local) - 1:  # one run (budget 1.0: all of them): a view
             return kv[:, lo * c : (hi + 1) * c]
-        # whole chunks, not token rows: half the time of a gather by token index (benchmarks/results/NOTES.md)
+        # whole chunks, not token rows: half the time of a gather by token index
         return kv.unflatten(1, (-1, c)).index_select(1, local).flatten(1, 2)
 
     def _copy_host(self, x: torch.Tensor, layer: int, local: torch.Tensor, to: torch.Tensor) -> bool:

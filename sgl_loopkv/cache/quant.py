@@ -4,7 +4,7 @@
 Why per token and head: a chunk, a token range or one layer can then be sliced, read and decoded
 on its own (the tiers' units), and each scale sits in the same disk extent as its values. A
 quarter of fp32's bytes plus one scale per token and head; the fidelity cost is small
-(benchmarks/results/studies/store_codecs.md; history: benchmarks/results/NOTES.md).
+(benchmarks/results/studies/store_codecs.md, docs/decisions/2026-11-23-int8-tiers-opt-in.md).
 """
 
 from __future__ import annotations

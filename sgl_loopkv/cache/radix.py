@@ -209,8 +209,8 @@ class LoopKVRadixCache(RadixCache):
         # token's latency), and after its last token is out: queued here under a tree lock (nothing
         # it computed can be evicted before it is stored), stored by flush_pending_backups, which
         # SGLang calls once the batch's outputs are streamed (the store held the last token 0.2-0.5 s
-        # at 2K new tokens, most with int8 tiers: benchmarks/results/NOTES.md). What needs the
-        # request's row (its layer pairs, its chunk importance) is taken now.
+        # at 2K new tokens, most with int8 tiers: docs/decisions/2026-11-26-store-after-the-last-token.md).
+        # What needs the request's row (its layer pairs, its chunk importance) is taken now.
         if not self.disable and req.finished() and req.last_node is not None:
             pairs = self.sharing.turn_end(req.kv.req_pool_idx, req.last_node, self.root_node) if self.sharing else []
             mass = self.importance.pop(req.kv.req_pool_idx)

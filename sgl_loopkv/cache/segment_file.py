@@ -81,7 +81,7 @@ def _file_order(rows: torch.Tensor, m: int, c: int, group: int) -> np.ndarray:
     its rows; an extent = K | V of one chunk of one row) -> [R * m, extent bytes] uint8, written by
     one strided copy per group. The general path (transpose, then a numpy regroup and ``tobytes``)
     copied every byte three times on the disk writer's thread: 0.34 s of a 2K-token turn's 0.42 s
-    write (benchmarks/results/NOTES.md, 2026-11-26)."""
+    write."""
     R, H, D = rows.shape[0], rows.shape[3], rows.shape[4]
     out = torch.empty(R * m * 2 * c * H * D, dtype=rows.dtype)
     at = 0

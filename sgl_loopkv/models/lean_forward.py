@@ -5,8 +5,7 @@ its linear layers take ~27 ms (weights streamed from memory) and SGLang's Python
 another ~15 ms: module calls, the layer-boundary stages that carry the residual between the attention
 and the MLP (built for tensor/pipeline-parallel layouts and fused quantized reads), the CustomOp
 dispatch of every norm, rotary embedding and activation. A short prefill (a chat turn) pays the same
-per forward. A plain loop over the same layers costs a fraction of that (``benchmarks/results/NOTES.md``,
-2026-11-27 evening).
+per forward. A plain loop over the same layers costs a fraction of that.
 
 :func:`lean_model_forward` is an AROUND hook on ``LlamaModel.forward``. For a decode or extend batch of
 a model it can run (:func:`runnable`: one pipeline and tensor-parallel rank, no AMX, SGLang's own Llama

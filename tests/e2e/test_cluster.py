@@ -111,6 +111,9 @@ def resume_elsewhere_then_kill_9(cluster: Cluster, disk, ids, reference_url: str
     return history, victim
 
 
+# slow (a cluster of its own, three processes): the shared disk tier between workers is
+# tests/unit/test_shared_disk.py's, the router's flags tests/unit/test_cluster_launch.py's
+@pytest.mark.slow
 def test_round_robin_resumes_on_the_other_worker_and_survives_a_kill_9(
     tiny_server, tiny_model_dir, tmp_path, server_logs
 ):
@@ -144,7 +147,7 @@ def test_no_request_fails_when_the_worker_holding_its_conversation_is_killed(
             history += out["output_ids"]
 
 
-@pytest.mark.slow  # a cluster of its own; the default suite covers the resume and the kill -9 above
+@pytest.mark.slow  # a cluster of its own; the test above covers the resume and the kill -9
 def test_a_restarted_worker_rejoins_and_resumes_what_was_stored_meanwhile(
     tiny_server, tiny_model_dir, tmp_path, server_logs
 ):

@@ -23,6 +23,9 @@ def token_runs(ids: list[int]) -> list[bytes]:
     return [", ".join(map(str, run)).encode(), struct.pack(f"<{len(run)}i", *run), struct.pack(f"<{len(run)}q", *run)]
 
 
+# slow (a server of its own): encryption is opt-in; no plaintext ids, a wrong key and a flipped byte
+# degrading to recompute are tests/unit/test_disk_cipher.py's, on the store the server uses
+@pytest.mark.slow
 def test_encrypted_disk_resume_matches_and_hides_token_ids(tiny_server, tiny_model_dir, server_logs, tmp_path):
     from transformers import AutoTokenizer
 

@@ -7,18 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.studies.fuzz import CORE_OPERATIONS, SERVER_ARGS, fuzz, healthy
-from tests.e2e.conftest import _server
+from benchmarks.studies.fuzz import CORE_OPERATIONS, fuzz, healthy
 
 pytestmark = pytest.mark.server
 
 EXAMPLES = 7  # per operation and generation mode: about 60 generated cases over CORE_OPERATIONS
-
-
-@pytest.fixture(scope="module")
-def fuzz_server(tiny_model_dir, server_logs):
-    with _server(tiny_model_dir, server_logs, "tiny-fuzz", SERVER_ARGS).start() as srv:
-        yield srv
 
 
 def test_fuzzed_and_hand_written_bad_input_gets_readable_4xx_and_no_crash(fuzz_server):

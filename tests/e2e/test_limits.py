@@ -11,27 +11,10 @@ import time
 import pytest
 import requests
 
-from tests.e2e.conftest import _server
+from tests.e2e.conftest import CAP, GRACE_S, MAX_N
 from tests.helpers import stream_in_background
 
 pytestmark = pytest.mark.server
-
-CAP, MAX_N, GRACE_S = 3, 2, 2
-
-
-@pytest.fixture(scope="module")
-def capped_server(tiny_model_dir, server_logs):
-    limits = [
-        "--loopkv-default-max-tokens",
-        str(CAP),
-        "--loopkv-max-n",
-        str(MAX_N),
-        "--loopkv-max-client-requests",
-        "1",
-    ]
-    srv = _server(tiny_model_dir, server_logs, "tiny-capped", [*limits, "--loopkv-shutdown-grace-s", str(GRACE_S)])
-    with srv.start():
-        yield srv
 
 
 def chat(url: str, **body) -> requests.Response:

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import run_fresh
+from tests.helpers import start_fresh
 
-
-def test_load_plugins_finds_and_registers_loopkv():
-    out = run_fresh(
-        """
+LOAD_PLUGINS = """
         import json
         from importlib.metadata import entry_points
         from sglang.srt.plugins import load_plugins
@@ -33,19 +30,9 @@ def test_load_plugins_finds_and_registers_loopkv():
             "prometheus_imported": "prometheus_client" in sys.modules,
             "components": COMPONENTS,
         }))
-        """,
-        env={"SGLANG_USE_CPU_ENGINE": "1"},
-    )
-    assert "sgl_loopkv.plugin:register" in out["entry_points"]
-    assert out["backend"] == "sgl_loopkv.attention.backend"
-    assert out["choice"] and out["hooked"] and out["metrics_hooked"] and not out["prometheus_imported"]
-    assert out["components"]["attention_backend"] == ["loopkv"]
-    assert out["radix"] == ["loopkv"] and out["components"]["radix_cache_backend"] == ["loopkv"]
-
-
-def test_plugin_registration_is_idempotent():
-    out = run_fresh(
         """
+
+IDEMPOTENT = """
         import json
         from sgl_loopkv.plugin import COMPONENTS, register
         register(); register()
@@ -61,21 +48,8 @@ def test_plugin_registration_is_idempotent():
             "wrapped_twice": hasattr(inner, "__wrapped__"),
         }))
         """
-    )
-    assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"]
-    assert len(out["registered"]) == 7 and set(out["registered"].values()) == {1}, out["registered"]
-    assert "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill" in out["registered"]  # cache/awaited.py
-    assert not out["wrapped_twice"]
 
-
-# the stock side is slow-marked (21 s, a second server): the default suite checks the loopkv side
-@pytest.mark.parametrize("stock", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_decode_linear_hooks_only_in_loopkv_servers(stock):
-    """The split linear layers and the lean forward are sgl-loopkv's: a server of its launcher gets
-    them, its stock baseline (``--loopkv-stock``) and a plain SGLang process keep SGLang's layers."""
-    import json as _json
-
-    code = """
+DECODE_LINEAR = """
         import json
         from sgl_loopkv.plugin import COMPONENTS, register
         register()
@@ -89,11 +63,53 @@ def test_decode_linear_hooks_only_in_loopkv_servers(stock):
             "lm_head_wrapped": hasattr(LogitsProcessor._compute_lm_head, "__wrapped__"),
         }))
         """
+
+
+@pytest.fixture(scope="module")
+def fresh():
+    """The snippets of the default tests, started together (each is a fresh import of SGLang)."""
+    import json
+
+    return {
+        "load_plugins": start_fresh(LOAD_PLUGINS, env={"SGLANG_USE_CPU_ENGINE": "1"}),
+        "idempotent": start_fresh(IDEMPOTENT),
+        "launched": start_fresh(DECODE_LINEAR, env={"LOOPKV_CONFIG": json.dumps({"stock": False})}),
+        "plain": start_fresh(DECODE_LINEAR, drop_env=("LOOPKV_CONFIG",)),
+    }
+
+
+def test_load_plugins_finds_and_registers_loopkv(fresh):
+    out = fresh["load_plugins"]()
+    assert "sgl_loopkv.plugin:register" in out["entry_points"]
+    assert out["backend"] == "sgl_loopkv.attention.backend"
+    assert out["choice"] and out["hooked"] and out["metrics_hooked"] and not out["prometheus_imported"]
+    assert out["components"]["attention_backend"] == ["loopkv"]
+    assert out["radix"] == ["loopkv"] and out["components"]["radix_cache_backend"] == ["loopkv"]
+
+
+def test_plugin_registration_is_idempotent(fresh):
+    out = fresh["idempotent"]()
+    assert out["n"] == 1 and out["c"]["attention_backend"] == ["loopkv"]
+    assert len(out["registered"]) == 7 and set(out["registered"].values()) == {1}, out["registered"]
+    assert "sglang.srt.managers.scheduler.Scheduler.get_new_batch_prefill" in out["registered"]  # cache/awaited.py
+    assert not out["wrapped_twice"]
+
+
+# the stock side is slow-marked (21 s, a second server): the default suite checks the loopkv side
+@pytest.mark.parametrize("stock", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_decode_linear_hooks_only_in_loopkv_servers(stock, fresh):
+    """The split linear layers and the lean forward are sgl-loopkv's: a server of its launcher gets
+    them, its stock baseline (``--loopkv-stock``) and a plain SGLang process keep SGLang's layers."""
+    import json as _json
+
     from sgl_loopkv.models.decode_linear import LINEAR_TARGET, LM_HEAD_TARGET
     from sgl_loopkv.models.lean_forward import TARGET as LEAN_TARGET
 
-    launched = run_fresh(code, env={"LOOPKV_CONFIG": _json.dumps({"stock": stock})})
-    plain = run_fresh(code, drop_env=("LOOPKV_CONFIG",))
+    if stock:
+        launched = start_fresh(DECODE_LINEAR, env={"LOOPKV_CONFIG": _json.dumps({"stock": True})})()
+    else:
+        launched = fresh["launched"]()
+    plain = fresh["plain"]()
     assert (LINEAR_TARGET in launched["hooks"]) is not stock
     assert (LM_HEAD_TARGET in launched["hooks"]) is not stock
     assert launched["linear_wrapped"] is not stock and launched["lm_head_wrapped"] is not stock

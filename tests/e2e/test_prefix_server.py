@@ -69,6 +69,9 @@ def test_streamed_disk_resume_at_full_budget_equals_the_full_load(tiny_server, t
     assert read == used, (read, used)
 
 
+# slow (a server of its own): pruned re-prefill is opt-in; its reads, selection and exactness are
+# tests/unit/test_prefix_prune.py's
+@pytest.mark.slow
 def test_pruned_resume_reads_a_quarter_and_the_conversation_goes_on(tiny_server, tiny_model_dir, server_logs, tmp_path):
     """Budget 0.25: a quarter of the chunks read (from disk, each read chunk-aligned; from the host
     tier), the pruned turn stored for the next one; a damaged segment is detected when read, never

@@ -5,7 +5,7 @@ queries of the last ``n_d`` generated tokens (summed softmax mass per page, over
 each KV head's group): what the answer has been looking at, which holds up when the question is not
 at the end of the prompt. Selecting at the first step from that step's query alone (``dense_steps``
 0) lost the key-value retrievals of the multi-turn benchmark whose digits come ~15 tokens into the
-answer, before any re-selection (NOTES.md, 2026-11-25)."""
+answer, before any re-selection (docs/decisions/2026-11-25-sparse-decode-off-by-default.md)."""
 
 from __future__ import annotations
 
