@@ -15,24 +15,15 @@ from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.server.process import ServerProcess
 from tests.servers import SERVERS, SessionPaths, make_paths
 
-#: fixtures that start a server process (tests/e2e/conftest.py and test modules)
-SERVER_FIXTURES = {
-    "tiny_server",
-    "tiny_native_server",
-    "smollm2_server",
-    "tiny_sparse_server",
-    "capped_server",
-    "keyed_server",
-    "faults_server",
-    "fuzz_server",
-    "gguf_server",
-}
+#: fixtures that start a server process of a test module's own; the shared ones are ``SERVERS.names``
+OWN_SERVER_FIXTURES = {"faults_server", "gguf_server"}
 
 
 def pytest_collection_modifyitems(config, items):
     # in-process tests first: the shared servers start meanwhile (a stable sort keeps each group's order)
     items.sort(key=lambda i: i.get_closest_marker("server") is not None)
-    unmarked = [i.nodeid for i in items if SERVER_FIXTURES & set(i.fixturenames) and not i.get_closest_marker("server")]
+    starting = OWN_SERVER_FIXTURES | SERVERS.names
+    unmarked = [i.nodeid for i in items if starting & set(i.fixturenames) and not i.get_closest_marker("server")]
     if unmarked:
         raise pytest.UsageError(f"tests that start a server must carry @pytest.mark.server: {unmarked}")
 
