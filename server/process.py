@@ -59,6 +59,7 @@ class ServerProcess:
     args: list[str]
     module: str = "sgl_loopkv.launch_server"
     env: dict[str, str] = field(default_factory=dict)
+    base_env: dict[str, str] | None = None  # the environment ``env`` is added to (default: os.environ now)
     log_path: Path | None = None
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
@@ -81,7 +82,7 @@ class ServerProcess:
 
     def spawn(self) -> ServerProcess:
         """Start the process without waiting for it (:meth:`wait_ready` waits)."""
-        env = {**os.environ, **self.env}
+        env = {**(os.environ if self.base_env is None else self.base_env), **self.env}
         args = list(self.args)
         named = any(a.startswith("--loopkv-disk-dir") for a in args)
         if self.private_disk_dir and self.module == "sgl_loopkv.launch_server" and not named:

@@ -89,6 +89,10 @@ class SessionServers:
         self._paths: SessionPaths | None = None
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        # The environment every shared server starts from, taken before any test runs: the in-process
+        # tests that run while servers start may set variables (LOOPKV_CONFIG makes a plain
+        # sglang.launch_server act as one of our launcher's) and a server must not inherit them.
+        self._env: dict[str, str] | None = None
 
     def register(self, name: str) -> Callable:
         def deco(build: Callable[[SessionPaths], ServerProcess]):
@@ -107,6 +111,7 @@ class SessionServers:
     def prestart(self, paths: SessionPaths, names: list[str]) -> None:
         """Start ``names`` (registered ones, in this order) in the background."""
         self._paths = paths
+        self._env = self._env or dict(os.environ)
         todo = [n for n in names if n in self._slots]
         if todo:
             self._thread = threading.Thread(target=self._start_in_order, args=(todo,), daemon=True)
@@ -130,7 +135,9 @@ class SessionServers:
             if slot.server is not None:
                 return None
             try:
-                slot.server = slot.build(self._paths).spawn()
+                server = slot.build(self._paths)
+                server.base_env = self._env if server.base_env is None else server.base_env
+                slot.server = server.spawn()
             except BaseException as e:
                 slot.error = e
                 slot.done.set()
@@ -151,6 +158,7 @@ class SessionServers:
     def get(self, name: str, paths: SessionPaths) -> ServerProcess:
         """The started server of ``name`` (started now if no prestart did)."""
         self._paths = self._paths or paths
+        self._env = self._env or dict(os.environ)
         slot = self._slots[name]
         if (w := self._spawn(name)) is not None:
             w.join()
