@@ -29,6 +29,7 @@ tier bytes / tier tokens (key summaries, scales and file headers included).
 
     python -m benchmarks.restore                 # 2K/4K/8K, 3 repeats
     python -m benchmarks.restore --quick         # 4K only, 1 repeat
+    python -m benchmarks.restore --resume        # go on from where a killed run of this commit stopped
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from benchmarks.common import (
 from benchmarks.harness import cli
 from benchmarks.harness.env import load1, machine_label
 from benchmarks.harness.plot import figure, log_lengths
-from benchmarks.harness.results import RESULTS, md_table
+from benchmarks.harness.results import RESULTS, Checkpoint, md_table
 from benchmarks.harness.stats import median
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
@@ -185,6 +186,12 @@ def run_config(name: str, tier: str, tok, L: int, repeats: int, ref: dict | None
     return out
 
 
+def _int_token_keys(piece: dict) -> dict:
+    """A stored piece's logprob maps keyed by token id again (JSON keys are strings)."""
+    lp = piece["logprobs"]
+    return piece | {"logprobs": {k: {int(t): v for t, v in lp[k].items()} for k in lp}}
+
+
 def _int_lengths(p: dict) -> dict:
     return {n: {t: {int(L): r for L, r in v.items()} for t, v in tiers.items()} for n, tiers in p["systems"].items()}
 
@@ -294,13 +301,19 @@ def run(args, env: dict) -> dict:
     configs.remove(("full_load", "host"))
     configs.insert(0, ("full_load", "host"))  # the reference first
     results: dict = {n: {t: {} for t in tiers} for n, (_, tiers) in SYSTEMS.items()}
+    # a piece depends on the code, the lengths and the repeats; ~1 h on 2 cores, so a killed run resumes
+    ckpt = Checkpoint(args.out, {"lengths": lengths, "repeats": repeats, "commit": env.get("git")}, args.resume)
     with tqdm(total=len(configs) * len(lengths), desc="restore") as bar:
         for L in lengths:
             for name, tier in configs:
                 bar.set_postfix_str(f"{name}/{tier} {L}")
                 ref = results["full_load"]["host"].get(L)
-                results[name][tier][L] = run_config(name, tier, tok, L, repeats, ref)
+                key = f"{name}/{tier}/{L}"
+                if ckpt.get(key) is None:
+                    ckpt.put(key, run_config(name, tier, tok, L, repeats, ref))
+                results[name][tier][L] = _int_token_keys(ckpt.get(key))
                 bar.update()
+    ckpt.finish()
     for L in lengths:
         ref = results["full_load"]["host"][L]
         for name, tier in configs:
@@ -377,6 +390,8 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat")
+    ap.add_argument("--resume", action="store_true",
+                    help="reuse the configurations a killed run of the same commit, lengths and repeats finished")  # fmt: skip
     cli.main(BENCH, ap)
 
 

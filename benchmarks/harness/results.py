@@ -54,3 +54,27 @@ def folded_md(payload: dict) -> str:
     return "\nEarlier runs kept in this file (their full records under `parts`):\n\n" + md_table(
         ["part", "when", "commit", "command"], rows
     )
+
+
+class Checkpoint:
+    """The finished pieces of a long run, by key, in ``benchmarks/results/.<name>.partial.json``
+    (rewritten atomically after each piece), so a run that is killed resumes where it stopped
+    (``resume=True``) instead of starting over. ``meta`` (what the pieces depend on: lengths,
+    repeats, the commit) must match for stored pieces to be reused. :meth:`finish` removes the file."""
+
+    def __init__(self, name: str, meta: dict, resume: bool) -> None:
+        self.path = RESULTS / f".{name}.partial.json"
+        self.meta = json.loads(json.dumps(meta))  # as it reads back
+        stored = json.loads(self.path.read_text()) if resume and self.path.exists() else {}
+        self.pieces: dict = stored.get("pieces", {}) if stored.get("meta") == self.meta else {}
+
+    def get(self, key: str):
+        return self.pieces.get(key)
+
+    def put(self, key: str, value) -> None:
+        self.pieces[key] = value
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic(self.path, json.dumps({"meta": self.meta, "pieces": self.pieces}))
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)

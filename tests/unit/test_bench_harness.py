@@ -89,3 +89,23 @@ def test_stats():
     assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([], 50) != percentile([], 50)  # nan when empty
     assert nearest_rank([1, 2, 3, 4, 5], 0.9) == 5 and nearest_rank([], 0.5) is None
     assert ratio(1, 0) is None and ratio(None, 2) is None and ratio(3, 2) == 1.5
+
+
+def test_a_checkpoint_keeps_finished_pieces_for_a_resumed_run_of_the_same_meta(toy):
+    _, out, _ = toy
+    meta = {"lengths": [2048, 4096], "commit": {"commit": "abc", "dirty_files": ""}}
+    first = results.Checkpoint("long", meta, resume=False)
+    first.put("a/host/2048", {"ttft_s": 0.5})  # then the run is killed
+    assert results.Checkpoint("long", meta, resume=True).get("a/host/2048") == {"ttft_s": 0.5}
+    assert results.Checkpoint("long", meta, resume=False).get("a/host/2048") is None  # a fresh run
+    assert results.Checkpoint("long", meta | {"commit": "def"}, resume=True).get("a/host/2048") is None
+    again = results.Checkpoint("long", meta, resume=True)
+    again.finish()
+    assert not (out / ".long.partial.json").exists()
+
+
+def test_a_resumed_restore_piece_has_token_ids_as_keys_again():
+    from benchmarks.restore import _int_token_keys
+
+    piece = json.loads(json.dumps({"ttft_s": 1.0, "logprobs": {"top": {17: -0.1}, "chosen": {}}}))
+    assert _int_token_keys(piece)["logprobs"] == {"top": {17: -0.1}, "chosen": {}}
