@@ -90,6 +90,7 @@ def _register_hooks() -> None:
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import decode_linear, lean_forward
+    from sgl_loopkv.models.gguf import serving as gguf_serving
     from sgl_loopkv.server import (
         errors,
         forget,
@@ -134,6 +135,9 @@ def _register_hooks() -> None:
                 (decode_linear.GGUF_EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),
                 (decode_linear.GGUF_LINEAR_TARGET, decode_linear.gguf_linear_apply, HookType.AROUND),
                 (decode_linear.LOAD_TARGET, decode_linear.attach_gguf_after_load, HookType.AFTER),
+                (gguf_serving.ARCHITECTURE_TARGET, gguf_serving.read_architecture, HookType.AROUND),
+                (gguf_serving.CHECKPOINT_TARGET, gguf_serving.load_checkpoint_once, HookType.AROUND),
+                (gguf_serving.EXTRA_NAMES_TARGET, gguf_serving.extra_tensor_names, HookType.AROUND),
             ]
     for target, hook, kind in hooks:
         if target not in COMPONENTS["hook"]:

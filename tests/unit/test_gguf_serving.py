@@ -126,3 +126,25 @@ def test_a_cpu_start_on_a_bad_gguf_file_exits_with_the_reason(tmp_path):
     assert proc.returncode != 0
     assert f"sgl-loopkv: {model}: not a GGUF file" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_sglangs_metadata_reads_come_from_the_header_or_one_parse(tmp_path):
+    from sgl_loopkv.models import default_model_gguf
+    from sgl_loopkv.models.gguf import serving
+
+    path = str(default_model_gguf())
+    assert serving.read_architecture(lambda p: "slow", path) == "llama"
+    assert serving.read_architecture(lambda p: "slow", str(tmp_path / "none.gguf")) == "slow"  # SGLang's own answer
+    calls = []
+
+    def original(p, return_tensors=False, *a):
+        calls.append(return_tensors)
+        return {"config": {"num_hidden_layers": 30}}
+
+    first = serving.load_checkpoint_once(original, path)
+    first["config"].pop("num_hidden_layers")  # transformers edits what it gets
+    assert serving.load_checkpoint_once(original, path) == {"config": {"num_hidden_layers": 30}} and calls == [False]
+    serving.load_checkpoint_once(original, path, True)  # tensors: never cached
+    assert calls == [False, True]
+    names = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
+    assert serving.extra_tensor_names(None, path, names) == ["lm_head.weight"]  # tied: no output tensor

@@ -15,6 +15,7 @@ Llama's, no tokenizer in the metadata. On a GPU the path is left to SGLang as it
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -108,3 +109,45 @@ def tokenizer_folder(path: Path, cache_dir: Path) -> Path:
     except OSError:  # another start made it meanwhile
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
+
+
+# SGLang 0.5.23 reads a GGUF model's metadata with ``gguf.GGUFReader`` (seconds for a large vocabulary:
+# a numpy view per token) several times per process while it resolves its arguments and model config:
+# once only for ``general.architecture``, again through transformers' ``load_gguf_checkpoint`` for the
+# config, and twice in its GGUF loader. AROUND hooks make the config one parse per file version and
+# process, and read the architecture and the tensor names from the header (this project's reader, ~0.1 s).
+ARCHITECTURE_TARGET = "sglang.srt.utils.hf_transformers.gguf_native.read_gguf_architecture"
+CHECKPOINT_TARGET = "transformers.configuration_utils.load_gguf_checkpoint"
+_CHECKPOINTS: dict[tuple, dict] = {}
+
+
+def read_architecture(original, gguf_path, *args, **kwargs):
+    """AROUND hook: ``general.architecture`` from the header alone (this project's reader)."""
+    try:
+        arch = GGUFFile(gguf_path).metadata("general.architecture")
+    except (GGUFError, OSError):
+        return original(gguf_path, *args, **kwargs)
+    return arch if isinstance(arch, str) else None
+
+
+def load_checkpoint_once(original, gguf_path, return_tensors=False, *args, **kwargs):
+    """AROUND hook: a metadata-only ``load_gguf_checkpoint`` (the config) parsed once per file version."""
+    if return_tensors or args or kwargs:
+        return original(gguf_path, return_tensors, *args, **kwargs)
+    st = os.stat(gguf_path)
+    key = (os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
+    if key not in _CHECKPOINTS:
+        _CHECKPOINTS[key] = original(gguf_path, return_tensors=False)
+    return copy.deepcopy(_CHECKPOINTS[key])  # callers pop from and edit what they get
+
+
+EXTRA_NAMES_TARGET = "sglang.srt.model_loader.loader.get_gguf_extra_tensor_names"
+
+
+def extra_tensor_names(original, gguf_file, gguf_to_hf_name_map):
+    """AROUND hook: the mapped names the file has no tensor for (a tied LM head), from the header alone."""
+    try:
+        present = set(GGUFFile(gguf_file).tensors)
+    except (GGUFError, OSError):
+        return original(gguf_file, gguf_to_hf_name_map)
+    return [hf for name, hf in gguf_to_hf_name_map.items() if name not in present]
