@@ -169,6 +169,7 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     on_gpu = config.device == "cuda" or (config.device == "auto" and has_cuda())
     if not on_gpu:
         use_cpu_engine()
+        rest = gguf_model_start(config, rest, argv)
     config.to_env()
     activate_cpu_standin()
     if not _given(rest, "--model-path") and not {"-h", "--help"} & set(rest):
@@ -177,10 +178,6 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
         rest = ["--model-path", str(ensure_default_model(config.resolved_cache_dir))] + rest
         if not _given(rest, "--served-model-name"):
             rest += ["--served-model-name", DEFAULT_MODEL_NAME]
-    if not on_gpu:  # SGLang's GGUF kernels are CUDA-only, and ours are not wired in yet
-        from sgl_loopkv.models.gguf.serving import refuse_gguf_on_cpu
-
-        refuse_gguf_on_cpu(_value(rest, "--model-path"))
     if config.weights == "gguf":
         refuse_gguf_weights_without_a_source(_value(rest, "--model-path"), on_gpu)
     if on_gpu:
@@ -193,17 +190,53 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     return config, argv, on_gpu
 
 
+def gguf_model_start(config: LoopKVConfig, rest: list[str], argv: list[str]) -> list[str]:
+    """A CPU start whose ``--model-path`` is a GGUF file (or a folder of one): the file checked
+    (:mod:`sgl_loopkv.models.gguf.serving`; a file it cannot serve exits here with the reason), served from
+    its blocks (``config.weights`` becomes ``gguf``), SGLang's argv pointed at the file. Other starts
+    are returned as they are."""
+    from sgl_loopkv.models.gguf.serving import (
+        GGUFError,
+        check_servable,
+        gguf_file_of,
+        sglang_argv_for_gguf,
+        tokenizer_folder,
+    )
+
+    try:
+        path = gguf_file_of(_value(rest, "--model-path"))
+        if path is None:
+            return rest
+        if config.stock:
+            raise GGUFError(
+                f"{path}: --loopkv-stock is SGLang as it ships, whose GGUF kernels are CUDA-only: it cannot serve "
+                "a GGUF file on the CPU (sgl-loopkv serves it without --loopkv-stock)"
+            )
+        if _given(argv, "--loopkv-weights") and config.weights != "gguf":
+            raise GGUFError(f"{path}: a GGUF file is served from its blocks; --loopkv-weights {config.weights} "
+                            "needs a Hugging Face folder")  # fmt: skip
+        own_tokenizer = _given(rest, "--tokenizer-path")
+        check_servable(path, own_tokenizer)
+        if not own_tokenizer:
+            rest = [*rest, "--tokenizer-path", str(tokenizer_folder(path, config.resolved_cache_dir))]
+    except GGUFError as e:
+        raise SystemExit(f"sgl-loopkv: {e}") from None
+    config.weights = "gguf"
+    return sglang_argv_for_gguf(rest, path, lambda flag: _given(rest, flag))
+
+
 def refuse_gguf_weights_without_a_source(model_path: str, on_gpu: bool) -> None:
-    """``--loopkv-weights gguf`` serves a model converted from a GGUF file (today: the default model) on the
-    CPU; any other start exits here, before SGLang loads anything."""
+    """``--loopkv-weights gguf`` serves a GGUF file, or a model converted from one (the default model), on
+    the CPU; any other start exits here, before SGLang loads anything."""
     from sgl_loopkv.models.default_model import converted_from
+    from sgl_loopkv.models.gguf.serving import gguf_file_of
 
     if on_gpu:
         raise SystemExit("sgl-loopkv: --loopkv-weights gguf runs on the CPU only (start with --loopkv-device cpu)")
-    if converted_from(model_path) is None:
+    if gguf_file_of(model_path) is None and converted_from(model_path) is None:
         raise SystemExit(
-            f"sgl-loopkv: --loopkv-weights gguf serves the embedded default model only (start without --model-path); "
-            f"{model_path} was not converted from its GGUF file"
+            "sgl-loopkv: --loopkv-weights gguf serves a GGUF file (--model-path x.gguf) or the embedded default "
+            f"model (no --model-path); {model_path} is neither"
         )
 
 

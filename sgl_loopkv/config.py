@@ -680,8 +680,8 @@ class LoopKVConfig:
         metadata={
             "help": "What the linear layers and the embedding of the embedded default model compute from on the CPU: "
             "'float32' (default): the converted float weights, as stock SGLang; 'gguf': the blocks of its GGUF file "
-            "(Q4_1, Q8_0 embedding), no float copy kept (docs/models.md). 'gguf' needs the default model "
-            "(no --model-path) and the CPU.",
+            "(Q4_1, Q8_0 embedding), no float copy kept (docs/models.md). 'gguf' needs the CPU; a --model-path "
+            "that is a GGUF file is always served from its blocks.",
             "choices": ["float32", "gguf"],
         },
     )

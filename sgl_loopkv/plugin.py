@@ -21,8 +21,9 @@ What it registers today:
   in the queue, not waited for on the scheduler thread (:mod:`sgl_loopkv.cache.awaited`);
 - decode-step linear layers on our CPU kernels (:mod:`sgl_loopkv.models.decode_linear`) and
   Llama forwards without SGLang's per-layer machinery (:mod:`sgl_loopkv.models.lean_forward`), in
-  servers of sgl-loopkv's launcher other than ``--loopkv-stock``; with ``--loopkv-weights gguf`` the default
-  model's linear layers and embedding served from its GGUF blocks (:mod:`sgl_loopkv.models.gguf.weights`).
+  servers of sgl-loopkv's launcher other than ``--loopkv-stock``; for a ``.gguf`` model path (and with
+  ``--loopkv-weights gguf``) the linear layers and embedding served from the file's blocks
+  (:mod:`sgl_loopkv.models.gguf.weights`), SGLang's CUDA-only GGUF methods given a CPU implementation.
 New components are registered here, nowhere else.
 """
 
@@ -89,6 +90,7 @@ def _register_hooks() -> None:
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import decode_linear, lean_forward
+    from sgl_loopkv.models.gguf import serving as gguf_serving
     from sgl_loopkv.server import (
         errors,
         forget,
@@ -127,10 +129,15 @@ def _register_hooks() -> None:
             (decode_linear.LM_HEAD_TARGET, decode_linear.compute_lm_head, HookType.AROUND),
             (lean_forward.TARGET, lean_forward.lean_model_forward, HookType.AROUND),
         ]
-        if LoopKVConfig.from_env().weights == "gguf":  # the default model's linears and embedding from blocks
+        if LoopKVConfig.from_env().weights == "gguf":  # linears and embedding from a GGUF file's blocks
             hooks += [
                 (decode_linear.EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),
+                (decode_linear.GGUF_EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),
+                (decode_linear.GGUF_LINEAR_TARGET, decode_linear.gguf_linear_apply, HookType.AROUND),
                 (decode_linear.LOAD_TARGET, decode_linear.attach_gguf_after_load, HookType.AFTER),
+                (gguf_serving.ARCHITECTURE_TARGET, gguf_serving.read_architecture, HookType.AROUND),
+                (gguf_serving.CHECKPOINT_TARGET, gguf_serving.load_checkpoint_once, HookType.AROUND),
+                (gguf_serving.EXTRA_NAMES_TARGET, gguf_serving.extra_tensor_names, HookType.AROUND),
             ]
     for target, hook, kind in hooks:
         if target not in COMPONENTS["hook"]:

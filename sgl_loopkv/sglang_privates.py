@@ -21,6 +21,7 @@ RADIX = "sglang.srt.mem_cache.radix_cache"
 POOL = "sglang.srt.mem_cache.memory_pool"
 TOKENIZER = "sglang.srt.managers.tokenizer_manager"
 HTTP = "sglang.srt.entrypoints.http_server"
+GGUF = "sglang.srt.layers.quantization.gguf"
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +285,26 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "sglang.srt.layers.rotary_embedding.utils:apply_rotary_emb",
         "14486971b6c3ee7300367588623204e8616fc53bdd82dbaf1480907a985c94b0",
         "repeated element for element (models/lean_forward.py _rotate), neox style",
+    ),
+    PrivateUse(
+        f"{GGUF}:GGUFLinearMethod._create_padded_weight_param",
+        "3c3a366ba54e86d4e165ecca2ad08e77407bcf0df410a21c7fb7e91d82fdeeaa",
+        "read (models/gguf/weights.py _loaded_blocks): a merged layer's shards padded into qweight, shard_offset_map",
+    ),
+    PrivateUse(
+        f"{GGUF}:GGUFLinearMethod.apply",
+        "bff73dd185842da37cc8b69ad787eea2c88968b60c5e8146a6fb618aa87f49b4",
+        "hooked (models/decode_linear.py gguf_linear_apply): replaced for layers served from blocks",
+    ),
+    PrivateUse(
+        f"{GGUF}:GGUFEmbeddingMethod.embedding",
+        "ea294f6bce2c86d03e0e750f8ccf455c80448701848b6d9ed442559ba7929e60",
+        "hooked (models/decode_linear.py embedding): replaced for layers served from blocks (params_dtype read)",
+    ),
+    PrivateUse(
+        "sglang.srt.utils.hf_transformers.tokenizer:_load_tokenizer_by_declared_class",
+        "e6d4d25af99d893f575eaf4a5d26bc097c25f2ab85a1f77567fbe03d7d130fa4",
+        "worked around (models/gguf/serving.py tokenizer_folder): fails on a .gguf path (a Path looked up on the Hub)",
     ),
 )
 

@@ -1,15 +1,17 @@
-"""The default model served from its GGUF blocks (``--loopkv-weights gguf``) next to its converted float32
-weights (``float32``, the default): decode TPOT of one request at a ~2K context, the scheduler's memory
-after warm-up, and whether the two serve the same greedy tokens.
+"""The default model served from its GGUF blocks next to its converted float32 weights (``float32``, the
+default): ``gguf`` (``--loopkv-weights gguf``: SGLang loads the converted folder, the blocks replace its
+float weights) and ``gguf_file`` (``--model-path`` the GGUF file itself: SGLang's GGUF loader, no
+converted folder). Start-up (spawn to first answer), decode TPOT of one request at a ~2K context, the
+scheduler's memory after warm-up, and whether they serve the same greedy tokens.
 
-Both servers run at once (same flags otherwise) and the timed requests alternate between them, one at a
-time, so drift in the machine's load hits both alike. Per server the context is prefilled once, untimed
+The servers run at once (same flags otherwise; started one after another) and the timed requests
+alternate between them, one at a time, so drift in the machine's load hits all alike. Per server the context is prefilled once, untimed
 (``max_new_tokens=1``); each repeat then streams ``--gen`` greedy tokens (``ignore_eos``) over the cached
 prefix: TPOT = inter-arrival time of streamed chunks, first excluded (:func:`benchmarks.decode.stream_generate`).
 Memory: RSS of the scheduler process (the one holding the weights), split into anonymous memory and
 file-backed pages (the GGUF file is memory-mapped: its pages count as RssFile once touched).
 
-    python -m benchmarks.studies.gguf_serving            # ~5 min on 2 cores
+    python -m benchmarks.studies.gguf_serving            # ~7 min on 2 cores
 """
 
 from __future__ import annotations
@@ -29,7 +31,15 @@ from benchmarks.studies import write_results
 from sgl_loopkv.server.process import ServerProcess
 
 ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5", "--dtype", "float32"]
-SYSTEMS = ("float32", "gguf")
+SYSTEMS = ("float32", "gguf", "gguf_file")
+
+
+def system_args(name: str) -> list[str]:
+    if name == "gguf_file":
+        from sgl_loopkv.models import default_model_gguf
+
+        return ["--model-path", str(default_model_gguf()), *ARGS]
+    return [*ARGS, "--loopkv-weights", name]
 
 
 def scheduler_memory(srv: ServerProcess) -> dict:
@@ -61,7 +71,7 @@ def main() -> None:
     args = ap.parse_args()
     ids = [random.Random(0).randrange(100, 40000) for _ in range(args.context)]
     logs = Path(tempfile.mkdtemp(prefix="gguf-serving-"))
-    servers = {w: ServerProcess([*ARGS, "--loopkv-weights", w], log_path=logs / f"{w}.log") for w in SYSTEMS}
+    servers = {w: ServerProcess(system_args(w), log_path=logs / f"{w}.log") for w in SYSTEMS}
     res: dict[str, dict] = {w: {"intervals": [], "outputs": []} for w in SYSTEMS}
     try:
         for w, srv in servers.items():
@@ -83,18 +93,23 @@ def main() -> None:
         iv = res[w].pop("intervals")
         res[w]["tpot_ms_median"] = 1000 * statistics.median(iv)
         res[w]["n_tokens"] = len(iv)
-    f32, q = res["float32"], res["gguf"]
-    same = sum(a == b for a, b in zip(f32["outputs"][0], q["outputs"][0]))
-    summary = {
-        "tpot_ratio_float32_over_gguf": f32["tpot_ms_median"] / q["tpot_ms_median"],
-        "rss_ratio_float32_over_gguf": f32["memory"]["rss_mb"] / q["memory"]["rss_mb"],
-        "greedy_tokens_equal": f"{same}/{len(f32['outputs'][0])}",
-        "greedy_identical": f32["outputs"][0] == q["outputs"][0],
-    }
+    f32 = res["float32"]
+    summary = {}
+    for w, tag in (("gguf", ""), ("gguf_file", "_file")):
+        q = res[w]
+        same = sum(a == b for a, b in zip(f32["outputs"][0], q["outputs"][0]))
+        summary |= {
+            f"tpot_ratio_float32_over_gguf{tag}": f32["tpot_ms_median"] / q["tpot_ms_median"],
+            f"rss_ratio_float32_over_gguf{tag}": f32["memory"]["rss_mb"] / q["memory"]["rss_mb"],
+            f"startup_ratio_gguf{tag}_over_float32": q["startup_s"] / f32["startup_s"],
+            f"greedy_tokens_equal{tag}": f"{same}/{len(f32['outputs'][0])}",
+            f"greedy_identical{tag}": f32["outputs"][0] == q["outputs"][0],
+        }
     payload = {"config": vars(args), "systems": res, "summary": summary, "environment": environment()}
     rows = [
         [
             w,
+            f"{r['startup_s']:.1f}",
             f"{r['tpot_ms_median']:.2f}",
             r["n_tokens"],
             *(f"{r['memory'][k]:.0f}" for k in ("rss_mb", "anon_mb", "file_mb")),
@@ -104,10 +119,16 @@ def main() -> None:
     md = (
         f"# GGUF blocks vs float32 weights, served (SmolLM2-135M-Instruct, Q4_1)\n\n"
         f"One request, {args.context}-token context prefilled untimed, {args.repeats} x {args.gen} greedy tokens streamed, "
-        f"the two servers alternating; scheduler memory after the prefill. One run on a shared 2-core machine.\n\n"
-        + md_table(["weights", "TPOT median ms", "tokens", "RSS MB", "anon MB", "file MB"], rows)
-        + f"\n\nTPOT float32 / gguf: **{summary['tpot_ratio_float32_over_gguf']:.2f}x**; RSS float32 / gguf: "
-        f"**{summary['rss_ratio_float32_over_gguf']:.2f}x**; greedy tokens equal: {summary['greedy_tokens_equal']}.\n"
+        f"the servers alternating; scheduler memory after the prefill; start-up = spawn to first answer "
+        f"(the servers started one after another). One run.\n\n"
+        + md_table(["weights", "start-up s", "TPOT median ms", "tokens", "RSS MB", "anon MB", "file MB"], rows)
+        + "\n"
+        + "".join(
+            f"\n{w}: TPOT float32 / {w} **{summary[f'tpot_ratio_float32_over_gguf{t}']:.2f}x**, RSS float32 / {w} "
+            f"**{summary[f'rss_ratio_float32_over_gguf{t}']:.2f}x**, start-up {w} / float32 "
+            f"{summary[f'startup_ratio_gguf{t}_over_float32']:.2f}x, greedy tokens equal {summary[f'greedy_tokens_equal{t}']}.\n"
+            for w, t in (("gguf", ""), ("gguf_file", "_file"))
+        )
     )
     write_results("gguf_serving", payload, md)
     print(md)

@@ -31,11 +31,12 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 def model_fingerprint(model_path: str, geometry: KVGeometry) -> str:
     """Disk subdirectory per model and KV geometry: stored KV is only valid for the exact weights.
     Weights replaced in place (same folder and config) change it too: the weight files' names,
-    sizes and modification times are part of it (hashing their bytes would read gigabytes at start-up)."""
+    sizes and modification times are part of it (hashing their bytes would read gigabytes at start-up);
+    for a model path that is a file (GGUF), the file's."""
     root = Path(model_path)
     config = root / "config.json"
     weights = []
-    for f in sorted(root.iterdir()) if root.is_dir() else ():
+    for f in sorted(root.iterdir()) if root.is_dir() else [root]:  # a GGUF file: the file itself
         if f.name.endswith(WEIGHT_SUFFIXES) and f.exists():  # exists(): not a dangling link
             st = f.stat()  # through links: a hub snapshot links to its blobs
             weights.append([f.name, st.st_size, st.st_mtime_ns])

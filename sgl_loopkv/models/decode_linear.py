@@ -14,13 +14,14 @@ returns bitwise what ``F.linear`` returns. Every other call, and every other dev
   its plain-weight branch is ``hidden @ lm_head.weight.T``; LoRA, quantized and AMX heads, an fp32
   head and the RL on-policy path keep SGLang's code.
 
-A layer that carries GGUF blocks (``--loopkv-weights gguf``: :mod:`sgl_loopkv.models.gguf.weights`,
-attached by :func:`attach_gguf_after_load` once SGLang has loaded the model) has no float weight left:
-both hooks compute it from its blocks at any row count, and a third, on
-``UnquantizedEmbeddingMethod.embedding``, decodes only the embedding rows a batch looks up.
+A layer that carries GGUF blocks (a ``.gguf`` model path or ``--loopkv-weights gguf``:
+:mod:`sgl_loopkv.models.gguf.weights`, attached by :func:`attach_gguf_after_load` once SGLang has loaded
+the model) keeps no copy of its weight: both hooks compute it from its blocks at any row count, and so
+do AROUND hooks on the embedding methods (only the rows a batch looks up are decoded) and on SGLang's
+``GGUFLinearMethod.apply`` (whose kernels are CUDA-only; this is their CPU implementation).
 
 The plugin registers them only in servers started by sgl-loopkv's launcher, never with
-``--loopkv-stock`` (the baseline is SGLang as shipped); the GGUF ones only with ``--loopkv-weights gguf``.
+``--loopkv-stock`` (the baseline is SGLang as shipped); the GGUF ones only for GGUF weights.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from sgl_loopkv.models.gguf.reader import GGUFError
 LINEAR_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 EMBEDDING_TARGET = "sglang.srt.layers.quantization.unquant.UnquantizedEmbeddingMethod.embedding"
+GGUF_LINEAR_TARGET = "sglang.srt.layers.quantization.gguf.GGUFLinearMethod.apply"
+GGUF_EMBEDDING_TARGET = "sglang.srt.layers.quantization.gguf.GGUFEmbeddingMethod.embedding"
 LOAD_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
 
 
@@ -73,19 +76,31 @@ def compute_lm_head(original, self, hidden_states, lm_head, embedding_bias=None,
 
 
 def embedding(original, self, layer, input_):
-    """AROUND hook on ``UnquantizedEmbeddingMethod.embedding``: the looked-up rows decoded from blocks."""
+    """AROUND hook on ``UnquantizedEmbeddingMethod.embedding`` and ``GGUFEmbeddingMethod.embedding``:
+    the looked-up rows decoded from blocks."""
     if (blocks := gguf_weights.of(layer)) is not None:
-        return blocks.rows(input_, layer.weight.dtype)
+        dtype = layer.weight.dtype if hasattr(layer, "weight") else self.params_dtype
+        return blocks.rows(input_, dtype)
     return original(self, layer, input_)
 
 
-def attach_gguf_after_load(result, runner, *args, **kwargs):
-    """AFTER hook on ``ModelRunner.load_model``: the loaded model served from the GGUF file it was
-    converted from (the launcher has checked that there is one)."""
-    from sgl_loopkv.models.default_model import converted_from
+def gguf_linear_apply(original, self, layer, x, bias=None):
+    """AROUND hook on SGLang's ``GGUFLinearMethod.apply`` (also the LM head of a GGUF model)."""
+    if (blocks := gguf_weights.of(layer)) is not None:
+        return blocks(x, bias)
+    return original(self, layer, x, bias)
 
-    source = converted_from(runner.model_config.model_path)
+
+def attach_gguf_after_load(result, runner, *args, **kwargs):
+    """AFTER hook on ``ModelRunner.load_model``: the loaded model served from its GGUF file: the model
+    path itself (SGLang's GGUF path loaded it) or the file the folder was converted from (the launcher
+    has checked that there is one)."""
+    from sgl_loopkv.models.default_model import converted_from
+    from sgl_loopkv.models.gguf.serving import gguf_file_of
+
+    path = runner.model_config.model_path
+    source = gguf_file_of(path) or converted_from(path)
     if source is None:
-        raise GGUFError(f"{runner.model_config.model_path}: not a folder converted from a GGUF file")
+        raise GGUFError(f"{path}: neither a GGUF file nor a folder converted from one")
     gguf_weights.attach(runner.model, source)
     return result

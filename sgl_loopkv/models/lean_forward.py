@@ -46,16 +46,17 @@ def enabled() -> bool:
 def _plain_linear(layer) -> bool:
     from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
+    common = not getattr(layer, "skip_bias_add", False) and getattr(layer, "tp_size", 1) == 1
+    if gguf_weights.of(layer) is not None:  # GGUF blocks (any quant method SGLang loaded them with)
+        return common and not getattr(layer, "use_intel_amx_backend", False)
     w = getattr(layer, "weight", None)
-    plain_weight = isinstance(w, torch.Tensor) and w.device.type == "cpu"
-    plain_weight = plain_weight and (gguf_weights.of(layer) is not None or (w.dim() == 2 and w.is_contiguous()))
+    plain_weight = isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous()
     return (
-        type(getattr(layer, "quant_method", None)) is UnquantizedLinearMethod
+        common
+        and type(getattr(layer, "quant_method", None)) is UnquantizedLinearMethod
         and not getattr(layer, "use_intel_amx_backend", False)
         and plain_weight
         and (layer.bias is None or layer.bias.dtype == w.dtype)
-        and not getattr(layer, "skip_bias_add", False)
-        and getattr(layer, "tp_size", 1) == 1
     )
 
 
@@ -84,7 +85,7 @@ def _why_not(model) -> str | None:
     pp = getattr(model, "pp_group", None)
     if pp is None or pp.world_size != 1:
         return "pipeline parallel"
-    emb = getattr(model.embed_tokens, "weight", None)
+    emb = getattr(model.embed_tokens, "weight", getattr(model.embed_tokens, "qweight", None))
     if type(model.norm) is not RMSNorm or emb is None or emb.device.type != "cpu":
         return "not a CPU model with an RMSNorm head"
     for i in range(model.start_layer, model.end_layer):

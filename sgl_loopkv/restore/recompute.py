@@ -95,7 +95,8 @@ class SGLangLayerStack(LayerStack):
         self.hq, self.hkv, self.d = attn.attn.tp_q_head_num, attn.attn.tp_k_head_num, attn.attn.qk_head_dim
 
     def embed(self, token_ids):
-        return self.embed_tokens(token_ids.to(self.embed_tokens.weight.device))
+        device = next(self.embed_tokens.parameters()).device  # ``weight`` or a GGUF model's ``qweight``
+        return self.embed_tokens(token_ids.to(device))
 
     def qkv(self, layer, x, positions):
         blk = self.layers[layer]

@@ -83,6 +83,16 @@ def _smollm2(p: SessionPaths) -> ServerProcess:
     return ServerProcess([*COMMON_SERVER_ARGS], log_path=p.logs / "smollm2.log")
 
 
+@SERVERS.register("gguf_file_server")
+def _gguf_file(p: SessionPaths) -> ServerProcess:
+    """sgl-loopkv on the default model's GGUF file itself (``--model-path x.gguf``): SGLang's GGUF loader,
+    the tokenizer and chat template from the file's metadata, the block kernels."""
+    from sgl_loopkv.models import default_model_gguf
+
+    args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS]
+    return ServerProcess(args, log_path=p.logs / "gguf-file.log")
+
+
 @SERVERS.register("keyed_server")
 def _keyed(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv on the tiny model with ``--api-key``/``--admin-api-key``, ``--enable-metrics``, an
@@ -151,6 +161,7 @@ def _shared(name: str):
 tiny_server = _shared("tiny_server")
 tiny_native_server = _shared("tiny_native_server")
 smollm2_server = _shared("smollm2_server")
+gguf_file_server = _shared("gguf_file_server")
 keyed_server = _shared("keyed_server")
 tiny_sparse_server = _shared("tiny_sparse_server")
 capped_server = _shared("capped_server")

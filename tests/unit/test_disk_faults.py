@@ -182,3 +182,13 @@ def test_the_directory_key_changes_with_weights_config_and_geometry(tmp_path):
     assert reconfigured != replaced
     (model / "tokenizer.json").write_text("{}")  # not weights: the key stays
     assert model_fingerprint(str(model), GEO) == reconfigured
+
+
+def test_the_directory_key_of_a_gguf_file_changes_when_the_file_is_replaced(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF" + b"a" * 60)
+    key = model_fingerprint(str(model), GEO)
+    assert model_fingerprint(str(model), GEO) == key
+    model.write_bytes(b"GGUF" + b"b" * 60)  # re-quantized in place, same size
+    os.utime(model, ns=(1, 1))
+    assert model_fingerprint(str(model), GEO) != key

@@ -1,5 +1,7 @@
-"""``--loopkv-weights gguf`` (``sgl_loopkv/models/gguf/weights.py``): the default model's layers served from its
-GGUF blocks compute what the converted float weights compute, through the decode-linear hooks.
+"""GGUF blocks served (``sgl_loopkv/models/gguf/weights.py``): the default model's layers served from its
+GGUF blocks compute what the converted float weights compute, through the decode-linear hooks, whether
+SGLang loaded the converted folder (``--loopkv-weights gguf``) or the file itself (``--model-path x.gguf``:
+its GGUF layers, laid out by SGLang's own ``GGUFLinearMethod``).
 
 The model here is a stand-in with SGLang's Llama module names and the first two layers of the converted
 default model (the mapping, the q/k row un-permutation and the hooks are what is tested, not SGLang's
@@ -113,7 +115,7 @@ def test_gguf_weights_need_the_default_model_and_the_cpu(tmp_path):
     folder = ensure_default_model(LoopKVConfig().resolved_cache_dir)
     assert converted_from(folder) == default_model_gguf() and converted_from(tmp_path) is None
     refuse_gguf_weights_without_a_source(str(folder), on_gpu=False)
-    with pytest.raises(SystemExit, match="default model only"):
+    with pytest.raises(SystemExit, match="is neither"):
         refuse_gguf_weights_without_a_source(str(tmp_path), on_gpu=False)
     with pytest.raises(SystemExit, match="CPU only"):
         refuse_gguf_weights_without_a_source(str(folder), on_gpu=True)
@@ -121,3 +123,57 @@ def test_gguf_weights_need_the_default_model_and_the_cpu(tmp_path):
         LoopKVConfig.from_flat(weights="gguf", stock=True)
     with pytest.raises(ValueError, match="float32 or gguf"):
         LoopKVConfig.from_flat(weights="q4")
+
+
+def _as_sglang_gguf_layer(layer: nn.Module, raw: list, shard_ids: list | None) -> None:
+    """``layer`` as SGLang's GGUF loader leaves it: the file's bytes as ``qweight`` (a merged layer's
+    shards padded into one by SGLang's own ``GGUFLinearMethod``), their types in ``qweight_type``."""
+    from sglang.srt.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod
+
+    del layer.weight
+    kinds = nn.Parameter(torch.zeros(len(raw), dtype=torch.uint8), requires_grad=False)
+    if shard_ids is None:
+        layer.qweight = nn.Parameter(raw[0].blocks.clone(), requires_grad=False)
+        kinds.weight_type = int(raw[0].qtype)
+    else:
+        layer.qweight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.qweight.data_container = [w.blocks.clone() for w in raw]
+        layer.qweight.shard_id, layer.qweight.shard_id_map = list(shard_ids), {i: j for j, i in enumerate(shard_ids)}
+        kinds.shard_weight_type = {i: int(w.qtype) for i, w in zip(shard_ids, raw)}
+    layer.qweight_type = kinds
+    layer.quant_method = GGUFLinearMethod(GGUFConfig())
+    if shard_ids is not None:
+        layer.quant_method._create_padded_weight_param(layer)
+
+
+def test_layers_sglang_loaded_from_the_gguf_file_are_served_from_its_blocks(converted):
+    model = LlamaForCausalLM(converted)
+    floats = {name: m.weight.detach().clone() for name, m in model.linears().items()}
+    gguf = weights.GGUFFile(default_model_gguf())
+    t = lambda i, n: gguf[f"blk.{i}.{n}.weight"]  # noqa: E731
+    _as_sglang_gguf_layer(model.model.embed_tokens, [gguf["token_embd.weight"]], None)
+    for i, layer in enumerate(model.model.layers):
+        _as_sglang_gguf_layer(layer.self_attn.qkv_proj, [t(i, "attn_q"), t(i, "attn_k"), t(i, "attn_v")], "qkv")
+        _as_sglang_gguf_layer(layer.self_attn.o_proj, [t(i, "attn_output")], None)
+        _as_sglang_gguf_layer(layer.mlp.gate_up_proj, [t(i, "ffn_gate"), t(i, "ffn_up")], [0, 1])
+        _as_sglang_gguf_layer(layer.mlp.down_proj, [t(i, "ffn_down")], None)
+    loaded = sum(m.qweight.numel() for m in model.linears().values())
+    assert weights.attach(model, default_model_gguf()) == loaded
+    torch.manual_seed(0)
+    for name, layer in model.linears().items():
+        assert layer.qweight.numel() == 0, name  # SGLang's copy is gone: the mapped file's blocks are served
+        x = torch.randn(3, floats[name].shape[1])
+        y = decode_linear.gguf_linear_apply(_no_float_path, layer.quant_method, layer, x)
+        torch.testing.assert_close(y, F.linear(x, floats[name]), rtol=1e-4, atol=1e-4)
+    head, ids = model.model.embed_tokens, torch.tensor([[0, 17, 49151]])
+    got = decode_linear.embedding(_no_float_path, SimpleNamespace(params_dtype=torch.float32), head, ids)
+    assert torch.equal(got, floats["embed_tokens"][ids])
+
+
+def test_blocks_sglang_loaded_that_are_not_the_files_stop_the_start(converted):
+    model = LlamaForCausalLM(converted)
+    gguf = weights.GGUFFile(default_model_gguf())
+    v = gguf["blk.0.attn_v.weight"]
+    _as_sglang_gguf_layer(model.model.layers[0].self_attn.qkv_proj, [gguf["blk.0.attn_q.weight"], v, v], "qkv")
+    with pytest.raises(GGUFError, match="layers.0.qkv_proj: the blocks SGLang loaded differ from the file's"):
+        weights.attach(model, default_model_gguf())

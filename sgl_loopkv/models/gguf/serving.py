@@ -1,43 +1,153 @@
-"""Serving a GGUF file: what exists and what does not yet (issue 53, step 4).
+"""A ``--model-path`` that names a GGUF file (or a folder holding one), checked and set up by the launcher.
 
-Built: the reader (:class:`~sgl_loopkv.models.gguf.reader.GGUFFile`), the block kernels
-(:func:`~sgl_loopkv.models.gguf.linear.linear`), and ``--loopkv-weights gguf``
-(:mod:`sgl_loopkv.models.gguf.weights`): the embedded default model, loaded from its converted folder,
-has its linear layers and embedding served from its GGUF file's blocks with no float copy kept (CPU,
-Llama, tensor parallelism 1). Not built: ``--model-path x.gguf`` served directly, i.e. the CPU
-implementation of SGLang 0.5.23's GGUF path (``--load-format gguf``, ``GGUFConfig`` and the linear /
-embedding methods of ``sglang/srt/layers/quantization/gguf.py``, whose kernels are CUDA-only), the
-tokenizer and chat template from GGUF metadata, other architectures, int8-activation prefill, and a
-llama.cpp comparison. Until then a CPU start on a GGUF model path stops here with a clear message
-instead of failing inside SGLang's CUDA-only GGUF kernels.
+On the CPU the file is served through SGLang's own GGUF path (``--load-format gguf`` and ``GGUFConfig``,
+which SGLang picks for a ``.gguf`` model path) with this project's block kernels standing in for SGLang's
+CUDA-only ones (:mod:`sgl_loopkv.models.gguf.weights`, :mod:`sgl_loopkv.models.decode_linear`). The
+tokenizer and chat template come from the file's metadata (transformers' GGUF tokenizer converter), saved
+once per file version as a tokenizer folder in the cache and given to SGLang as ``--tokenizer-path``:
+SGLang 0.5.23 fails to load a tokenizer from a ``.gguf`` path itself when transformers returns its
+generic ``TokenizersBackend`` (it looks the folder up on the Hub), and each of its processes would
+parse the metadata again. Everything a start
+cannot serve stops here, before SGLang loads anything, with a message naming the file: not GGUF,
+truncated or corrupt, a tensor of a block type the kernels do not decode, an architecture other than
+Llama's, no tokenizer in the metadata. On a GPU the path is left to SGLang as it ships.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
-NOT_BUILT = (
-    "sgl-loopkv: serving a GGUF file on the CPU is not implemented yet (issue 53: the block kernels and the "
-    "reader exist in sgl_loopkv.models.gguf; loading SGLang's GGUF model path through them does not). "
-    "Serve a Hugging Face folder (safetensors + config.json) instead, or start without --model-path for the "
-    "embedded default model."
-)
+from sgl_loopkv.models.gguf.reader import GGUFError, GGUFFile
+from sgl_loopkv.models.gguf.weights import ARCHITECTURES
 
 
 def gguf_file_of(model_path: str) -> Path | None:
     """The GGUF file a ``--model-path`` names: the path itself (``*.gguf``), or the one ``*.gguf`` of a
-    folder that has no ``config.json`` (a folder with one is a Hugging Face model, which SGLang loads)."""
-    path = Path(model_path)
+    folder that has no ``config.json`` (a folder with one is a Hugging Face model, which SGLang loads).
+    A folder of several GGUF files is ambiguous: :class:`GGUFError`."""
+    path = Path(model_path) if model_path else None
+    if path is None:
+        return None
     if path.is_file() and path.suffix == ".gguf":
         return path
     if path.is_dir() and not (path / "config.json").exists():
         files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            names = ", ".join(f.name for f in files)
+            raise GGUFError(f"{path} holds {len(files)} GGUF files ({names}): name one as --model-path")
         return files[0] if files else None
     return None
 
 
-def refuse_gguf_on_cpu(model_path: str) -> None:
-    """Exit with :data:`NOT_BUILT` when ``model_path`` is a GGUF model (a CPU start)."""
-    found = gguf_file_of(model_path)
-    if found is not None:
-        raise SystemExit(f"{NOT_BUILT} (model path: {found})")
+def check_servable(path: Path, own_tokenizer: bool) -> GGUFFile:
+    """``path`` opened and checked for a CPU start (see the module docstring), or :class:`GGUFError`."""
+    gguf = GGUFFile(path)  # every tensor's type, shape and extent
+    arch = gguf.architecture
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: a {arch or 'unnamed'!r} model; sgl-loopkv serves GGUF files of Llama-architecture models "
+            f"(general.architecture {', '.join(ARCHITECTURES)}: Llama, Mistral, SmolLM) on the CPU"
+        )
+    layers = int(gguf.metadata(f"{arch}.block_count", 0))
+    needed = ["token_embd.weight"] + [f"blk.{i}.{t}.weight" for i in range(layers) for t in _LAYER_TENSORS]
+    if missing := [n for n in needed if n not in gguf.tensors]:
+        raise GGUFError(f"{path}: {len(missing)} tensors missing (first: {missing[0]}); not a whole {arch} model")
+    if not own_tokenizer and gguf.metadata("tokenizer.ggml.model") is None:
+        raise GGUFError(f"{path}: no tokenizer in its metadata; pass one with --tokenizer-path")
+    return gguf
+
+
+_LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def sglang_argv_for_gguf(rest: list[str], path: Path, given) -> list[str]:
+    """SGLang's argv for serving ``path``: the model path is the file itself (SGLang's GGUF loader reads
+    a file), and the served model name is the file's stem unless given (``given(flag)`` says whether
+    the user passed a flag)."""
+    out, skip = [], False
+    for i, a in enumerate(rest):
+        if skip:
+            skip = False
+            continue
+        if a == "--model-path" and i + 1 < len(rest):
+            skip = True
+            continue
+        if a.startswith("--model-path="):
+            continue
+        out.append(a)
+    out = ["--model-path", str(path.resolve()), *out]
+    if not given("--served-model-name"):
+        out += ["--served-model-name", path.stem]
+    return out
+
+
+def tokenizer_folder(path: Path, cache_dir: Path) -> Path:
+    """``path``'s tokenizer and chat template as a Hugging Face tokenizer folder under ``cache_dir``, made
+    once per version of the file (its real path, size and modification time name the folder)."""
+    st = path.stat()
+    ident = json.dumps([os.path.realpath(path), st.st_size, st.st_mtime_ns])
+    folder = cache_dir / "gguf-tokenizers" / f"{path.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+    if (folder / "tokenizer_config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+    except Exception as e:  # transformers' converters raise what they raise: the start stops with it named
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GGUFError(f"{path}: its tokenizer metadata cannot be read ({type(e).__name__}: {e})") from e
+    try:
+        os.replace(tmp, folder)  # whole or not at all
+    except OSError:  # another start made it meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+# SGLang 0.5.23 reads a GGUF model's metadata with ``gguf.GGUFReader`` (seconds for a large vocabulary:
+# a numpy view per token) several times per process while it resolves its arguments and model config:
+# once only for ``general.architecture``, again through transformers' ``load_gguf_checkpoint`` for the
+# config, and twice in its GGUF loader. AROUND hooks make the config one parse per file version and
+# process, and read the architecture and the tensor names from the header (this project's reader, ~0.1 s).
+ARCHITECTURE_TARGET = "sglang.srt.utils.hf_transformers.gguf_native.read_gguf_architecture"
+CHECKPOINT_TARGET = "transformers.configuration_utils.load_gguf_checkpoint"
+_CHECKPOINTS: dict[tuple, dict] = {}
+
+
+def read_architecture(original, gguf_path, *args, **kwargs):
+    """AROUND hook: ``general.architecture`` from the header alone (this project's reader)."""
+    try:
+        arch = GGUFFile(gguf_path).metadata("general.architecture")
+    except (GGUFError, OSError):
+        return original(gguf_path, *args, **kwargs)
+    return arch if isinstance(arch, str) else None
+
+
+def load_checkpoint_once(original, gguf_path, return_tensors=False, *args, **kwargs):
+    """AROUND hook: a metadata-only ``load_gguf_checkpoint`` (the config) parsed once per file version."""
+    if return_tensors or args or kwargs:
+        return original(gguf_path, return_tensors, *args, **kwargs)
+    st = os.stat(gguf_path)
+    key = (os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns)
+    if key not in _CHECKPOINTS:
+        _CHECKPOINTS[key] = original(gguf_path, return_tensors=False)
+    return copy.deepcopy(_CHECKPOINTS[key])  # callers pop from and edit what they get
+
+
+EXTRA_NAMES_TARGET = "sglang.srt.model_loader.loader.get_gguf_extra_tensor_names"
+
+
+def extra_tensor_names(original, gguf_file, gguf_to_hf_name_map):
+    """AROUND hook: the mapped names the file has no tensor for (a tied LM head), from the header alone."""
+    try:
+        present = set(GGUFFile(gguf_file).tensors)
+    except (GGUFError, OSError):
+        return original(gguf_file, gguf_to_hf_name_map)
+    return [hf for name, hf in gguf_to_hf_name_map.items() if name not in present]

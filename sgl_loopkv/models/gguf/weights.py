@@ -1,10 +1,19 @@
-"""A loaded SGLang Llama served from its GGUF file's blocks (``--loopkv-weights gguf``, issue 53).
+"""A loaded SGLang Llama served from its GGUF file's blocks (issue 53).
 
-SGLang loads the converted folder (:mod:`sgl_loopkv.models.default_model`) as usual; then
-:func:`attach` gives every linear layer and the embedding the GGUF tensors they were converted from
-(:class:`BlockLinear`) and empties their float weights, so the server keeps no float copy of those
-matrices. The decode-linear hooks (:mod:`sgl_loopkv.models.decode_linear`) then compute such layers
-with :func:`~sgl_loopkv.models.gguf.linear.linear`, and look embeddings up by decoding only the rows read.
+Two starts end here, once SGLang has loaded the model (:func:`attach`):
+
+- ``--model-path x.gguf`` on the CPU: SGLang's own GGUF path loads the file (``--load-format gguf``,
+  ``GGUFConfig``; its layers hold the raw blocks as ``qweight``, the tokenizer and chat template come
+  from the file's metadata), but its GGUF kernels are CUDA-only. Each layer's loaded blocks are checked
+  byte for byte against the mapped file and dropped: the layer computes from the file's blocks;
+- ``--loopkv-weights gguf`` with the embedded default model: SGLang loads the converted float folder
+  (:mod:`sgl_loopkv.models.default_model`); each float weight is checked bitwise against its decoded
+  blocks and dropped.
+
+Either way every linear layer and the embedding carries a :class:`BlockLinear` and keeps no copy of its
+weight matrix; the decode-linear hooks (:mod:`sgl_loopkv.models.decode_linear`) then compute such
+layers with :func:`~sgl_loopkv.models.gguf.linear.linear`, and look embeddings up by decoding only the
+rows read.
 
 Which GGUF tensors make which SGLang layer (tensor parallelism 1, SGLang's merged order)::
 
@@ -12,12 +21,13 @@ Which GGUF tensors make which SGLang layer (tensor parallelism 1, SGLang's merge
     o_proj        blk.N.attn_output
     gate_up_proj  blk.N.ffn_gate | blk.N.ffn_up
     down_proj     blk.N.ffn_down
-    embed_tokens  token_embd  (also the LM head: SmolLM2 ties them)
+    embed_tokens  token_embd  (also the LM head when the file has no ``output``: tied)
+    lm_head       output
 
-llama.cpp stores q/k rows interleaved per head for its rotary layout; the converter un-permutes the
-float rows (transformers' ``_reverse_permute_weights``), this does the same to whole block rows.
-Before a float weight is dropped its blocks are decoded and compared with it bitwise: a wrong mapping
-stops the start (:class:`~sgl_loopkv.models.gguf.reader.GGUFError`), it never serves wrong numbers.
+llama.cpp's converter stores a Llama's q/k rows interleaved per head for its rotary layout; Hugging
+Face's (and SGLang's Llama, which rotates in neox style) are not. This un-permutes whole block rows, as
+transformers' ``_reverse_permute_weights`` does float rows. A wrong mapping stops the start
+(:class:`~sgl_loopkv.models.gguf.reader.GGUFError`); it never serves wrong numbers.
 """
 
 from __future__ import annotations
@@ -100,56 +110,101 @@ def _stack(parts: list[BlockWeight]) -> BlockLinear:
     return BlockLinear(tuple(merged))
 
 
-def _plan(model, gguf: GGUFFile) -> list[tuple[str, torch.nn.Module, BlockLinear]]:
-    """(SGLang name, layer, its blocks) for every layer :func:`attach` serves from blocks."""
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    name: str  # SGLang's
+    layer: torch.nn.Module
+    blocks: BlockLinear  # what the layer computes from
+    raw: tuple[BlockWeight, ...]  # the file's tensors in SGLang's shard order, as stored (for the byte check)
+
+
+def _plan(model, gguf: GGUFFile) -> list[_Planned]:
+    """Every layer :func:`attach` serves from blocks, with its blocks."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     inner = model.model
-    plan = [("model.embed_tokens", inner.embed_tokens, _stack([gguf["token_embd.weight"]]))]
+
+    def planned(name, layer, tensors, unpermute=()):
+        raw = [gguf[t] for t in tensors]
+        served = [_unpermute(w, unpermute[j]) if j < len(unpermute) else w for j, w in enumerate(raw)]
+        return _Planned(name, layer, _stack(served), tuple(raw))
+
+    plan = [planned("model.embed_tokens", inner.embed_tokens, ["token_embd.weight"])]
     if not cfg.tie_word_embeddings:
-        plan.append(("lm_head", model.lm_head, _stack([gguf["output.weight"]])))
+        plan.append(planned("lm_head", model.lm_head, ["output.weight"]))
     for i in range(inner.start_layer, inner.end_layer):
         layer, b = inner.layers[i], f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        q = _unpermute(gguf[b + "attn_q.weight"], heads)
-        k = _unpermute(gguf[b + "attn_k.weight"], kv_heads)
         plan += [
-            (f"layers.{i}.qkv_proj", attn.qkv_proj, _stack([q, k, gguf[b + "attn_v.weight"]])),
-            (f"layers.{i}.o_proj", attn.o_proj, _stack([gguf[b + "attn_output.weight"]])),
-            (
-                f"layers.{i}.gate_up_proj",
-                mlp.gate_up_proj,
-                _stack([gguf[b + "ffn_gate.weight"], gguf[b + "ffn_up.weight"]]),
-            ),
-            (f"layers.{i}.down_proj", mlp.down_proj, _stack([gguf[b + "ffn_down.weight"]])),
+            planned(f"layers.{i}.qkv_proj", attn.qkv_proj, [b + f"attn_{n}.weight" for n in "qkv"], (heads, kv_heads)),
+            planned(f"layers.{i}.o_proj", attn.o_proj, [b + "attn_output.weight"]),
+            planned(f"layers.{i}.gate_up_proj", mlp.gate_up_proj, [b + "ffn_gate.weight", b + "ffn_up.weight"]),
+            planned(f"layers.{i}.down_proj", mlp.down_proj, [b + "ffn_down.weight"]),
         ]
     return plan
 
 
+def _loaded_blocks(layer) -> list[tuple[int, torch.Tensor]] | None:
+    """(GGUF type, bytes ``[rows, row_bytes]``) per shard of a layer SGLang's GGUF path loaded, in shard
+    order; None for a float layer. A merged layer's shards sit in one padded ``qweight``
+    (``shard_offset_map``: rows and byte width of each)."""
+    qweight = getattr(layer, "qweight", None)
+    if qweight is None:
+        return None
+    kinds = layer.qweight_type
+    as_bytes = lambda t: t.contiguous().view(torch.uint8).view(t.shape[0], -1)  # noqa: E731  (F16/F32 rows too)
+    offsets = getattr(qweight, "shard_offset_map", None)
+    if not offsets:
+        return [(int(kinds.weight_type), as_bytes(qweight.data))]
+    return [(int(kinds.shard_weight_type[i]), as_bytes(qweight.data[a:b, :w])) for i, (a, b, w) in offsets.items()]
+
+
+def _check(p: _Planned) -> int:
+    """Check that ``p.layer`` as SGLang loaded it is what the file's blocks decode to; returns its bytes."""
+    loaded = _loaded_blocks(p.layer)
+    if loaded is not None:  # SGLang's GGUF path: the same bytes, shard by shard
+        if len(loaded) != len(p.raw) or any(
+            int(w.qtype) != kind or not torch.equal(w.blocks, got) for w, (kind, got) in zip(p.raw, loaded)
+        ):
+            raise GGUFError(f"{p.name}: the blocks SGLang loaded differ from the file's {[w.name for w in p.raw]}")
+        return sum(got.numel() for _, got in loaded)
+    w = p.layer.weight
+    if tuple(w.shape) != (p.blocks.out_features, p.blocks.in_features) or w.device.type != "cpu":
+        raise GGUFError(
+            f"{p.name}: weight {tuple(w.shape)} on {w.device}, GGUF blocks {p.blocks.out_features}x{p.blocks.in_features}"
+        )
+    if not torch.equal(p.blocks.dequantize().to(w.dtype), w.data):
+        raise GGUFError(
+            f"{p.name}: the decoded GGUF blocks ({p.blocks.parts[0].name}...) differ from the loaded weight"
+        )
+    return w.numel() * w.element_size()
+
+
+def _drop_loaded(layer) -> None:
+    """The layer's own copy of its weight goes (the blocks are served from the mapped file)."""
+    param = layer.qweight if hasattr(layer, "qweight") else layer.weight
+    param.data = torch.empty(0, dtype=param.dtype)
+
+
+#: ``general.architecture`` values served (SGLang maps them to its Llama; Mistral files say ``llama``).
+ARCHITECTURES = ("llama",)
+
+
 def attach(model, gguf_path: str | Path) -> int:
-    """Serve ``model`` (SGLang's ``LlamaForCausalLM``, loaded from the folder converted from ``gguf_path``)
-    from the file's blocks; returns the bytes of float weights freed. Raises :class:`GGUFError` for a file
-    or model it cannot serve so (another architecture, tensor parallelism, AMX-packed layers, a tensor
-    whose decoded blocks are not the loaded weight)."""
+    """Serve ``model`` (SGLang's ``LlamaForCausalLM``, loaded from ``gguf_path`` by SGLang's GGUF path or
+    from the folder converted from it) from the file's blocks; returns the bytes of loaded weights freed.
+    Raises :class:`GGUFError` for a file or model it cannot serve so (another architecture, tensor
+    parallelism, AMX-packed layers, a layer whose loaded weight is not what the file's blocks hold)."""
     gguf = GGUFFile(gguf_path)
-    if gguf.architecture != "llama" or type(model).__name__ != "LlamaForCausalLM":
-        raise GGUFError(f"{gguf.path}: --loopkv-weights gguf serves Llama models ({gguf.architecture!r} here)")
+    if gguf.architecture not in ARCHITECTURES or type(model).__name__ != "LlamaForCausalLM":
+        raise GGUFError(f"{gguf.path}: GGUF blocks are served for Llama models ({gguf.architecture!r} here)")
     plan, freed = _plan(model, gguf), 0
-    for name, layer, blocks in plan:
-        w = layer.weight
-        if getattr(layer, "use_intel_amx_backend", False) or getattr(layer, "tp_size", 1) != 1:
-            raise GGUFError(f"{name}: AMX-packed or tensor-parallel layers are not served from GGUF blocks")
-        if tuple(w.shape) != (blocks.out_features, blocks.in_features) or w.device.type != "cpu":
-            raise GGUFError(
-                f"{name}: weight {tuple(w.shape)} on {w.device}, GGUF blocks {blocks.out_features}x{blocks.in_features}"
-            )
-        if not torch.equal(blocks.dequantize().to(w.dtype), w.data):
-            raise GGUFError(
-                f"{name}: the decoded GGUF blocks ({blocks.parts[0].name}...) differ from the loaded weight"
-            )
-        freed += w.numel() * w.element_size()
-        setattr(layer, ATTR, blocks)
-        w.data = torch.empty(0, dtype=w.dtype)  # the float copy goes; shape checks read the blocks
+    for p in plan:
+        if getattr(p.layer, "use_intel_amx_backend", False) or getattr(p.layer, "tp_size", 1) != 1:
+            raise GGUFError(f"{p.name}: AMX-packed or tensor-parallel layers are not served from GGUF blocks")
+        freed += _check(p)
+        setattr(p.layer, ATTR, p.blocks)
+        _drop_loaded(p.layer)  # shape checks read the blocks
     gc.collect()
-    logger.info("gguf weights: %d layers from %s, %.0f MB of float weights freed", len(plan), gguf.path, freed / 2**20)
+    logger.info("gguf weights: %d layers from %s, %.0f MB of loaded weights freed", len(plan), gguf.path, freed / 2**20)
     return freed

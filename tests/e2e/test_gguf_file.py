@@ -1,0 +1,64 @@
+"""``--model-path x.gguf`` on the CPU: the default model's GGUF file served through SGLang's GGUF path with
+the block kernels serves what its converted float32 weights serve (the session's ``smollm2_server``):
+greedy tokens identical and logprobs within fp tolerance (the same weights; only the order of float32
+sums differs), the same chat template (from the file's metadata), no float copy of a matrix kept."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+import requests
+
+from tests.e2e.test_gguf_weights import FLOAT_BYTES, PROMPTS
+
+pytestmark = pytest.mark.server
+
+
+def _greedy_ids(url: str, ids: list[int], n: int = 24) -> dict:
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
+    }
+    r = requests.post(f"{url}/generate", json=body, timeout=300)
+    r.raise_for_status()
+    out = r.json()
+    return {"ids": out["output_ids"], "logprobs": [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]}
+
+
+def _chat(url: str, model: str, text: str) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 16, "temperature": 0}
+    r = requests.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_gguf_file_serves_what_its_float32_conversion_serves(gguf_file_server, smollm2_server):
+    from transformers import AutoTokenizer
+
+    from sgl_loopkv.config import default_cache_dir
+    from sgl_loopkv.models import ensure_default_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_default_model(default_cache_dir()))
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        a, b = _greedy_ids(gguf_file_server.url, ids), _greedy_ids(smollm2_server.url, ids)
+        assert a["ids"] == b["ids"], prompt
+        assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-3, prompt
+    log = gguf_file_server.log_path.read_text()
+    assert "gguf weights: 121 layers" in log and "lean forward: on" in log
+
+
+def test_the_chat_template_and_model_name_come_from_the_file(gguf_file_server, smollm2_server):
+    models = requests.get(f"{gguf_file_server.url}/v1/models", timeout=30).json()
+    name = models["data"][0]["id"]
+    assert name == "SmolLM2-135M-Instruct.Q4_1"  # the file's stem
+    ours = _chat(gguf_file_server.url, name, "What is the capital of France?")
+    ref = _chat(smollm2_server.url, "default", "What is the capital of France?")
+    assert ours["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]  # the same template, same tokens
+    assert ours["choices"][0]["message"]["content"] == ref["choices"][0]["message"]["content"]
+
+
+def test_no_float_copy_of_the_matrices_is_kept(gguf_file_server, smollm2_server):
+    rss = lambda srv: max(psutil.Process(p).memory_info().rss for p in srv.pids())  # noqa: E731  the scheduler
+    assert rss(smollm2_server) - rss(gguf_file_server) > FLOAT_BYTES / 2
