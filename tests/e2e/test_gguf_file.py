@@ -9,21 +9,9 @@ import psutil
 import pytest
 import requests
 
-from tests.e2e.test_gguf_weights import FLOAT_BYTES, PROMPTS
+from tests.e2e.test_gguf_weights import FLOAT_BYTES, PROMPTS, greedy
 
 pytestmark = pytest.mark.server
-
-
-def _greedy_ids(url: str, ids: list[int], n: int = 24) -> dict:
-    body = {
-        "input_ids": ids,
-        "return_logprob": True,
-        "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
-    }
-    r = requests.post(f"{url}/generate", json=body, timeout=300)
-    r.raise_for_status()
-    out = r.json()
-    return {"ids": out["output_ids"], "logprobs": [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]}
 
 
 def _chat(url: str, model: str, text: str) -> dict:
@@ -42,7 +30,7 @@ def test_a_gguf_file_serves_what_its_float32_conversion_serves(gguf_file_server,
     tok = AutoTokenizer.from_pretrained(ensure_default_model(default_cache_dir()))
     for prompt in PROMPTS:
         ids = tok(prompt)["input_ids"]
-        a, b = _greedy_ids(gguf_file_server.url, ids), _greedy_ids(smollm2_server.url, ids)
+        a, b = greedy(gguf_file_server.url, ids), greedy(smollm2_server.url, ids)
         assert a["ids"] == b["ids"], prompt
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-3, prompt
     log = gguf_file_server.log_path.read_text()

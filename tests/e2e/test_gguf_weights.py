@@ -33,9 +33,10 @@ def gguf_server(default_model_dir, server_logs):
         yield srv
 
 
-def _greedy(url: str, text: str, n: int = 24) -> dict:
+def greedy(url: str, prompt: str | list[int], n: int = 24) -> dict:
+    """Greedy ids and their logprobs for a text or token-id prompt."""
     body = {
-        "text": text,
+        ("text" if isinstance(prompt, str) else "input_ids"): prompt,
         "return_logprob": True,
         "sampling_params": {"temperature": 0, "max_new_tokens": n, "ignore_eos": True},
     }
@@ -51,7 +52,7 @@ def _scheduler_rss(srv: ServerProcess) -> int:
 
 def test_gguf_blocks_serve_the_float32_tokens(gguf_server, smollm2_server):
     for prompt in PROMPTS:
-        a, b = _greedy(gguf_server.url, prompt), _greedy(smollm2_server.url, prompt)
+        a, b = greedy(gguf_server.url, prompt), greedy(smollm2_server.url, prompt)
         assert a["ids"] == b["ids"], prompt
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-3, prompt
     log = gguf_server.log_path.read_text()
