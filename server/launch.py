@@ -195,13 +195,7 @@ def gguf_model_start(config: LoopKVConfig, rest: list[str], argv: list[str]) -> 
     (:mod:`sgl_loopkv.models.gguf.serving`; a file it cannot serve exits here with the reason), served from
     its blocks (``config.weights`` becomes ``gguf``), SGLang's argv pointed at the file. Other starts
     are returned as they are."""
-    from sgl_loopkv.models.gguf.serving import (
-        GGUFError,
-        check_servable,
-        gguf_file_of,
-        sglang_argv_for_gguf,
-        tokenizer_folder,
-    )
+    from sgl_loopkv.models.gguf.serving import GGUFError, check_servable, gguf_file_of, tokenizer_folder
 
     try:
         path = gguf_file_of(_value(rest, "--model-path"))
@@ -217,12 +211,27 @@ def gguf_model_start(config: LoopKVConfig, rest: list[str], argv: list[str]) -> 
                             "needs a Hugging Face folder")  # fmt: skip
         own_tokenizer = _given(rest, "--tokenizer-path")
         check_servable(path, own_tokenizer)
+        defaults = {"--served-model-name": path.stem}
         if not own_tokenizer:
-            rest = [*rest, "--tokenizer-path", str(tokenizer_folder(path, config.resolved_cache_dir))]
+            defaults["--tokenizer-path"] = str(tokenizer_folder(path, config.resolved_cache_dir))
     except GGUFError as e:
         raise SystemExit(f"sgl-loopkv: {e}") from None
     config.weights = "gguf"
-    return sglang_argv_for_gguf(rest, path, lambda flag: _given(rest, flag))
+    # SGLang's GGUF loader reads a file: a folder of one becomes the file itself
+    return with_defaults(["--model-path", str(path.resolve()), *_without(rest, "--model-path")], defaults)
+
+
+def _without(argv: list[str], flag: str) -> list[str]:
+    """``argv`` with every ``flag value`` / ``flag=value`` taken out."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith(flag + "="):
+            skip = False
+            continue
+        skip = a == flag
+        if not skip:
+            out.append(a)
+    return out
 
 
 def refuse_gguf_weights_without_a_source(model_path: str, on_gpu: bool) -> None:

@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 
 from sgl_loopkv.models.gguf.reader import GGUFError, GGUFFile
-from sgl_loopkv.models.gguf.weights import ARCHITECTURES
+from sgl_loopkv.models.gguf.weights import ARCHITECTURES, LAYER_TENSORS
 
 
 def gguf_file_of(model_path: str) -> Path | None:
@@ -55,36 +55,12 @@ def check_servable(path: Path, own_tokenizer: bool) -> GGUFFile:
             f"(general.architecture {', '.join(ARCHITECTURES)}: Llama, Mistral, SmolLM) on the CPU"
         )
     layers = int(gguf.metadata(f"{arch}.block_count", 0))
-    needed = ["token_embd.weight"] + [f"blk.{i}.{t}.weight" for i in range(layers) for t in _LAYER_TENSORS]
+    needed = ["token_embd.weight"] + [f"blk.{i}.{t}.weight" for i in range(layers) for t in LAYER_TENSORS]
     if missing := [n for n in needed if n not in gguf.tensors]:
         raise GGUFError(f"{path}: {len(missing)} tensors missing (first: {missing[0]}); not a whole {arch} model")
     if not own_tokenizer and gguf.metadata("tokenizer.ggml.model") is None:
         raise GGUFError(f"{path}: no tokenizer in its metadata; pass one with --tokenizer-path")
     return gguf
-
-
-_LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-def sglang_argv_for_gguf(rest: list[str], path: Path, given) -> list[str]:
-    """SGLang's argv for serving ``path``: the model path is the file itself (SGLang's GGUF loader reads
-    a file), and the served model name is the file's stem unless given (``given(flag)`` says whether
-    the user passed a flag)."""
-    out, skip = [], False
-    for i, a in enumerate(rest):
-        if skip:
-            skip = False
-            continue
-        if a == "--model-path" and i + 1 < len(rest):
-            skip = True
-            continue
-        if a.startswith("--model-path="):
-            continue
-        out.append(a)
-    out = ["--model-path", str(path.resolve()), *out]
-    if not given("--served-model-name"):
-        out += ["--served-model-name", path.stem]
-    return out
 
 
 def tokenizer_folder(path: Path, cache_dir: Path) -> Path:

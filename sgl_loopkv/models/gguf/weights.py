@@ -110,6 +110,12 @@ def _stack(parts: list[BlockWeight]) -> BlockLinear:
     return BlockLinear(tuple(merged))
 
 
+#: ``general.architecture`` values served (SGLang maps them to its Llama; Mistral files say ``llama``).
+ARCHITECTURES = ("llama",)
+#: The tensors of each block ``blk.N.`` that :func:`_plan` maps (the launcher checks a file has them all).
+LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
 @dataclass(frozen=True, slots=True)
 class _Planned:
     name: str  # SGLang's
@@ -184,10 +190,6 @@ def _drop_loaded(layer) -> None:
     """The layer's own copy of its weight goes (the blocks are served from the mapped file)."""
     param = layer.qweight if hasattr(layer, "qweight") else layer.weight
     param.data = torch.empty(0, dtype=param.dtype)
-
-
-#: ``general.architecture`` values served (SGLang maps them to its Llama; Mistral files say ``llama``).
-ARCHITECTURES = ("llama",)
 
 
 def attach(model, gguf_path: str | Path) -> int:
