@@ -79,11 +79,13 @@ from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "gguf": "gguf"}  # "gguf": the GGUF file's blocks (limit rows)
 # name -> (kind, dtype, launcher flags). fp32 rows first: loopkv-fp32 is bf16's fidelity reference.
 SYSTEMS = {
     "loopkv-fp32": ("sglang", "float32", ()),
     "stock-fp32": ("sglang", "float32", ("--loopkv-stock",)),
+    # the GGUF file itself (--model-path x.gguf, prepended in run_sglang): blocks, float32 activations and KV
+    "loopkv-gguf": ("sglang", "float32", ()),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
     "hf-fp32": ("hf", "float32", ()),
@@ -112,6 +114,8 @@ WHAT = {
     "stock": "stock SGLang 0.5.23 CPU configuration (`--loopkv-stock`: torch_native attention, stock radix cache)",
     "hf": "HF transformers `generate()` (greedy, bs 1, prefill in the excluded first token)",
     "llamacpp": "llama.cpp server (llama-cpp-python) on the same GGUF: reads Q4_1 weights, ~1/4 of bf16's bytes; bs 1",
+    "loopkv-gguf": "sgl-loopkv launcher defaults serving the GGUF file itself (`--model-path <file>.gguf`: its Q4_1 "
+    "and Q8_0 blocks through the block kernels, no float copy of a weight matrix), float32 activations and KV",
     # --loopkv-stock brings SGLang's radix cache and also drops the decode-step hooks (split/gemv
     # linears, lean forward): its ratio is not the tiered cache's cost alone (a radix-only switch is not built)
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
@@ -124,6 +128,10 @@ WHAT = {
     "loopkv-bf16-exact": "sgl-loopkv defaults in bfloat16 with F.linear's bits in every linear layer "
     "(`LOOPKV_EXACT_LINEAR=1`: oneDNN, no gemv_bf16)",
 }
+#: systems served from the default model's GGUF file instead of its converted float32 folder
+GGUF_SYSTEMS = ("loopkv-gguf",)
+#: systems scored against loopkv-fp32's tokens and logprobs (fidelity)
+SCORED = ("loopkv-bf16", "loopkv-gguf")
 # run at 4K with the smallest and largest batch only
 BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul", "loopkv-fp32-nodisk")
 
@@ -193,12 +201,16 @@ def model_facts(model_dir: Path) -> dict:
     }
 
 
-def limit_tpot_ms(facts: dict, dtype: str, context: int, bs: int, gen: int, bandwidth: float) -> float:
-    """Lower bound on per-token latency: one decode step reads every weight once and the attended
-    KV of each of the ``bs`` requests (context + half the generated tokens on average)."""
+def limit_tpot_ms(
+    facts: dict, dtype: str, context: int, bs: int, gen: int, bandwidth: float, weight_bytes: int | None = None
+) -> float:
+    """Lower bound on per-token latency: one decode step reads every weight once (``weight_bytes``,
+    default the parameters in ``dtype``) and the attended KV (in ``dtype``) of each of the ``bs``
+    requests (context + half the generated tokens on average)."""
     b = DTYPE_BYTES[dtype]
     kv_per_token = facts["layers"] * 2 * facts["kv_heads"] * facts["head_dim"] * b
-    step_bytes = facts["params"] * b + bs * kv_per_token * (context + gen / 2)
+    weights = facts["params"] * b if weight_bytes is None else weight_bytes
+    step_bytes = weights + bs * kv_per_token * (context + gen / 2)
     return 1000 * step_bytes / bandwidth
 
 
@@ -297,8 +309,12 @@ def stream_chat(url: str, messages: list[dict], n: int) -> dict:
 def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, bar, fid, on_cell=None) -> dict:
     """One server: per context, prefill then the timed batches; ``on_cell(url, cell)`` after each
     cell may add to its dict (benchmarks.decode_sparse reads /metrics there)."""
+    from benchmarks.decode_gguf import tree_memory_mb
+    from sgl_loopkv.models import default_model_gguf
+
+    model = ("--model-path", str(default_model_gguf())) if name in GGUF_SYSTEMS else ()
     srv = ServerProcess(
-        [*flags, "--dtype", dtype, "--max-total-tokens", str(pool)],
+        [*model, *flags, "--dtype", dtype, "--max-total-tokens", str(pool)],
         env=SYSTEM_ENV.get(name, {}),
         log_path=RESULTS / f"decode_{name}.log",
     )
@@ -307,6 +323,7 @@ def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, b
         srv.start()
         out["startup_s"] = srv.startup_s
         stream_generate(srv.url, ctx_ids[contexts[0]][0][:64], 16)  # warm-up
+        out["memory_after_warmup"] = tree_memory_mb(srv.pids())
         for L in contexts:
             n_ctx = max(batch_sizes)  # this system's largest batch: each request its own context
             bar.set_postfix_str(f"{name} prefill {n_ctx} x {L}")
@@ -335,22 +352,22 @@ def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, b
                 if uncached:
                     print(f"[decode] {name} ctx {L} bs {bs}: {uncached} timed request(s) missed the prefix cache")
                 bar.update()
-            if fid is not None and L in fid["contexts"]:
+            if fid is not None and L in fid["contexts"].get(name, ()):
                 bar.set_postfix_str(f"{name} fidelity {L}")
-                fidelity_step(srv.url, dtype, L, ctx_ids[L][0], fid)
+                fidelity_step(srv.url, name, L, ctx_ids[L][0], fid)
     finally:
         srv.stop()
     return out
 
 
-def fidelity_step(url: str, dtype: str, L: int, ctx: list[int], fid: dict) -> None:
-    """fp32 server: the reference (greedy tokens, top-20 first-token logprobs, self-consistency of
-    teacher forcing); bf16 server: scored on the reference."""
+def fidelity_step(url: str, name: str, L: int, ctx: list[int], fid: dict) -> None:
+    """loopkv-fp32: the reference (greedy tokens, top-20 first-token logprobs, self-consistency of
+    teacher forcing); a :data:`SCORED` server: scored on the reference, into ``scores[name]``."""
     from benchmarks.restore import first_token_logprobs, kl_topk, turn_ids
 
     prompt = ctx + turn_ids(fid["tok"])
     slot = fid["by_context"].setdefault(str(L), {"prompt_tokens": len(prompt)})
-    if dtype == "float32":
+    if name == "loopkv-fp32":
         ref = stream_generate(url, prompt, FID_GEN)["output_ids"]
         slot["ref_ids"] = ref
         slot["ref_logprobs"] = first_token_logprobs(url, prompt, None)["top"]
@@ -359,11 +376,20 @@ def fidelity_step(url: str, dtype: str, L: int, ctx: list[int], fid: dict) -> No
     elif "ref_ids" in slot:
         ref, ref_lp = slot["ref_ids"], slot["ref_logprobs"]
         lp = first_token_logprobs(url, prompt, list(ref_lp))
-        slot["first_token_kl"] = kl_topk(ref_lp, {**lp["top"], **lp["chosen"]})
         tf = teacher_forced_top1(url, prompt, ref)
-        slot["teacher_forced_agreement"] = sum(a == b for a, b in zip(tf, ref)) / len(ref)
         own = stream_generate(url, prompt, FID_GEN)["output_ids"]
-        slot["greedy_identical_prefix"] = next((i for i, (a, b) in enumerate(zip(own, ref)) if a != b), len(ref))
+        slot.setdefault("scores", {})[name] = {
+            "first_token_kl": kl_topk(ref_lp, {**lp["top"], **lp["chosen"]}),
+            "teacher_forced_agreement": sum(a == b for a, b in zip(tf, ref)) / len(ref),
+            "greedy_identical_prefix": next((i for i, (a, b) in enumerate(zip(own, ref)) if a != b), len(ref)),
+        }
+
+
+def scores(slot: dict, name: str) -> dict:
+    """A fidelity slot's scores of system ``name`` (results before the GGUF system kept bf16's at the top)."""
+    if "scores" in slot:
+        return slot["scores"].get(name, {})
+    return slot if name == "loopkv-bf16" else {}
 
 
 # --- grid: HF and llama.cpp (bs 1) ----------------------------------------------------------------------
@@ -438,8 +464,12 @@ def run_llamacpp(contexts, ctx_ids, tok, args, eos: int, bar) -> dict:
             bar.set_postfix_str(f"llamacpp {L}")
             text = tok.decode(ctx_ids[L][0])
             ivals = []
-            for _ in range(args.repeats):  # its prompt cache serves the repeats' prefix
-                iv, _ = token_intervals([complete(text, args.gen)["arrivals"]])
+            for i in range(args.repeats):  # its prompt cache serves the repeats' prefix
+                t0 = time.perf_counter()
+                run = complete(text, args.gen)
+                if i == 0:  # a cold prompt (each context its own text): the first token is the whole prefill
+                    out.setdefault("prefill_s", {})[str(L)] = [run["arrivals"][0][0] - t0]
+                iv, _ = token_intervals([run["arrivals"]])
                 ivals += iv
             out["cells"][f"{L}/1"] = stats(ivals, 1 / statistics.median(ivals) if ivals else float("nan"))
             bar.update()
@@ -602,8 +632,9 @@ def summarize(p: dict) -> dict:
             return None
 
     fid = (p.get("fidelity") or {}).get("by_context", {})
-    tfs = [v["teacher_forced_agreement"] for v in fid.values() if "teacher_forced_agreement" in v]
-    kls = {L: v["first_token_kl"] for L, v in fid.items() if "first_token_kl" in v}
+    bf = {L: scores(v, "loopkv-bf16") for L, v in fid.items()}
+    tfs = [v["teacher_forced_agreement"] for v in bf.values() if "teacher_forced_agreement" in v]
+    kls = {L: v["first_token_kl"] for L, v in bf.items() if "first_token_kl" in v}
     mtd = p.get("multiturn_dtypes") or {}
     mt_ratio = None
     if "float32" in mtd and "bfloat16" in mtd:
@@ -660,7 +691,73 @@ def summarize(p: dict) -> dict:
         "loopkv_tpot_ms_4k": tpot(res, lk, 4096, 1),
         "limit_tpot_ms_4k": p["limit"]["tpot_ms"][hd].get("4096/1"),
         "bandwidth_gb_s": p["limit"]["bandwidth_bytes_s"] / 1e9,
+        **gguf_summary(p),
     }
+
+
+def near(contexts: list[int], target: int) -> int:
+    return min(contexts, key=lambda L: abs(L - target))
+
+
+def gguf_summary(p: dict) -> dict:
+    """Issue 53's keys: the GGUF system against llama.cpp, float32 and its own limit (empty without it)."""
+    res, cfg = p["grid"], p["config"]
+    if "loopkv-gguf" not in res:
+        return {}
+    c4, c8 = near(cfg["contexts"], 4096), near(cfg["contexts"], 8192)
+    top = max(cfg["batch_sizes"])
+
+    def fill_ms(name, L):
+        v = (res.get(name) or {}).get("prefill_s", {}).get(str(L))
+        return 1000 * v[0] if v else None
+
+    def tok_s(name, L, bs):
+        c = cell(res, name, L, bs)
+        return c["tok_s"] if c else None
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
+
+    def mem(name):
+        return ((res.get(name) or {}).get("memory_after_warmup") or {}).get("rss_mb")
+
+    fid = (p.get("fidelity") or {}).get("by_context", {})
+    gf = {L: scores(v, "loopkv-gguf") for L, v in fid.items()}
+    tfs = {L: v["teacher_forced_agreement"] for L, v in gf.items() if "teacher_forced_agreement" in v}
+    kls = {L: v["first_token_kl"] for L, v in gf.items() if "first_token_kl" in v}
+    out = {
+        "gguf_tpot_ms_4k": tpot(res, "loopkv-gguf", c4, 1),
+        "gguf_tpot_ms_8k": tpot(res, "loopkv-gguf", c8, 1),
+        "llamacpp_tpot_ms_8k": tpot(res, "llamacpp", c8, 1),
+        "gguf_limit_tpot_ms_4k": p["limit"]["tpot_ms"].get("gguf", {}).get(f"{c4}/1"),
+        "gguf_step_breakdown_ms_4k": {
+            k: (p.get("gguf_step_breakdown") or {}).get(f"{k}_ms") for k in ("weights", "attention", "other")
+        },
+        f"gguf_tokens_per_s_bs{top}_4k": tok_s("loopkv-gguf", c4, top),
+        f"fp32_tokens_per_s_bs{top}_4k": tok_s("loopkv-fp32", c4, top),
+        "gguf_prefill_ms_4k": fill_ms("loopkv-gguf", c4),
+        "fp32_prefill_ms_4k": fill_ms("loopkv-fp32", c4),
+        "llamacpp_prefill_ms_4k": fill_ms("llamacpp", c4),
+        "gguf_rss_mb": mem("loopkv-gguf"),
+        "fp32_rss_mb": mem("loopkv-fp32"),
+        "gguf_teacher_forced_agreement": tfs,
+        "gguf_teacher_forced_agreement_min": min(tfs.values()) if tfs else None,
+        "gguf_kl": kls,
+        "gguf_kl_max": max(kls.values()) if kls else None,
+    }
+    # the targets' ratios, each read so that > 1 (or <= the bar) is where the issue wants it
+    out |= {
+        "gguf_over_llamacpp_tpot_4k": ratio(out["gguf_tpot_ms_4k"], tpot(res, "llamacpp", c4, 1)),  # <= 0.75
+        "gguf_over_llamacpp_tpot_8k": ratio(out["gguf_tpot_ms_8k"], out["llamacpp_tpot_ms_8k"]),  # <= 0.75
+        "gguf_over_limit_tpot_4k": ratio(out["gguf_tpot_ms_4k"], out["gguf_limit_tpot_ms_4k"]),  # <= 2
+        f"gguf_over_fp32_tokens_per_s_bs{top}_4k": ratio(
+            out[f"gguf_tokens_per_s_bs{top}_4k"], out[f"fp32_tokens_per_s_bs{top}_4k"]
+        ),  # >= 2
+        "fp32_over_gguf_prefill_4k": ratio(out["fp32_prefill_ms_4k"], out["gguf_prefill_ms_4k"]),  # >= 1.5
+        "llamacpp_over_gguf_prefill_4k": ratio(out["llamacpp_prefill_ms_4k"], out["gguf_prefill_ms_4k"]),  # >= 1
+        "gguf_over_fp32_rss": ratio(out["gguf_rss_mb"], out["fp32_rss_mb"]),  # < 1
+    }
+    return out
 
 
 def fmt_ms(v) -> str:
@@ -792,15 +889,18 @@ def report_md(p: dict) -> str:
     fid = (p.get("fidelity") or {}).get("by_context")
     if fid:
         rows = [
-            [L, v["prompt_tokens"], v.get("first_token_kl", "-"), v.get("teacher_forced_agreement", "-"),
-             v.get("greedy_identical_prefix", "-"), v.get("fp32_self_agreement", "-")]
+            [n, L, v["prompt_tokens"], sc.get("first_token_kl", "-"), sc.get("teacher_forced_agreement", "-"),
+             sc.get("greedy_identical_prefix", "-"), v.get("fp32_self_agreement", "-")]
+            for n in SCORED
             for L, v in fid.items()
+            if (sc := scores(v, n))
         ]  # fmt: skip
         md += (
-            f"bf16 vs fp32 (sgl-loopkv servers, prompt = context + a user turn; fp32's {FID_GEN} greedy tokens are the "
-            "reference):\n\n"
+            f"bf16 and GGUF vs fp32 (sgl-loopkv servers, prompt = context + a user turn; loopkv-fp32's {FID_GEN} greedy "
+            "tokens and first-token top-20 logprobs are the reference):\n\n"
             + md_table(
                 [
+                    "system",
                     "context",
                     "prompt tokens",
                     "first-token KL",
@@ -812,6 +912,7 @@ def report_md(p: dict) -> str:
             )  # fmt: skip
             + "\n"
         )
+    md += gguf_md(p)
     mtd = p.get("multiturn_dtypes")
     if mtd:
         keys = [*conv.POSITIONS, "all"]
@@ -838,6 +939,48 @@ def _f(v) -> str:
     return "-" if v is None else f"{v:.2f}"
 
 
+def gguf_md(p: dict) -> str:
+    """The GGUF system's targets (issue 53) as measured, and its step breakdown."""
+    sm = p["summary"]
+    if "gguf_tpot_ms_4k" not in sm:
+        return ""
+    top = max(p["config"]["batch_sizes"])
+    bd, b = p.get("gguf_step_breakdown") or {}, sm["gguf_step_breakdown_ms_4k"]
+    rows = [
+        ["TPOT 4K / llama.cpp's", fmt_ms(sm["gguf_tpot_ms_4k"]), fmt_ms(sm["llamacpp_tpot_ms_4k"]),
+         _f(sm["gguf_over_llamacpp_tpot_4k"]), "<= 0.75"],
+        ["TPOT 8K / llama.cpp's", fmt_ms(sm["gguf_tpot_ms_8k"]), fmt_ms(sm["llamacpp_tpot_ms_8k"]),
+         _f(sm["gguf_over_llamacpp_tpot_8k"]), "<= 0.75"],
+        ["TPOT 4K / its limit", fmt_ms(sm["gguf_tpot_ms_4k"]), fmt_ms(sm["gguf_limit_tpot_ms_4k"]),
+         _f(sm["gguf_over_limit_tpot_4k"]), "<= 2"],
+        [f"tokens/s, bs {top} at 4K / float32's", _f(sm[f"gguf_tokens_per_s_bs{top}_4k"]),
+         _f(sm[f"fp32_tokens_per_s_bs{top}_4k"]), _f(sm[f"gguf_over_fp32_tokens_per_s_bs{top}_4k"]), ">= 2"],
+        ["4K first fill ms: float32's / GGUF's", fmt_ms(sm["gguf_prefill_ms_4k"]), fmt_ms(sm["fp32_prefill_ms_4k"]),
+         _f(sm["fp32_over_gguf_prefill_4k"]), ">= 1.5"],
+        ["4K first fill ms: llama.cpp's / GGUF's", fmt_ms(sm["gguf_prefill_ms_4k"]),
+         fmt_ms(sm["llamacpp_prefill_ms_4k"]), _f(sm["llamacpp_over_gguf_prefill_4k"]), ">= 1"],
+        ["server RSS MB / float32's", fmt_ms(sm["gguf_rss_mb"]), fmt_ms(sm["fp32_rss_mb"]), _f(sm["gguf_over_fp32_rss"]),
+         "< 1"],
+        ["teacher-forced agreement with float32, min", _f(sm["gguf_teacher_forced_agreement_min"]), "-", "-", ">= 0.99"],
+        ["first-token KL vs float32, max", f"{sm['gguf_kl_max']:.4f}" if sm["gguf_kl_max"] is not None else "-", "-",
+         "-", "<= 0.01"],
+    ]  # fmt: skip
+    md = (
+        "GGUF path (`loopkv-gguf`) against its targets (first fill = the first request's whole context, untimed cell "
+        "of the grid; llama.cpp's = the time to its first streamed token of a cold prompt; RSS = the server's process "
+        "tree after a warm-up request, summed):\n\n"
+        + md_table(["figure", "loopkv-gguf", "other", "ratio", "target"], rows)
+        + "\n"
+    )
+    if bd:
+        md += (
+            f"Where a GGUF decode step goes at {bd['context']} tokens, one request (ms): weights {fmt_ms(b['weights'])} "
+            f"({bd['weight_bytes'] / 1e6:.0f} MB of blocks), attention {fmt_ms(b['attention'])}, everything else "
+            f"{fmt_ms(b['other'])} of the served TPOT {fmt_ms(bd['tpot_ms'])}. How: {bd['how']}\n\n"
+        )
+    return md
+
+
 def plot(p: dict, path: Path) -> None:
     cfg = p["config"]
     if len(cfg["contexts"]) == 1:  # one context: TPOT against the batch size
@@ -851,7 +994,7 @@ def plot(p: dict, path: Path) -> None:
 
 
 def _colors() -> dict:
-    return {n: f"C{i}" for i, n in enumerate([*SYSTEMS, "limit-fp32", "limit-bf16"])}
+    return {n: f"C{i % 10}" for i, n in enumerate([*SYSTEMS, "limit-fp32", "limit-bf16", "limit-gguf"])}
 
 
 def _plot_batch(p: dict, fig, ax) -> None:
@@ -933,7 +1076,7 @@ def run(args, env: dict) -> dict:
     flags = cpu_flags()
     bf16_full = flags["native_bf16"] or args.force_bf16
     headline = platform.default_cpu_dtype()  # the launcher's default: what a user gets
-    names = args.systems or list(SYSTEMS)
+    names = [n for n in SYSTEMS if n in args.systems] if args.systems else list(SYSTEMS)  # loopkv-fp32 first
     if not bf16_full and not args.systems:
         names = [n for n in names if n != "hf-bf16"]
     # bf16 without native support: bs 1 at the context nearest 4K only (emulated bf16 is ~5-10x slower)
@@ -977,9 +1120,14 @@ def run(args, env: dict) -> dict:
 
     bw = memory_bandwidth()
 
-    fid_ctx = [L for L in FID_CONTEXTS if L in contexts and (bf16_full or L in bf16_ctx)] or [bf16_ctx[-1]]
+    fid_ctx = {
+        "loopkv-bf16": [L for L in FID_CONTEXTS if L in contexts and (bf16_full or L in bf16_ctx)] or [bf16_ctx[-1]],
+        "loopkv-gguf": [L for L in contexts if L >= 2048] or [max(contexts)],  # 2K/4K/8K
+    }
+    fid_ctx = {n: cs for n, cs in fid_ctx.items() if n in names}
     fid = None
-    if "fidelity" in args.parts and {"loopkv-fp32", "loopkv-bf16"} <= set(names) and "grid" in args.parts:
+    if "fidelity" in args.parts and "loopkv-fp32" in names and fid_ctx and "grid" in args.parts:
+        fid_ctx["loopkv-fp32"] = sorted({L for cs in fid_ctx.values() for L in cs})
         fid = {"contexts": fid_ctx, "by_context": {}, "tok": tok}
     convs = pressure_convs(tok, pc["convs"], pc["turns"], pc["per_turn"]) if "pressure" in args.parts else []
 
@@ -1002,7 +1150,7 @@ def run(args, env: dict) -> dict:
                 t_sys = time.monotonic()
                 try:
                     if kind == "sglang":
-                        f = fid if n in ("loopkv-fp32", "loopkv-bf16") else None
+                        f = fid if n in ("loopkv-fp32", *SCORED) else None
                         grid[n] = run_sglang(n, dt, fl, cs, bss, ctx_ids, args, pool, bar, f)
                     elif kind == "hf":
                         grid[n] = run_hf(model_dir, dt, cs, ctx_ids, args, bar)
@@ -1033,6 +1181,13 @@ def run(args, env: dict) -> dict:
                 print(f"[decode] multiturn failed: {e!r}")
     bw += memory_bandwidth()
 
+    gguf_file = breakdown = None
+    if any(n in grid for n in GGUF_SYSTEMS):
+        from benchmarks.decode_gguf import file_weight_bytes, step_breakdown
+        from sgl_loopkv.models import default_model_gguf
+
+        gguf_file = default_model_gguf()
+        breakdown = step_breakdown(gguf_file, near_4k, tpot(grid, "loopkv-gguf", near_4k, 1))
     bandwidth = statistics.median(bw)
     limit = {
         "bandwidth_bytes_s": bandwidth,
@@ -1052,6 +1207,13 @@ def run(args, env: dict) -> dict:
             for dt in DTYPE_BYTES
         },
     }
+    if gguf_file is not None:  # the file's bytes once a step, KV in float32
+        limit["weight_bytes"]["gguf"] = file_weight_bytes(gguf_file)
+        limit["tpot_ms"]["gguf"] = {
+            f"{L}/{bs}": limit_tpot_ms(facts, "float32", L, bs, args.gen, bandwidth, limit["weight_bytes"]["gguf"])
+            for L in contexts
+            for bs in batch_sizes
+        }
     if fid:
         fid.pop("tok")
         for v in fid["by_context"].values():
@@ -1088,9 +1250,11 @@ def run(args, env: dict) -> dict:
         "grid": grid,
         "pressure": pressure,
         "fidelity": fid,
+        "gguf_step_breakdown": breakdown,
         "multiturn_dtypes": mtd,
         "failed": failed,
     }
+    payload["env"] = env  # the harness finishes this record (the summary reads the CPU's flags)
     payload["summary"] = summarize(payload)
     return {"summary": payload.pop("summary"), **payload}
 

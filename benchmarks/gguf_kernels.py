@@ -6,7 +6,8 @@ a case total ``--working-set`` MB, several times the last-level cache):
 
 - ``fp32 F.linear``: torch's float32 linear (MKL) on the dequantized weight, what stock SGLang runs;
 - ``fp32 loopkv``: the float32 path sgl-loopkv serves today (``kernels/decode_linear.py``);
-- ``Q4_1 gemv`` / ``Q8_0 gemv``: the block kernel streaming the weight from its blocks;
+- ``Q4_1 gemv`` / ``Q8_0 gemv``: the block kernel streaming the weight from its blocks (the best instruction
+  set built here; ``Q4_1 gemv avx2``: the same bits through the 8-lane path, on a CPU with AVX-512);
 - ``Q4_1 tiles``: the prefill path (weight tiles dequantized to float32, torch's GEMM), at 32+ rows.
 
 Each has its bandwidth limit: the weight's bytes over the read bandwidth measured here (a float32
@@ -31,7 +32,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as T
 from gguf.constants import GGML_QUANT_SIZES
 
-from benchmarks.common import RESULTS, environment, machine_label, md_table, median, write_results
+from benchmarks.harness.env import environment, machine_label
+from benchmarks.harness.results import RESULTS, md_table, write_results
+from benchmarks.harness.stats import median
 from sgl_loopkv.kernels import decode_linear, gguf_linear
 
 SHAPES = {
@@ -93,12 +96,14 @@ def bandwidth_gbs(working_set: int) -> float:
 
 
 def systems(module):
-    gemv = lambda t: lambda x, w: module.gemv(x, w, int(t), None, False)  # noqa: E731
+    gemv = lambda t, path=-1: lambda x, w: module.gemv(x, w, int(t), None, path)  # noqa: E731
     return {
         "fp32 F.linear": (lambda out, inp: torch.randn(out, inp), lambda x, w: F.linear(x, w), 4.0),
         "fp32 loopkv": (lambda out, inp: torch.randn(out, inp), decode_linear.linear, 4.0),
         "Q4_1 gemv": (lambda out, inp: random_blocks(T.Q4_1, out, inp), gemv(T.Q4_1), 20 / 32),
         "Q8_0 gemv": (lambda out, inp: random_blocks(T.Q8_0, out, inp), gemv(T.Q8_0), 34 / 32),
+        # the same bits through the 8-lane path, where the build also has the 16-lane one
+        "Q4_1 gemv avx2": (lambda out, inp: random_blocks(T.Q4_1, out, inp), gemv(T.Q4_1, 1), 20 / 32),
         "Q4_1 tiles": (
             lambda out, inp: random_blocks(T.Q4_1, out, inp),
             lambda x, w: module.gemm_dequant(x, w, int(T.Q4_1), None, 512),
@@ -132,7 +137,8 @@ def markdown(res: dict) -> str:
         "# GGUF block kernels vs float32 on SmolLM2-135M's linear shapes",
         "",
         f"{res['machine']}: {cpu['model']}, flags {' '.join(cpu['flags'])}; load average at start "
-        f"{cpu['loadavg'][0]:.1f}; {res['env']['torch_threads']} torch threads; read bandwidth "
+        f"{cpu['loadavg'][0]:.1f}; {res['env']['torch_threads']} torch threads; gemv = the build's best path "
+        f"({(res.get('paths') or ['avx2'])[-1]}); read bandwidth "
         f"{res['bandwidth_gbs']:.1f} GB/s (one thread, fastest of 9 passes); median (min) of at least "
         f"{res['repeats']} calls, cold weights; limit = weight bytes / bandwidth (on a loaded machine the "
         "probe reads slower than an undisturbed stream, and a kernel can beat its limit). "
@@ -179,9 +185,10 @@ def main() -> None:
         raise SystemExit("the GGUF kernels did not build here (see the warning above)")
     bw = bandwidth_gbs(args.working_set << 20)
     res = {"machine": machine_label(), "cpu": cpu_facts(), "env": environment(), "bandwidth_gbs": bw}
-    res |= {"repeats": args.repeats, "working_set_mb": args.working_set, "parts": {}}
+    res |= {"repeats": args.repeats, "working_set_mb": args.working_set, "paths": module.paths(), "parts": {}}
     if "gemv" in args.parts:
         names = ["fp32 F.linear", "fp32 loopkv", "Q4_1 gemv", "Q8_0 gemv"]
+        names += ["Q4_1 gemv avx2"] if "avx512" in module.paths() else []
         res["parts"]["gemv"] = run_part(module, SHAPES, [1, 8], names, args.repeats, args, bw)
         write_results(name, res, markdown(res))
     if "prefill" in args.parts:

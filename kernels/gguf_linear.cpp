@@ -13,14 +13,17 @@
 // Every output is one float32 sum in one fixed order, whichever kernel computes it: four accumulators
 // of 8 lanes, lane l of accumulator j taking element 32 c + 8 j + l of chunk c (an FMA each, chunks in
 // order), then (a0 + a1) + (a2 + a3) and the lane reduction of hsum8. So a row's result does not depend
-// on the batch it is in, the thread split, the register or buffer path, or AVX2 against the portable
-// scalar path (which emulates the lanes with std::fma: tests/unit/test_gguf_kernels.py holds them equal).
+// on the batch it is in, the thread split, the register or buffer path, or the instruction set: the
+// AVX-512 path holds accumulators 0-1 and 2-3 in two 16-lane registers (the same per-lane FMAs, half the
+// instructions), the AVX2 path in four 8-lane ones, and the portable scalar path emulates the lanes with
+// std::fma (tests/unit/test_gguf_kernels.py holds all three equal). The best path the build has is the
+// default (-1); -march=native decides at build time, and the build is per CPU (kernels/native.py).
 //
 // Paths, by rows of x (the Python side picks by measurement, benchmarks/gguf_kernels.py):
-//  - gemv, M <= 2: each weight row streamed once, each chunk decoded into 4 registers and FMA'd into
-//    every row of x (the memory-bound decode step);
-//  - gemv, M > 2: each weight row decoded once into a thread's row buffer, then dotted with every row
-//    of x (the decode is paid once per weight row, not once per row of x);
+//  - gemv, few rows (2 with AVX2, 8 with AVX-512): each weight row streamed once, each chunk decoded
+//    into registers and FMA'd into every row of x (the memory-bound decode step);
+//  - gemv, more rows: each weight row decoded once into a thread's row buffer, then dotted with every
+//    row of x (the decode is paid once per weight row, not once per row of x);
 //  - gemm (prefill): tiles of weight rows dequantized to float32 and multiplied by torch's GEMM.
 // Work is split over torch's threads by output feature (at::parallel_for).
 
@@ -35,6 +38,9 @@
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define LOOPKV_GGUF_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define LOOPKV_GGUF_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -46,6 +52,7 @@ enum GgmlType : int64_t {
 };
 
 constexpr int64_t CHUNK = 32;
+constexpr int64_t PREFETCH_ROWS = 4;
 
 inline float f16(const uint8_t* p) {  // IEEE half to float, exact (what numpy's astype does)
   uint16_t h;
@@ -437,10 +444,159 @@ void row_dot_avx(const float* x, int64_t M, int64_t K, const uint8_t* wrow, floa
 }
 #endif
 
+#ifdef LOOPKV_GGUF_AVX512
+// ---- AVX-512: the same chunks, 16 lanes. z[0] holds accumulators 0 and 1 of the 8-lane order (its
+// lanes 0-7 and 8-15: elements 0-15 of the chunk), z[1] accumulators 2 and 3 (elements 16-31), so each
+// lane sees the same FMA sequence as the AVX2 path and the reduction below is the same sum, bit for bit.
+
+inline void i8_to_ps512(__m256i q, __m512* z) {  // 32 int8 values (element order) into two float vectors
+  z[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
+  z[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
+}
+
+// The AVX2 decode, joined into two 16-lane vectors: the types without a decode of their own below.
 template <class Q>
-void dequant_row(const uint8_t* wrow, int64_t K, float* out, bool portable) {
+inline void decode512(const uint8_t* row, int64_t c, __m512* z) {
+  __m256 w[4];
+  Q::avx(row, c, w);
+  z[0] = _mm512_insertf32x8(_mm512_castps256_ps512(w[0]), w[1], 1);
+  z[1] = _mm512_insertf32x8(_mm512_castps256_ps512(w[2]), w[3], 1);
+}
+// 4-bit types: the block's 16 possible weights computed once (exactly as numpy: the same multiply and
+// add per value), then each element looked up by its nibble (vpermps reads only an index's low 4 bits,
+// so a zero-extended byte indexes by its low nibble and the byte shifted right by 4 by its high one).
+inline __m512 iota16() {  // not a static: its guard check would make the loops spill their accumulators
+  return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+inline void lookup_nibbles(const uint8_t* qs, __m512 lut, __m512* z) {  // 16 bytes: low nibbles, then high
+  const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  z[0] = _mm512_permutexvar_ps(q, lut);
+  z[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), lut);
+}
+template <>
+inline void decode512<Q4_0>(const uint8_t* row, int64_t c, __m512* z) {
+  const uint8_t* b = row + c * Q4_0::BYTES;
+  const __m512 q = _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f));  // float(q - 8), exact
+  lookup_nibbles(b + 2, _mm512_mul_ps(_mm512_set1_ps(f16(b)), q), z);
+}
+template <>
+inline void decode512<Q4_1>(const uint8_t* row, int64_t c, __m512* z) {
+  const uint8_t* b = row + c * Q4_1::BYTES;
+  lookup_nibbles(b + 4, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(f16(b)), iota16()), _mm512_set1_ps(f16(b + 2))), z);
+}
+template <>
+inline void decode512<Q8_0>(const uint8_t* row, int64_t c, __m512* z) {
+  const uint8_t* b = row + c * Q8_0::BYTES;
+  i8_to_ps512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), z);
+  const __m512 vd = _mm512_set1_ps(f16(b));
+  z[0] = _mm512_mul_ps(z[0], vd), z[1] = _mm512_mul_ps(z[1], vd);
+}
+template <>
+inline void decode512<Q4_K>(const uint8_t* row, int64_t c, __m512* z) {  // 32 bytes, one nibble each
+  float dd, dm;
+  const uint8_t* b = Q4_K::sub(row, c, dd, dm);
+  const int s = int(c % 8);
+  const __m512 lut = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd), iota16()), _mm512_set1_ps(dm));
+  const uint8_t* q = b + 16 + 32 * (s / 2);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (s % 2));
+  for (int h = 0; h < 2; ++h) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * h)));
+    z[h] = _mm512_permutexvar_ps(_mm512_srl_epi32(v, shift), lut);
+  }
+}
+
+inline float hsum16x2(__m512 z0, __m512 z1) {  // (a0 + a1) + (a2 + a3), then hsum8: the AVX2 reduction
+  const __m256 a01 = _mm256_add_ps(_mm512_castps512_ps256(z0), _mm512_extractf32x8_ps(z0, 1));
+  const __m256 a23 = _mm256_add_ps(_mm512_castps512_ps256(z1), _mm512_extractf32x8_ps(z1, 1));
+  return hsum8(_mm256_add_ps(a01, a23));
+}
+
+template <class Q, int MR>
+inline void row_dot_regs512(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < K / CHUNK; ++c) {
+    __m512 z[2];
+    decode512<Q>(wrow, c, z);
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < 2; ++j) acc[m][j] = _mm512_fmadd_ps(z[j], _mm512_loadu_ps(x + m * K + c * CHUNK + 16 * j), acc[m][j]);
+  }
+  for (int m = 0; m < MR; ++m) y[m * ldy] = hsum16x2(acc[m][0], acc[m][1]);
+}
+
+template <int MR>
+inline void row_dot_buf512(const float* x, int64_t K, const float* buf, float* y, int64_t ldy) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += CHUNK)
+    for (int j = 0; j < 2; ++j) {
+      const __m512 w = _mm512_loadu_ps(buf + k + 16 * j);
+      for (int m = 0; m < MR; ++m) acc[m][j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + m * K + k + 16 * j), acc[m][j]);
+    }
+  for (int m = 0; m < MR; ++m) y[m * ldy] = hsum16x2(acc[m][0], acc[m][1]);
+}
+
+template <class Q>
+void row_dot_avx512(const float* x, int64_t M, int64_t K, const uint8_t* wrow, float* buf, float* y, int64_t ldy) {
+  switch (M) {  // up to 8 rows: 16 accumulators and a decoded chunk fit the 32 registers
+    case 1: return row_dot_regs512<Q, 1>(x, K, wrow, y, ldy);
+    case 2: return row_dot_regs512<Q, 2>(x, K, wrow, y, ldy);
+    case 3: return row_dot_regs512<Q, 3>(x, K, wrow, y, ldy);
+    case 4: return row_dot_regs512<Q, 4>(x, K, wrow, y, ldy);
+    case 5: return row_dot_regs512<Q, 5>(x, K, wrow, y, ldy);
+    case 6: return row_dot_regs512<Q, 6>(x, K, wrow, y, ldy);
+    case 7: return row_dot_regs512<Q, 7>(x, K, wrow, y, ldy);
+    case 8: return row_dot_regs512<Q, 8>(x, K, wrow, y, ldy);
+  }
+  for (int64_t c = 0; c < K / CHUNK; ++c) {
+    __m512 z[2];
+    decode512<Q>(wrow, c, z);
+    _mm512_storeu_ps(buf + c * CHUNK, z[0]);
+    _mm512_storeu_ps(buf + c * CHUNK + 16, z[1]);
+  }
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) row_dot_buf512<4>(x + m * K, K, buf, y + m * ldy, ldy);
+  switch (M - m) {
+    case 3: row_dot_buf512<3>(x + m * K, K, buf, y + m * ldy, ldy); break;
+    case 2: row_dot_buf512<2>(x + m * K, K, buf, y + m * ldy, ldy); break;
+    case 1: row_dot_buf512<1>(x + m * K, K, buf, y + m * ldy, ldy); break;
+  }
+}
+#endif
+
+// Instruction-set paths, each the same bits (see the top); -1 asks for the best this build has.
+enum Path : int64_t { PORTABLE = 0, AVX2 = 1, AVX512 = 2 };
+
+constexpr int64_t best_path() {
+#if defined(LOOPKV_GGUF_AVX512)
+  return AVX512;
+#elif defined(LOOPKV_GGUF_AVX2)
+  return AVX2;
+#else
+  return PORTABLE;
+#endif
+}
+
+int64_t resolve(int64_t path) {
+  TORCH_CHECK(path >= -1 && path <= best_path(), "gguf_linear: path ", path, " is not built here (best ", best_path(), ")");
+  return path < 0 ? best_path() : path;
+}
+
+template <class Q>
+void dequant_row(const uint8_t* wrow, int64_t K, float* out, int64_t path) {
+#ifdef LOOPKV_GGUF_AVX512
+  if (path == AVX512) {
+    for (int64_t c = 0; c < K / CHUNK; ++c) {
+      __m512 z[2];
+      decode512<Q>(wrow, c, z);
+      _mm512_storeu_ps(out + c * CHUNK, z[0]);
+      _mm512_storeu_ps(out + c * CHUNK + 16, z[1]);
+    }
+    return;
+  }
+#endif
 #ifdef LOOPKV_GGUF_AVX2
-  if (!portable) {
+  if (path != PORTABLE) {
     for (int64_t c = 0; c < K / CHUNK; ++c) {
       __m256 w[4];
       Q::avx(wrow, c, w);
@@ -492,16 +648,16 @@ int64_t grain_for(int64_t n) {
 
 }  // namespace
 
-bool has_avx2() {
-#ifdef LOOPKV_GGUF_AVX2
-  return true;
-#else
-  return false;
-#endif
+std::vector<std::string> paths() {  // the paths this build has, by their Path number
+  std::vector<std::string> out = {"portable"};
+  if (best_path() >= AVX2) out.push_back("avx2");
+  if (best_path() >= AVX512) out.push_back("avx512");
+  return out;
 }
 
-torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, bool portable) {
+torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, int64_t path) {
   const auto [N, K_] = check_weight(w, type, K);
+  path = resolve(path);
   torch::Tensor out = at::empty({N, K_}, at::TensorOptions().dtype(at::kFloat));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -509,14 +665,14 @@ torch::Tensor dequantize(torch::Tensor w, int64_t type, int64_t K, bool portable
   dispatch(type, [&](auto q) {
     using Q = decltype(q);
     at::parallel_for(0, N, grain_for(N), [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) dequant_row<Q>(wp + n * rb, K_, op + n * K_, portable);
+      for (int64_t n = begin; n < end; ++n) dequant_row<Q>(wp + n * rb, K_, op + n * K_, path);
     });
     return 0;
   });
   return out;
 }
 
-torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias, bool portable) {
+torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias, int64_t path) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gguf gemv: x is float32 [M, K]");
   const auto [N, K] = check_weight(w, type, x.size(1));
   x = x.contiguous();
@@ -526,16 +682,23 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-#ifndef LOOPKV_GGUF_AVX2
-  portable = true;
-#endif
+  path = resolve(path);
   dispatch(type, [&](auto q) {
     using Q = decltype(q);
     at::parallel_for(0, N, grain_for(N), [&](int64_t begin, int64_t end) {
       std::vector<float> buf(K);
       for (int64_t n = begin; n < end; ++n) {
+#ifdef LOOPKV_GGUF_AVX512
+        if (path != PORTABLE && n + PREFETCH_ROWS < end)  // a few rows ahead: the hardware prefetcher alone
+          // leaves a one-row decode waiting on memory (benchmarks/gguf_kernels.py: ~2x at the LM head)
+          for (int64_t b = 0; b < rb; b += 64) _mm_prefetch(reinterpret_cast<const char*>(wp + (n + PREFETCH_ROWS) * rb + b), _MM_HINT_T0);
+        if (path == AVX512) {
+          row_dot_avx512<Q>(xp, M, K, wp + n * rb, buf.data(), op + n, N);
+          continue;
+        }
+#endif
 #ifdef LOOPKV_GGUF_AVX2
-        if (!portable) {
+        if (path == AVX2) {
           row_dot_avx<Q>(xp, M, K, wp + n * rb, buf.data(), op + n, N);
           continue;
         }
@@ -564,7 +727,7 @@ torch::Tensor gemm_dequant(torch::Tensor x, torch::Tensor w, int64_t type, c10::
   const bool has_bias = bias.has_value() && bias->defined();
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t tn = std::min(tile, N - n0);
-    torch::Tensor wt = dequantize(w.narrow(0, n0, tn), type, K, false);
+    torch::Tensor wt = dequantize(w.narrow(0, n0, tn), type, K, -1);
     torch::Tensor y = has_bias ? at::addmm(bias->to(at::kFloat).narrow(0, n0, tn), x, wt.t()) : at::mm(x, wt.t());
     out.narrow(1, n0, tn).copy_(y);
   }
@@ -572,7 +735,7 @@ torch::Tensor gemm_dequant(torch::Tensor x, torch::Tensor w, int64_t type, c10::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("has_avx2", &has_avx2, "whether the AVX2 + F16C + FMA paths were compiled");
+  m.def("paths", &paths, "the instruction-set paths compiled here, indexed by the path argument: portable, avx2, avx512");
   m.def("dequantize", &dequantize, "GGUF blocks [N, row bytes] -> float32 [N, K] (bitwise gguf.quants.dequantize)");
   m.def("gemv", &gemv, "x [M, K] @ dequant(w).T (+ bias), streamed from the blocks, one fixed order per output");
   m.def("gemm_dequant", &gemm_dequant, "x @ dequant(w).T (+ bias): float32 tiles of the weight through torch's GEMM");

@@ -116,8 +116,8 @@ def test_dequantize_is_bitwise_the_gguf_package(native, small_file, qtype):
     assert w.shape == (OUT, IN) and w.qtype == qtype
     ref = reference(w)
     assert np.array_equal(bits(w.dequantize()), bits(ref))
-    for portable in (False, True):
-        assert np.array_equal(bits(native.dequantize(w.blocks, int(qtype), IN, portable)), bits(ref))
+    for path in range(len(native.paths())):  # portable, AVX2, AVX-512: each that this build has
+        assert np.array_equal(bits(native.dequantize(w.blocks, int(qtype), IN, path)), bits(ref))
     rows = torch.tensor([[OUT - 1, 0], [7, 7]])
     assert np.array_equal(bits(w.dequantize(rows)), bits(ref[rows.numpy()]))
 
@@ -132,9 +132,10 @@ def test_matmul_within_float_tolerance_of_float64(native, small_file, qtype):
         y = linear(x, w)
         assert y.shape == (rows, OUT) and y.dtype == torch.float32
         check_matmul(y, x, ref)
-        fast, portable = (native.gemv(x, w.blocks, int(qtype), None, p) for p in (False, True))
-        check_matmul(fast, x, ref)
-        assert torch.equal(fast, portable)  # the portable path sums in the AVX2 path's order
+        portable, *fast = (native.gemv(x, w.blocks, int(qtype), None, p) for p in range(len(native.paths())))
+        for y_isa in fast:
+            check_matmul(y_isa, x, ref)
+            assert torch.equal(y_isa, portable)  # every path sums in one order
     bias = torch.randn(OUT, generator=gen)
     x = torch.randn(3, 2, IN, generator=gen)
     assert torch.allclose(linear(x, w, bias), linear(x, w) + bias, rtol=0, atol=1e-6)
@@ -144,12 +145,12 @@ def test_matmul_within_float_tolerance_of_float64(native, small_file, qtype):
 def test_a_rows_result_does_not_depend_on_batch_or_threads(native, small_file, qtype):
     w = small_file[f"w.{qtype.name}"]
     x = torch.randn(GEMV_MAX_ROWS, IN, generator=torch.Generator().manual_seed(1))
-    alone = torch.cat([native.gemv(x[i : i + 1], w.blocks, int(qtype), None, False) for i in range(len(x))])
+    alone = torch.cat([native.gemv(x[i : i + 1], w.blocks, int(qtype), None, 0) for i in range(len(x))])  # portable
     threads = torch.get_num_threads()
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            for rows in (2, 3, 8, GEMV_MAX_ROWS):
+            for rows in (2, 3, 4, 5, 8, 9, GEMV_MAX_ROWS):  # both sides of each register path's row count
                 assert torch.equal(linear(x[:rows], w), alone[:rows]), (n, rows)
     finally:
         torch.set_num_threads(threads)

@@ -37,7 +37,7 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
     if module is None or weight.in_features % 32:
         y = F.linear(x2, dequantize_rows(weight.blocks, weight.qtype, weight.in_features), bias)
     elif x2.shape[0] <= GEMV_MAX_ROWS:
-        y = module.gemv(x2, weight.blocks, int(weight.qtype), bias, False)
+        y = module.gemv(x2, weight.blocks, int(weight.qtype), bias, -1)  # -1: the best instruction set built
     else:
         y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE)
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)

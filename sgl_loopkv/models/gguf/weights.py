@@ -210,3 +210,21 @@ def attach(model, gguf_path: str | Path) -> int:
     gc.collect()
     logger.info("gguf weights: %d layers from %s, %.0f MB of loaded weights freed", len(plan), gguf.path, freed / 2**20)
     return freed
+
+
+def decode_step_linears(gguf: GGUFFile) -> list[BlockLinear]:
+    """The block matrices one decode step of a llama-family file multiplies, in order (per block qkv,
+    output, gate+up, down; then the LM head, ``output`` or the tied ``token_embd``), stacked as
+    :func:`attach` serves them; q/k rows as stored (for timing and byte counts, not for serving)."""
+    n_blocks = int(gguf.metadata(f"{gguf.architecture}.block_count", 0))
+    out = []
+    for i in range(n_blocks):
+        b = f"blk.{i}."
+        out += [
+            _stack([gguf[b + f"attn_{n}.weight"] for n in "qkv"]),
+            _stack([gguf[b + "attn_output.weight"]]),
+            _stack([gguf[b + "ffn_gate.weight"], gguf[b + "ffn_up.weight"]]),
+            _stack([gguf[b + "ffn_down.weight"]]),
+        ]
+    head = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+    return [*out, _stack([gguf[head]])]
