@@ -131,6 +131,21 @@ def run_part(module, shapes, rows_list, names, repeats, args, bw) -> list[dict]:
     return cells
 
 
+def summarize(res: dict) -> dict:
+    """Per shape at one row (a decode step): float32 F.linear / Q4_1 gemv, and the 8-lane path / the best
+    path where both ran (> 1: the block kernel, or the wider path, is faster); medians."""
+    by = {(c["shape"], c["rows"], c["system"]): c["ms"] for c in res["parts"].get("gemv", [])}
+    out: dict = {"fp32_over_q4_1_gemv_1row": {}, "avx2_over_best_q4_1_1row": {}}
+    for shape in SHAPES:
+        f, q, a = (by.get((shape, 1, n)) for n in ("fp32 F.linear", "Q4_1 gemv", "Q4_1 gemv avx2"))
+        key = shape.split()[0]
+        if f and q:
+            out["fp32_over_q4_1_gemv_1row"][key] = f / q
+        if a and q:
+            out["avx2_over_best_q4_1_1row"][key] = a / q
+    return out
+
+
 def markdown(res: dict) -> str:
     cpu = res["cpu"]
     lines = [
@@ -162,6 +177,11 @@ def markdown(res: dict) -> str:
                 row += [by[(shape, r, n)]["limit_ms"] for n in names]
             rows.append(row)
         lines += ["", f"## {title}", "", md_table(header, rows)]
+    sm = res.get("summary") or {}
+    for key, what in (("fp32_over_q4_1_gemv_1row", "float32 F.linear / Q4_1 gemv"),
+                      ("avx2_over_best_q4_1_1row", "Q4_1 gemv, AVX2 path / best path")):  # fmt: skip
+        if sm.get(key):
+            lines += ["", f"{what}, one row: " + ", ".join(f"{k} {v:.2f}x" for k, v in sm[key].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -196,6 +216,7 @@ def main() -> None:
         res["parts"]["prefill"] = run_part(
             module, PREFILL_SHAPES, [16, 32, 64], names, max(3, args.repeats // 4), args, bw
         )
+    res["summary"] = summarize(res)
     json_path, md_path = write_results(name, res, markdown(res))
     print(f"wrote {json_path} and {md_path}")
 
