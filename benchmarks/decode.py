@@ -43,6 +43,15 @@ prefill and larger batches (compute-bound) are several times slower. Then the bf
 table shows what bf16 costs there. The headline dtype (pressure scenario, the summary's TPOT
 ratio) is the launcher's default, float32 (bf16 is opt-in: ``platform.default_cpu_dtype``).
 
+GGUF system (issue 53): ``loopkv-gguf`` serves the default model's GGUF file itself (``--model-path``),
+float32 activations and KV; its limit row reads the file's bytes once a step, its fidelity is scored
+against loopkv-fp32 at the contexts from 2K up, and :mod:`benchmarks.decode_gguf` adds the step breakdown
+at the context nearest 4K and each server's memory after warm-up. The summary's ``gguf_*`` keys and the
+ratios beside them are the issue's targets (llama.cpp's prefill = its first token on a cold prompt).
+
+    python -m benchmarks.decode --systems loopkv-fp32 stock-fp32 loopkv-gguf llamacpp \
+        --contexts 2048 4096 8192 --batch-sizes 1 8 --gen 32 --parts grid fidelity --out decode_gguf_run
+
     python -m benchmarks.decode                    # full run (~65 min on 2 cores with native bf16)
     python -m benchmarks.decode --quick            # contexts 512/2048, bs 1/4, fewer tokens
     python -m benchmarks.decode --quick --systems loopkv-fp32 --parts grid
