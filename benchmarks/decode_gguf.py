@@ -13,13 +13,12 @@ machine's cores as well)."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import psutil
 import torch
 
+from benchmarks.harness.stats import median_call_s
 from sgl_loopkv.attention.executor import TorchDenseExecutor
 from sgl_loopkv.attention.plan import AttentionPlan
 from sgl_loopkv.models.gguf.reader import GGUFFile
@@ -46,17 +45,6 @@ def geometry(path: Path) -> dict:
     }
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def step_breakdown(path: Path, context: int, tpot_ms: float | None, repeats: int = 15) -> dict:
     """ms per decode step: weights, attention, other (served TPOT minus both; None without a TPOT)."""
     geo = geometry(path)
@@ -77,8 +65,8 @@ def step_breakdown(path: Path, context: int, tpot_ms: float | None, repeats: int
         for _ in range(geo["layers"]):
             ex.run_decode(plan, q, k, v, d**-0.5, out)
 
-    w_ms = 1000 * _median_s(weights, repeats)
-    a_ms = 1000 * _median_s(attention, repeats)
+    w_ms = 1000 * median_call_s(weights, repeats)
+    a_ms = 1000 * median_call_s(attention, repeats)
     return {
         "context": context,
         "tpot_ms": tpot_ms,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 
 def percentile(xs, q: float) -> float:
@@ -41,3 +42,15 @@ def nearest_rank(xs, q: float) -> float | None:
     if not xs:
         return None
     return float(statistics.median(xs)) if q == 0.5 else xs[min(int(q * len(xs)), len(xs) - 1)]
+
+
+def median_call_s(fn, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn()`` after two untimed warm-up calls."""
+    fn()
+    fn()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)

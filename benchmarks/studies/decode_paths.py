@@ -17,8 +17,6 @@ of ``--repeats`` calls after warm-up, SmolLM2's head shape (9 query heads, 3 KV 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from functools import partial
 
 import torch
@@ -26,6 +24,7 @@ from tqdm import tqdm
 
 from benchmarks.harness.env import environment
 from benchmarks.harness.results import md_table
+from benchmarks.harness.stats import median_call_s
 from benchmarks.studies import write_results
 from sgl_loopkv.attention.executor import DecodePath, TorchDenseExecutor
 from sgl_loopkv.attention.plan import MAX_RUNS, AttentionPlan
@@ -52,17 +51,6 @@ def gather_all(k: torch.Tensor, v: torch.Tensor, idx: torch.Tensor, indptr: list
     return [(k[idx[a:b]], v[idx[a:b]]) for a, b in zip(indptr, indptr[1:])]
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def measure(contexts, batch_sizes, repeats) -> list[dict]:
     ex = TorchDenseExecutor()
     rows = []
@@ -83,10 +71,10 @@ def measure(contexts, batch_sizes, repeats) -> list[dict]:
                 continue
             ex.decode_path = lambda plan, k_cache, p=path: DecodePath(p)  # forced, for the table
             out = torch.empty(bs, HQ, D)
-            row[path] = timed(partial(ex.run_decode, plan, q, k, v, D**-0.5, out), repeats)
+            row[path] = median_call_s(partial(ex.run_decode, plan, q, k, v, D**-0.5, out), repeats)
             ref = out.clone() if ref is None else ref
             torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)  # every path computes the same thing
-        row["gather only"] = timed(partial(gather_all, k, v, idx, indptr), repeats)
+        row["gather only"] = median_call_s(partial(gather_all, k, v, idx, indptr), repeats)
         del ex.decode_path
         row["rule"] = str(ex.decode_path(plan, k))
         rows.append(row)
