@@ -81,7 +81,7 @@ from benchmarks.harness import cli
 from benchmarks.harness.env import cpu_flags, environment, finish
 from benchmarks.harness.plot import figure
 from benchmarks.harness.results import RESULTS, load, md_table
-from benchmarks.harness.stats import percentile
+from benchmarks.harness.stats import percentile, ratio
 from sgl_loopkv import platform
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
@@ -723,9 +723,6 @@ def gguf_summary(p: dict) -> dict:
     def tok_s(name, L, bs):
         c = cell(res, name, L, bs)
         return c["tok_s"] if c else None
-
-    def ratio(a, b):
-        return a / b if a is not None and b else None
 
     def mem(name):
         return ((res.get(name) or {}).get("memory_after_warmup") or {}).get("rss_mb")
