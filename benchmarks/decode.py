@@ -50,7 +50,7 @@ at the context nearest 4K and each server's memory after warm-up. The summary's 
 ratios beside them are the issue's targets (llama.cpp's prefill = its first token on a cold prompt).
 
     python -m benchmarks.decode --systems loopkv-fp32 stock-fp32 loopkv-gguf llamacpp \
-        --contexts 2048 4096 8192 --batch-sizes 1 8 --gen 32 --parts grid fidelity --out decode_gguf_run
+        --contexts 2048 4096 8000 --batch-sizes 1 8 --gen 32 --parts grid fidelity --out decode_gguf_run
 
     python -m benchmarks.decode                    # full run (~65 min on 2 cores with native bf16)
     python -m benchmarks.decode --quick            # contexts 512/2048, bs 1/4, fewer tokens

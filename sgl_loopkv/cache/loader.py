@@ -24,9 +24,13 @@ from dataclasses import dataclass
 import torch
 
 from sgl_loopkv.cache.copy_stream import CopyStream
+from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.kernels import kv_load
 from sgl_loopkv.platform import keep_torch_on_this_thread
 
 logger = logging.getLogger(__name__)
+
+DECODE_BLOCK = 512  # tokens of an int8 layer decoded at a time: SmolLM2's K and V of 512 tokens are 1.5 MB
 
 
 @dataclass(slots=True)
@@ -46,7 +50,7 @@ class LayerwiseLoader:
         k_buffers: list[torch.Tensor],
         v_buffers: list[torch.Tensor],
         synchronous: bool = False,
-        on_copy: Callable[[int, float], None] = lambda nbytes, seconds: None,
+        on_copy: Callable[[int, float, float], None] = lambda nbytes, decode_s, copy_s: None,
         on_wait: Callable[[float], None] = lambda seconds: None,
     ):
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
@@ -58,6 +62,8 @@ class LayerwiseLoader:
         self._done = [0] * self.num_layers  # jobs that finished layer l
         self.copies = CopyStream(k_buffers[0].device)
         self._copied: list = [None] * self.num_layers  # CUDA: layer l's latest copy event, not yet waited on
+        self._block: torch.Tensor | None = None  # the int8 decode buffer (loader thread only)
+        self._kv_load = kv_load.load() if k_buffers[0].device.type == "cpu" else None
         self._queue: queue.Queue[tuple[list[LoadPart], object] | None] = queue.Queue()
         self._thread = None
         if not synchronous:
@@ -108,18 +114,34 @@ class LayerwiseLoader:
 
     def _copy_layer(self, parts: list[LoadPart], layer: int) -> None:
         try:
-            t0, nbytes = time.perf_counter(), 0
+            decode_s = copy_s = 0.0
+            nbytes = 0
+            k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
             for p in parts:
                 skip = p.skip[layer] if p.skip is not None else 0
-                if skip >= len(p.slots):
+                n = len(p.slots)
+                if skip >= n:
                     continue
-                kv = p.kv[layer][:, skip:]
-                k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
-                k_buf.index_copy_(0, p.slots[skip:], kv[0].to(k_buf.device, k_buf.dtype))
-                v_buf.index_copy_(0, p.slots[skip:], kv[1].to(v_buf.device, v_buf.dtype))
-                nbytes += kv.numel() * k_buf.element_size()
+                a = time.perf_counter()
+                if self._native_layer(p, layer, skip, k_buf, v_buf):  # decoded inside the copy
+                    nbytes += 2 * (n - skip) * k_buf[0].numel() * k_buf.element_size()
+                    copy_s += time.perf_counter() - a
+                    continue
+                # int8 rows decode a block at a time into one reused buffer that stays in the CPU's
+                # cache, not into a layer-sized temporary written out to memory and read back
+                blocked = isinstance(p.kv, QuantKV) and k_buf.device.type == "cpu"
+                step = DECODE_BLOCK if blocked else n
+                for t0 in range(skip, n, step):
+                    t1 = min(t0 + step, n)
+                    a = time.perf_counter()
+                    kv = self._decoded(p.kv, layer, t0, t1, blocked)
+                    b = time.perf_counter()
+                    k_buf.index_copy_(0, p.slots[t0:t1], kv[0].to(k_buf.device, k_buf.dtype))
+                    v_buf.index_copy_(0, p.slots[t0:t1], kv[1].to(v_buf.device, v_buf.dtype))
+                    nbytes += kv.numel() * k_buf.element_size()
+                    decode_s, copy_s = decode_s + b - a, copy_s + time.perf_counter() - b
             if nbytes:
-                self.on_copy(nbytes, time.perf_counter() - t0)
+                self.on_copy(nbytes, decode_s, copy_s)
         except Exception:  # never leave the forward waiting on a layer that will not come
             logger.exception("loopkv: copying layer %d into the KV pool failed", layer)
         event = self.copies.copied()
@@ -128,6 +150,41 @@ class LayerwiseLoader:
                 self._copied[layer] = event
             self._done[layer] += 1
             self._cond.notify_all()
+
+    def _native_layer(self, p: LoadPart, layer: int, skip: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+        """Layer ``layer`` of ``p`` from token ``skip`` on through :mod:`sgl_loopkv.kernels.kv_load`;
+        False (nothing copied) where it does not apply: a shared layer, a pool it does not take."""
+        if self._kv_load is None:
+            return False
+        if isinstance(p.kv, QuantKV):
+            k, v = p.kv.q[layer, 0, skip:], p.kv.q[layer, 1, skip:]
+            scales = p.kv.scale[layer, 0, skip:], p.kv.scale[layer, 1, skip:]
+        elif isinstance(p.kv, torch.Tensor):
+            k, v = p.kv[layer, 0, skip:], p.kv[layer, 1, skip:]
+            scales = None, None
+        else:
+            return False
+        if not (kv_load.fits(k, k_buf) and kv_load.fits(v, v_buf)):
+            return False
+        slots = p.slots[skip:]
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            slots = slots.to(torch.int64).contiguous()
+        self._kv_load.load_layer(k, v, *scales, slots, k_buf, v_buf)
+        return True
+
+    def _decoded(self, kv, layer: int, t0: int, t1: int, blocked: bool) -> torch.Tensor:
+        """Tokens [t0, t1) of layer ``layer`` of a part's KV as [2, t1 - t0, H, D]: a view of a plain
+        tensor, a shared layer decoded whole, an int8 block decoded (``blocked``: into the loader's
+        reused buffer; a CPU pool's copy out of it finishes before the next block is decoded)."""
+        if not isinstance(kv, QuantKV):
+            return kv[layer][:, t0:t1]
+        q, scale = kv.q[layer, :, t0:t1], kv.scale[layer, :, t0:t1].unsqueeze(-1)
+        if not blocked:
+            return torch.mul(q, scale)
+        if self._block is None or self._block.shape[2:] != q.shape[2:] or self._block.shape[1] < q.shape[1]:
+            self._block = torch.empty((2, max(q.shape[1], DECODE_BLOCK), *q.shape[2:]), dtype=torch.float32)
+        out = self._block[:, : q.shape[1]]
+        return torch.mul(q, scale, out=out)
 
     def _run(self) -> None:
         keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward

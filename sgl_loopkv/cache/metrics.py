@@ -61,7 +61,15 @@ class TierMetrics:
             multiprocess_mode="mostrecent",
         )
         self.restore_seconds = Counter(
-            "loopkv_restore_seconds", "Restore time by stream: recompute, load (copy into the pool), bubble", ["part"]
+            "loopkv_restore_seconds",
+            "Resume time by part (restore.restorer.STAGES): lookup, plan, fetch, alloc, recompute on the scheduler "
+            "thread; decode, copy (load = both) on the loader thread; bubble = the forward waiting for a load",
+            ["part"],
+        )
+        self.disk_seconds = Counter(
+            "loopkv_disk_seconds",
+            "Disk tier reads by part: read (preads, summed over threads), verify (crc32 or decryption)",
+            ["part"],
         )
         self._last_restore = None
         self.pruned = Counter(
@@ -100,20 +108,9 @@ class TierMetrics:
         if stats.last_plan:
             self.restore_last_split.labels(layer="first").set(stats.last_plan[0])
             self.restore_last_split.labels(layer="last").set(stats.last_plan[-1])
-        for part, now, before in (
-            ("recompute", stats.recompute_seconds, last.recompute_seconds),
-            ("load", stats.load_seconds, last.load_seconds),
-            ("bubble", stats.bubble_seconds, last.bubble_seconds),
-        ):
-            self.restore_seconds.labels(part=part).inc(max(now - before, 0.0))
-        self._last_restore = type(stats)(
-            stats.restores,
-            stats.recomputed_token_layers,
-            stats.loaded_token_layers,
-            stats.recompute_seconds,
-            stats.load_seconds,
-            stats.bubble_seconds,
-        )
+        for part, now in stats.seconds.items():
+            self.restore_seconds.labels(part=part).inc(max(now - last.seconds.get(part, 0.0), 0.0))
+        self._last_restore = stats.snapshot()
 
     def publish_pruned(self, stats) -> None:
         """Chunk-pruned restore totals (:class:`sgl_loopkv.cache.pruned.PrunedStats`); read amplification =
@@ -158,6 +155,8 @@ class TierMetrics:
         self.disk_read.inc(stats.disk_bytes_read - last.disk_bytes_read)
         self.disk_used.inc(stats.disk_bytes_used - last.disk_bytes_used)
         self.load_seconds.inc(stats.load_seconds - last.load_seconds)
+        self.disk_seconds.labels(part="read").inc(max(stats.disk_read_seconds - last.disk_read_seconds, 0.0))
+        self.disk_seconds.labels(part="verify").inc(max(stats.disk_verify_seconds - last.disk_verify_seconds, 0.0))
         self.corrupt.inc(stats.corrupt_segments - last.corrupt_segments)
         self.write_errors.inc(stats.disk_write_errors - last.disk_write_errors)
         self.gone.inc(stats.gone_segments - last.gone_segments)
@@ -186,4 +185,6 @@ class TierMetrics:
             disk_expired=stats.disk_expired,
             forgets=stats.forgets,
             pins_refused=stats.pins_refused,
+            disk_read_seconds=stats.disk_read_seconds,
+            disk_verify_seconds=stats.disk_verify_seconds,
         )

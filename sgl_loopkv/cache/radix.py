@@ -61,6 +61,7 @@ from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
 from sgl_loopkv.cache.metrics import TierMetrics
 from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, PrunedStats, Source
+from sgl_loopkv.cache.requests import RequestState, RequestStates
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.config import PrefixConfig
@@ -81,7 +82,7 @@ UNSALTED = "loopkv-unsalted-"  # the salt prefix --loopkv-require-salt gives req
 # A request whose history is read ahead from disk (cache/prefetch.py) is held back at most this long,
 # then reads inline like before (a read slower than this is a disk in trouble, not a queue).
 READ_AHEAD_WAIT_S = 30.0
-READ_AHEAD = "<disk read ahead>"  # its _awaiting key (announced chunks are keyed by their hash)
+READ_AHEAD = "<disk read ahead>"  # what RequestState.awaiting names (announced chunks: their hash)
 PADDING_SLOT = 0  # SGLang's allocators never hand out the pool's first page: dummy writes land there
 
 
@@ -126,14 +127,7 @@ class LoopKVRadixCache(RadixCache):
         kv_pool.register_layer_transfer_counter(self.loader)
         logger.info("loopkv: layer-wise loads overlap the forward (the KV pool's layer transfer counter)")
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
-        self._req_loads: OrderedDict[str, dict[str, int]] = OrderedDict()  # rid -> tokens loaded per source
-        # rid -> (prompt chunks, their chain hashes, position of the last lookup that found nothing, when)
-        self._lookups: OrderedDict[str, tuple[int, list[str], int, float]] = OrderedDict()
-        # rid -> (the announced chunk its lookup ended at, until when it is worth waiting for, whether
-        # the last lookup still ended there): the scheduler holds such a request back (awaits_write)
-        self._awaiting: OrderedDict[str, tuple[str, float, bool]] = OrderedDict()
-        self._probed: OrderedDict[str, None] = OrderedDict()  # requests looked up at least once
-        self._pins: OrderedDict[str, str] = OrderedDict()  # rid -> its pin's outcome (retention.pin_outcome)
+        self.requests = RequestStates()  # per request: its loads, lookups, hold-backs, pin, pruned restore
         self._probing = False  # in awaits_write's lookup: a request may be held back for its disk reads
         self._trimmed_at = 0.0
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
@@ -149,7 +143,6 @@ class LoopKVRadixCache(RadixCache):
         self.pruned: OrderedDict[str, PrunedRestore] = OrderedDict()  # rid -> its chunk-pruned restore
         self.pruned_adopted: set[str] = set()  # rids whose row holds their restore's slots
         self.pruned_stats = PrunedStats()  # every finished pruned restore, summed
-        self._pruned_done: OrderedDict[str, PrunedStats] = OrderedDict()  # rid -> its restore's accounting
         self.chunk_reader = ChunkReader()
         if self.prefix.enabled and self.store.disk is not None:
             from sgl_loopkv.kernels import chunk_io
@@ -257,7 +250,7 @@ class LoopKVRadixCache(RadixCache):
                     self._touch_path(lock.node, mass)
                     if hint.retain == "pin":
                         outcome = retention.pin_outcome(retention.pin_path(self, lock.node, hint.ttl_s))
-                        self._remember(self._pins, rid, outcome)
+                        self.requests.of(rid).pin = outcome
                 finally:
                     self.unlock(lock)
                     for n, record in announced:  # not stored under that name: lookups stop waiting for it
@@ -490,12 +483,13 @@ class LoopKVRadixCache(RadixCache):
         key = key.page_aligned(self.page_size)
         if len(key) == 0:
             return self._empty_match_result
+        t_lookup = time.perf_counter()
         self.store.sync()  # evictions the disk writer made: their nodes go before the walk
         if self.store.disk is not None:
             apply_forget_notes(self)  # another worker's forgets: this worker's copies go before the walk
         device_len, last_device, stored = self._walk(key)
         if getattr(params, "req", None) is not None and self.store.disk is not None:
-            self._remember(self._probed, params.req.rid, None)
+            self.requests.of(params.req.rid).probed = True
             end = stored[-1] if stored else last_device
             stored += self._discover(key, end, device_len + sum(len(nd.key) for nd in stored), params.req.rid)
         req = getattr(params, "req", None)
@@ -525,6 +519,7 @@ class LoopKVRadixCache(RadixCache):
                 best_match_node=last_device,
             )
         if stored and req is not None:
+            self.restorer.add_seconds("lookup", time.perf_counter() - t_lookup)
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
             self.metrics.publish(self.store.count_tokens())
@@ -569,7 +564,8 @@ class LoopKVRadixCache(RadixCache):
         if pos >= len(key) or key[pos:].child_key(page) in node.children:
             return []  # the tree knows this continuation (its copy is gone): not looked up again
         now, n = time.monotonic(), len(key) // page
-        last = self._lookups.get(rid)
+        state = self.requests.of(rid)
+        last = state.lookup
         if last is not None and last[0] == n and last[2] == pos and now - last[3] < RELOOK_S:
             return []  # the same request, still waiting: nothing found here a moment ago
         chain = last[1] if last is not None and last[0] == n else self._chain(key.raw_token_ids(), key)
@@ -577,11 +573,11 @@ class LoopKVRadixCache(RadixCache):
         while pos < len(key):
             found = self.store.disk.probe(chain, pos // page)
             if isinstance(found, Announced) and self._await(rid, chain[pos // page], found, now):
-                self._remember(self._lookups, rid, (n, chain, pos, -math.inf))  # looked up again next round
+                state.lookup = (n, chain, pos, -math.inf)  # looked up again next round
                 break
             self._stop_awaiting(rid)
             if not isinstance(found, Found):
-                self._remember(self._lookups, rid, (n, chain, pos, now))
+                state.lookup = (n, chain, pos, now)
                 break
             n = (found.hi - found.lo) * page
             self.store.register(found.record)
@@ -597,19 +593,13 @@ class LoopKVRadixCache(RadixCache):
             )
         return found_nodes
 
-    @staticmethod
-    def _remember(table: OrderedDict, rid: str, value) -> None:
-        table[rid] = value
-        table.move_to_end(rid)
-        while len(table) > 4096:
-            table.popitem(last=False)
-
     def _await(self, rid: str, chunk_hash: str, announced: Announced, now: float) -> bool:
         """The lookup of ``rid`` ended at a chunk another worker announced: whether to hold the
         request back for it (its budget counted from when this request first saw that announcement)."""
-        prev = self._awaiting.get(rid)
+        state = self.requests.of(rid)
+        prev = state.awaiting
         until = prev[1] if prev is not None and prev[0] == chunk_hash else now + announced.wait_s
-        self._remember(self._awaiting, rid, (chunk_hash, until, now < until))
+        state.awaiting = (chunk_hash, until, now < until)
         return now < until
 
     def _reads_ahead(self, stored: list[TreeNode], rid: str) -> bool:
@@ -618,20 +608,21 @@ class LoopKVRadixCache(RadixCache):
         Never past ``READ_AHEAD_WAIT_S`` from its first wait: then it reads inline, as before."""
         if not any([self.store.read_ahead(_ref(nd)[0]) for nd in stored]):  # every read started, not just the first
             return False
-        now, prev = time.monotonic(), self._awaiting.get(rid)
+        state = self.requests.of(rid)
+        now, prev = time.monotonic(), state.awaiting
         if prev is None or prev[0] != READ_AHEAD:
             logger.info(
                 "loopkv: reading %d stored tokens from disk ahead of their request (held in the queue meanwhile)",
                 sum(len(nd.key) for nd in stored if self.store.tier_of(_ref(nd)[0]) == "disk"),
             )
         until = prev[1] if prev is not None and prev[0] == READ_AHEAD else now + READ_AHEAD_WAIT_S
-        self._remember(self._awaiting, rid, (READ_AHEAD, until, now < until))
+        state.awaiting = (READ_AHEAD, until, now < until)
         return now < until
 
     def _stop_awaiting(self, rid: str) -> None:
-        prev = self._awaiting.get(rid)
-        if prev is not None and prev[2]:
-            self._awaiting[rid] = (prev[0], prev[1], False)
+        state = self.requests.get(rid)
+        if state is not None and state.awaiting is not None and state.awaiting[2]:
+            state.awaiting = (*state.awaiting[:2], False)
 
     def awaits_write(self, req) -> bool:
         """Whether the scheduler should hold ``req`` back this round: its history goes on in a
@@ -643,18 +634,17 @@ class LoopKVRadixCache(RadixCache):
         if self.disable or self.store.disk is None:
             return False
         rid = req.rid
-        waiting = self._awaiting.get(rid)
-        if rid in self._probed and (waiting is None or not waiting[2]):
+        state = self.requests.of(rid)
+        if state.probed and (state.awaiting is None or not state.awaiting[2]):
             return False
-        self._remember(self._probed, rid, None)
+        state.probed = True
         self._stop_awaiting(rid)  # the lookup below says it again if it still ends at an announcement
         self._probing = True  # a disk-only history is read ahead while the request waits, not in the match
         try:
             req.init_next_round_input(self)
         finally:
             self._probing = False
-        waiting = self._awaiting.get(rid)
-        return waiting is not None and waiting[2]
+        return state.awaiting is not None and state.awaiting[2]
 
     # --- chunk-pruned restores (ContiguousKV, :mod:`sgl_loopkv.cache.pruned`) ---------------------
     def _prunes(self, stored: list[TreeNode]) -> bool:
@@ -708,7 +698,7 @@ class LoopKVRadixCache(RadixCache):
                 sources.append(Source(seg, lo, hi, first, host_kv, fd, header, cache))
                 summaries.append(summ)
                 first += hi - lo
-                tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0, "shared": 0})
+                tally = self.requests.of(req.rid).loads
                 tally[tier] += len(node.key)
                 if tier == "disk" and self.store.written_elsewhere(seg):
                     tally["shared"] += len(node.key)
@@ -806,9 +796,7 @@ class LoopKVRadixCache(RadixCache):
         self.token_to_kv_pool_allocator.free(job.slots)  # the page cache is not in the row's freed range
         stats = job.account()
         self.pruned_stats.add(stats)
-        self._pruned_done[rid] = stats
-        while len(self._pruned_done) > 4096:
-            self._pruned_done.popitem(last=False)
+        self.requests.of(rid).pruned = stats
         for seg in job.bad_segments:
             logger.warning("loopkv: segment %s had damaged extents: removed, that history is recomputed next time", seg)
             self.store.forget_corrupt(seg)
@@ -889,11 +877,14 @@ class LoopKVRadixCache(RadixCache):
         for node in stored:
             seg, lo, hi = _ref(node)
             skip = [min(max(s - off, 0), len(node.key)) // self.page_size for s in plan.recompute]
+            t_fetch = time.perf_counter()
             try:
                 kv, tier = self.store.fetch(seg, lo, hi, skip, keep=restoring)
             except CorruptSegment as e:
                 logger.warning("loopkv: %s; recomputing that part of the history", e)
                 break  # _on_segment_lost already removed the node and its subtree
+            finally:
+                self.restorer.add_seconds("fetch", time.perf_counter() - t_fetch)
             if tier == "disk":
                 self.restorer.observe_disk(*self.store.last_disk_read)
             parts.append((node, kv, tier))
@@ -912,7 +903,9 @@ class LoopKVRadixCache(RadixCache):
         if n < job.total:  # a bad segment cut the history short: same plan, clipped (still valid)
             job = replace(job, total=n, disk_tokens=sum(len(nd.key) for nd, _, t in parts if t == "disk"))
             plan = RestorePlan(n, tuple(min(s, n) for s in plan.recompute))
+        t_alloc = time.perf_counter()
         slots = self._alloc(n, last_device)
+        self.restorer.add_seconds("alloc", time.perf_counter() - t_alloc)
         if slots is None:
             return 0, last_device
         loads, off = [], 0
@@ -924,13 +917,11 @@ class LoopKVRadixCache(RadixCache):
             self._update_leaf_status(node)
             self._update_leaf_status(node.parent)
             loads.append(LoadPart(kv, node.value, skip))
-            tally = self._req_loads.setdefault(req.rid, {"host": 0, "disk": 0, "shared": 0})
+            tally = self.requests.of(req.rid).loads
             tally[tier] += len(node.key)
             if tier == "disk" and self.store.written_elsewhere(_ref(node)[0]):
                 tally["shared"] += len(node.key)
             self.store.stats.hit_tokens[tier] += len(node.key)
-        while len(self._req_loads) > 4096:
-            self._req_loads.popitem(last=False)
         self.loader.submit(loads)
         elapsed = time.perf_counter() - t0
         self.store.stats.load_seconds += elapsed
@@ -990,12 +981,13 @@ class LoopKVRadixCache(RadixCache):
     def tier_breakdown(self, rid: str, cached_tokens: int) -> dict[str, int]:
         """Cached tokens of request ``rid`` by the tier they came from (device = already there);
         ``shared``: the part of ``disk`` that another worker process had stored."""
-        loads = self._req_loads.get(rid, {"host": 0, "disk": 0, "shared": 0})
+        state = self.requests.get(rid) or RequestState()
+        loads = state.loads
         host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
         out = {"device": cached_tokens - host - disk, "host": host, "disk": disk, "shared": min(loads["shared"], disk)}
-        job, done = self.pruned.get(rid), self._pruned_done.get(rid)
-        if rid in self._pins:  # a "retain": "pin" request, stored and pinned (or not) before its last token
-            out["pin"] = self._pins[rid]
+        job, done = self.pruned.get(rid), state.pruned
+        if state.pin is not None:  # a "retain": "pin" request, stored and pinned (or not) before its last token
+            out["pin"] = state.pin
         stats = done or (job.account() if job is not None else None)
         if stats is not None:  # a chunk-pruned restore: what it read and used (per request)
             out["pruned"] = {

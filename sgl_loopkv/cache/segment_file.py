@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import struct
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -105,6 +106,10 @@ class SegmentCodec:
     cipher: SegmentCipher | None = None
     bytes_read: int = field(default=0)
     reads: int = field(default=0)  # extent reads issued (cold reads cost per request here, not per byte)
+    read_s: float = field(
+        default=0.0
+    )  # Python-side reads (:meth:`read`, :meth:`read_chunks`): preads, summed over threads
+    verify_s: float = field(default=0.0)  # and their crc32s or decryption
     _crc_tables: dict = field(default_factory=dict, repr=False)
 
     def encode(
@@ -304,11 +309,13 @@ class SegmentCodec:
         eb, crcs = self.geometry.extent_bytes, header.get("extent_crc32")
 
         def pread(i: int) -> bytes | np.ndarray:
-            b = blocks[i]
+            b, t0 = blocks[i], time.perf_counter()
             if into is None:
-                return os.pread(fd, b.length(eb), b.offset)
-            got = os.preadv(fd, [into[i]], b.offset)
-            return into[i].reshape(-1)[:got]
+                buf = os.pread(fd, b.length(eb), b.offset)
+            else:
+                buf = into[i].reshape(-1)[: os.preadv(fd, [into[i]], b.offset)]
+            self.read_s += time.perf_counter() - t0
+            return buf
 
         order = range(len(blocks))
         bufs = _READERS.map(pread, order) if parallel and len(blocks) > 1 else map(pread, order)
@@ -317,11 +324,13 @@ class SegmentCodec:
             self.reads += 1
             n = b.n_chunks * (b.row1 - b.row0)
             got, mv, k0 = len(buf) // eb, memoryview(buf), (b.offset - layout.kv_offset) // eb
+            t0 = time.perf_counter()
             if self.cipher is None:
                 ok = np.array([i < got and crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
             else:  # decrypted in place (a read into ``into``) or into a new buffer (``buf`` is bytes)
                 buf = buf if into is not None else np.empty(got * eb, np.uint8)
                 ok = self._open_extents(header, k0, mv, memoryview(buf).cast("B"), min(got, n), n)
+            self.verify_s += time.perf_counter() - t0
             shape = (b.n_chunks, b.row1 - b.row0)
             if into is not None:  # read in place: a short read's missing extents are not ok (the caller zeroes them)
                 yield into[i_block], ok.reshape(shape)

@@ -70,6 +70,8 @@ class TierStats:
     disk_bytes_read: int = 0
     disk_bytes_used: int = 0  # KV bytes the reads delivered to the device pool (excl. padding/headers)
     load_seconds: float = 0.0
+    disk_read_seconds: float = 0.0  # the disk codec's preads (summed over threads) and checksums
+    disk_verify_seconds: float = 0.0
     corrupt_segments: int = 0
     lost_segments: int = 0
     gone_segments: int = 0  # disk segments found evicted by another worker when read (recomputed)
@@ -456,6 +458,8 @@ class TieredKVStore:
         self.stats.pinned_bytes = self.retention.pinned_bytes
         self.stats.pins_refused = self.retention.refused
         self.stats.tenants = self.tenant_usage()
+        if self.disk is not None:
+            self.stats.disk_read_seconds, self.stats.disk_verify_seconds = self.disk.read_seconds
         return self.stats
 
     # --- out -----------------------------------------------------------------------------------

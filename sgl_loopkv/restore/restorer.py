@@ -24,19 +24,30 @@ logger = logging.getLogger(__name__)
 EMA = 0.3  # weight of a new measurement in the online refinement
 
 
+#: Where a resume's time goes (``loopkv_restore_seconds{part}``, wall seconds). On the scheduler
+#: thread, in order: ``lookup`` (tree walk, cross-worker discovery), ``plan`` (the planner itself),
+#: ``fetch`` (taking the stored bytes from their tier: a host slice, or a disk read with its
+#: verification and promotion), ``alloc`` (pool slots, evictions for them), ``recompute`` (the
+#: plan's front). On the loader thread, beside the forward: ``decode`` (int8 or shared rows to the
+#: pool's dtype) and ``copy`` (into the pool's slots); ``load`` = decode + copy. ``bubble``: the
+#: forward waiting for a layer still being loaded. Disk reads and checksums are the store's
+#: (``loopkv_disk_seconds``): they may run on the read-ahead thread before the match.
+STAGES = ("lookup", "plan", "fetch", "alloc", "recompute", "decode", "copy", "load", "bubble")
+
+
 @dataclass(slots=True)
 class RestoreStats:
-    """Counters for metrics and benchmarks (seconds are wall clock)."""
+    """Counters for metrics and benchmarks."""
 
     restores: int = 0
     recomputed_token_layers: int = 0
     loaded_token_layers: int = 0
-    recompute_seconds: float = 0.0
-    load_seconds: float = 0.0  # loader busy time
-    bubble_seconds: float = 0.0  # forward waiting for a layer's load
-    restore_seconds: float = 0.0  # admission -> every layer restored
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     last_plan: list[int] = field(default_factory=list)
     last_predicted: dict = field(default_factory=dict)
+
+    def snapshot(self) -> RestoreStats:
+        return RestoreStats(self.restores, self.recomputed_token_layers, self.loaded_token_layers, dict(self.seconds))
 
     @property
     def recompute_fraction(self) -> float:
@@ -135,9 +146,18 @@ class Restorer:
         )
 
     def plan(self, job: RestoreJob) -> RestorePlan:
+        t0 = time.perf_counter()
         if self.stack is None or job.total == 0:
-            return RestorePlan.load_all(job.total, job.num_layers)
-        return self.planner.plan(job, self.cost)
+            plan = RestorePlan.load_all(job.total, job.num_layers)
+        else:
+            plan = self.planner.plan(job, self.cost)
+        self.add_seconds("plan", time.perf_counter() - t0)
+        return plan
+
+    def add_seconds(self, stage: str, seconds: float) -> None:
+        """Count ``seconds`` of a resume in ``stage`` (one of :data:`STAGES`); any thread."""
+        with self._lock:
+            self.stats.seconds[stage] += seconds
 
     def recompute(self, plan: RestorePlan, job: RestoreJob, token_ids: torch.Tensor, write, prefix_kv) -> float:
         """Run the plan's recompute part; returns its wall seconds and refines the compute cost."""
@@ -152,24 +172,27 @@ class Restorer:
             self.cost.token_s *= f
             self.cost.attn_s *= f
             self.cost.layer_s *= f
-        with self._lock:
-            self.stats.recompute_seconds += elapsed
+        self.add_seconds("recompute", elapsed)
         return elapsed
 
-    def observe_copy(self, nbytes: int, seconds: float) -> None:
-        """Loader thread: a layer copy finished (refines the copy bandwidth)."""
+    def observe_copy(self, nbytes: int, decode_s: float, copy_s: float) -> None:
+        """Loader thread: a layer's load finished, ``nbytes`` of pool KV decoded in ``decode_s`` and
+        copied in ``copy_s``. Refines the load bandwidth the planner prices a load at: both, since
+        the load stream does both."""
+        seconds = decode_s + copy_s
         if nbytes > (1 << 20) and seconds > 0:
             self.cost.copy_bps = (1 - EMA) * self.cost.copy_bps + EMA * nbytes / seconds
         with self._lock:
-            self.stats.load_seconds += seconds
+            self.stats.seconds["decode"] += decode_s
+            self.stats.seconds["copy"] += copy_s
+            self.stats.seconds["load"] += seconds
 
     def observe_disk(self, nbytes: int, seconds: float) -> None:
         if nbytes > (1 << 20) and seconds > 0:
             self.cost.disk_bps = (1 - EMA) * self.cost.disk_bps + EMA * nbytes / seconds
 
     def observe_bubble(self, seconds: float) -> None:
-        with self._lock:
-            self.stats.bubble_seconds += seconds
+        self.add_seconds("bubble", seconds)
 
     def record(self, plan: RestorePlan, job: RestoreJob) -> dict:
         tl = simulate(plan, job, self.cost)

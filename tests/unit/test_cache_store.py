@@ -512,3 +512,16 @@ def test_writes_another_worker_may_wait_for_run_at_normal_priority(tmp_path):
     assert not store.disk.presence.others()
     assert threads == ["loopkv-disk-writer", "loopkv-disk-writer-shared"]
     store.close()
+
+
+def test_request_states_are_one_bounded_map_oldest_touched_forgotten_first():
+    from sgl_loopkv.cache.requests import RequestStates
+
+    states = RequestStates(capacity=3)
+    for rid in "abc":
+        states.of(rid).loads["host"] += 1
+    states.of("a").probed = True  # touched: "b" is now the oldest
+    assert states.get("zz") is None and len(states) == 3  # a read creates nothing
+    states.of("d")
+    assert states.get("b") is None and states.get("a").probed and states.get("a").loads["host"] == 1
+    assert len(states) == 3

@@ -61,7 +61,7 @@ def test_a_pool_reader_waits_per_layer_for_the_loader():
     pool = kv_pool()
     gate, reached = threading.Event(), threading.Event()
 
-    def on_copy(nbytes, seconds):  # the loader thread holds layer 1 back until the test opens the gate
+    def on_copy(nbytes, decode_s, copy_s):  # the loader thread holds layer 1 back until the test opens the gate
         if not reached.is_set() and loader._done[0] == 0:
             reached.set()
             gate.wait(10)

@@ -104,3 +104,41 @@ def test_store_serves_int8_segments_from_either_tier(tmp_path, tier):
         assert store.tier_of(rec.seg_id) == "disk"
     assert store.stats.host_bytes <= (1 << 30)
     store.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kv_load kernel", "torch blocks"])
+def test_the_loader_decodes_int8_into_the_same_pool_values(native):
+    """The loader decodes an int8 layer inside its copy (the kv_load kernel) or, without it, a block
+    at a time into one reused buffer: either way every slot gets exactly ``q * scale`` (what
+    torch.mul gives for the whole layer), across block edges, with a different front recomputed
+    (skipped) per layer, and nothing leaks between parts."""
+    from sgl_loopkv.cache.loader import DECODE_BLOCK, LayerwiseLoader, LoadPart
+    from sgl_loopkv.kernels import kv_load
+
+    if native and kv_load.load() is None:
+        pytest.skip("no compiler for the kv_load kernel here")
+
+    T, L, H, D = DECODE_BLOCK * 2 + 37, GEO.num_layers, GEO.num_kv_heads, GEO.head_dim
+    g = torch.Generator().manual_seed(5)
+    parts, refs = [], []
+    k = [torch.full((3 * T, H, D), float("nan")) for _ in range(L)]
+    v = [torch.full((3 * T, H, D), float("nan")) for _ in range(L)]
+    slots = torch.randperm(3 * T, generator=g)
+    for i, n in enumerate((T, 16)):  # a long part, then a short one reusing the buffer
+        qkv = QuantKV.quantize(torch.randn(L, 2, n, H, D, generator=g) * 3)
+        skip = (0, 16, DECODE_BLOCK, min(n, DECODE_BLOCK + 48))[:L]
+        parts.append(LoadPart(qkv, slots[i * T : i * T + n], skip))
+        refs.append((qkv, slots[i * T : i * T + n], skip))
+    decoded = []
+    loader = LayerwiseLoader(k, v, synchronous=True, on_copy=lambda n, d, c: decoded.append((n, d, c)))
+    assert (loader._kv_load is not None) == native or not native
+    if not native:
+        loader._kv_load = None
+    loader.submit(parts)
+    for qkv, sl, skip in refs:
+        for layer in range(L):
+            want = torch.mul(qkv.q[layer], qkv.scale[layer].unsqueeze(-1))
+            s = skip[layer]
+            assert torch.equal(k[layer][sl[s:]], want[0, s:]) and torch.equal(v[layer][sl[s:]], want[1, s:])
+            assert torch.isnan(k[layer][sl[:s]]).all()  # the recomputed front is left to the restorer
+    assert len(decoded) == L and all(n > 0 and d >= 0 and c >= 0 for n, d, c in decoded)

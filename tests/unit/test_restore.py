@@ -16,6 +16,7 @@ from sgl_loopkv.restore.plan import (
     KrulPlanner,
     RestoreJob,
     RestorePlan,
+    finish_times,
     pyramid,
     simulate,
 )
@@ -105,6 +106,37 @@ def test_planner_never_loses_to_its_candidates():
         best = simulate(KrulPlanner().plan(j, cost), j, cost).finish_s
         for top in (0, j.total // 4, j.total):
             assert best <= simulate(pyramid(j, top, 0), j, cost).finish_s + 1e-12
+
+
+def test_the_planners_array_timeline_is_simulate_for_every_candidate():
+    """The planner times its candidates together (finish_times): each must equal simulate's finish,
+    or the plan it picks is the optimum of another model than the one the docs describe."""
+    rng = random.Random(2)
+    planner = KrulPlanner()
+    for _ in range(30):
+        total = 16 * rng.randint(1, 500)
+        j = job(
+            total=total,
+            num_layers=rng.choice([1, 4, 30]),
+            prefix=rng.choice([0, 160]),
+            new_tokens=rng.randint(1, 900),
+            disk_tokens=rng.choice([0, total // 2, total]),
+            stored_layer_bytes=rng.choice([None, 400.0]),
+        )
+        cost = CostModel(
+            token_s=10 ** rng.uniform(-7, -3),
+            attn_s=10 ** rng.uniform(-11, -7),
+            layer_s=rng.choice([0.0, 1e-4]),
+            copy_bps=10 ** rng.uniform(8, 10.5),
+            disk_bps=10 ** rng.uniform(8, 10),
+        )
+        cands = planner.candidates(j)
+        assert (cands[0] == 0).all() and (cands == j.total).all(1).any()  # load-all and recompute-all
+        got = finish_times(cands, j, cost)
+        for row, t in zip(cands, got):
+            plan = RestorePlan(j.total, tuple(int(x) for x in row))  # valid: non-increasing, chunk-aligned
+            assert t == pytest.approx(simulate(plan, j, cost).finish_s, rel=1e-9, abs=1e-15)
+        assert simulate(planner.plan(j, cost), j, cost).finish_s == pytest.approx(min(got), rel=1e-9, abs=1e-15)
 
 
 def test_disk_reads_only_what_is_loaded():

@@ -364,8 +364,8 @@ def test_a_request_whose_history_is_being_written_is_held_back_not_waited_for(tm
     a.queue_backup(a.match_prefix(MatchPrefixParams(key=key2)).last_device_node, [], None)
     late = _Req("late", h2)
     assert b.awaits_write(late)
-    chunk_hash, _, _ = b._awaiting["late"]
-    b._awaiting["late"] = (chunk_hash, time.monotonic() - 1, True)  # its wait budget spent
+    chunk_hash, _, _ = b.requests.get("late").awaiting
+    b.requests.get("late").awaiting = (chunk_hash, time.monotonic() - 1, True)  # its wait budget spent
     assert not b.awaits_write(late) and late.match.device_prefix_len == 0  # admitted: recomputed
     assert not b.awaits_write(late)  # and not held back again for the same announcement
 

@@ -1,0 +1,99 @@
+// A restored history's layer into the CPU KV pool: row i of the stored K and V goes to pool slot
+// slots[i], decoded on the way when the tier keeps it as int8 (value = q * scale, one scale per
+// token and KV head). The loader thread runs this once per layer beside the forward.
+//
+// Why not torch: an int8 layer went through torch.mul into a layer-sized float32 temporary and then
+// index_copy_ into the pool, so each byte of the pool was written twice and read once more; here
+// each stored byte is read once and each pool byte written once, the decode in registers. The GIL
+// is released for the call (the forward's Python runs meanwhile). Single-threaded on purpose: the
+// loader must not take the forward's cores.
+//
+// Exactness: a float32 row is copied bit for bit; an int8 element becomes float(q) * scale rounded
+// once, the product torch.mul(int8, float32) computes (tests/unit/test_kv_load.py).
+
+#include <torch/extension.h>
+
+#include <cstring>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+void check_rows(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 3, what, ": a CPU tensor [T, H, D]");
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), what, ": each token's [H, D] contiguous");
+}
+
+void dequant_row(const int8_t* q, const float* scale, float* out, int64_t heads, int64_t dim) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float s = scale[h];
+    const int8_t* qh = q + h * dim;
+    float* oh = out + h * dim;
+    int64_t d = 0;
+#ifdef __AVX512F__
+    const __m512 vs = _mm512_set1_ps(s);
+    for (; d + 16 <= dim; d += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + d));
+      _mm512_storeu_ps(oh + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), vs));
+    }
+#endif
+    for (; d < dim; ++d) oh[d] = static_cast<float>(qh[d]) * s;
+  }
+}
+
+void one(const torch::Tensor& src, const c10::optional<torch::Tensor>& scale, const int64_t* slots,
+         torch::Tensor& dst) {
+  const int64_t n = src.size(0), heads = src.size(1), dim = src.size(2), width = heads * dim;
+  const int64_t capacity = dst.size(0);
+  float* out = dst.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < capacity, "kv_load: slot out of range");
+  if (src.scalar_type() == torch::kFloat) {
+    const float* in = src.data_ptr<float>();
+    const int64_t stride = src.stride(0);
+    for (int64_t i = 0; i < n;) {  // a run of consecutive slots from consecutive rows is one memcpy
+      int64_t j = i + 1;
+      while (j < n && slots[j] == slots[j - 1] + 1 && stride == width) ++j;
+      std::memcpy(out + slots[i] * width, in + i * stride, sizeof(float) * width * (j - i));
+      i = j;
+    }
+    return;
+  }
+  TORCH_CHECK(src.scalar_type() == torch::kChar && scale.has_value(), "kv_load: int8 rows need their scales");
+  const torch::Tensor& sc = *scale;
+  TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.dim() == 2 && sc.size(0) == n && sc.size(1) == heads &&
+                  sc.stride(1) == 1,
+              "kv_load: scales [T, H] float32");
+  const int8_t* q = src.data_ptr<int8_t>();
+  const float* s = sc.data_ptr<float>();
+  for (int64_t i = 0; i < n; ++i)
+    dequant_row(q + i * src.stride(0), s + i * sc.stride(0), out + slots[i] * width, heads, dim);
+}
+
+}  // namespace
+
+// k_src, v_src: [T, H, D] float32 or int8 (then k_scale, v_scale [T, H] float32); slots [T] int64;
+// k_dst, v_dst: the pool's [S, H, D] float32 layer buffers.
+void load_layer(torch::Tensor k_src, torch::Tensor v_src, c10::optional<torch::Tensor> k_scale,
+                c10::optional<torch::Tensor> v_scale, torch::Tensor slots, torch::Tensor k_dst, torch::Tensor v_dst) {
+  check_rows(k_src, "k_src");
+  check_rows(v_src, "v_src");
+  check_rows(k_dst, "k_dst");
+  check_rows(v_dst, "v_dst");
+  TORCH_CHECK(k_dst.scalar_type() == torch::kFloat && v_dst.scalar_type() == torch::kFloat, "kv_load: a float32 pool");
+  TORCH_CHECK(k_dst.stride(0) == k_dst.size(1) * k_dst.size(2) && v_dst.stride(0) == v_dst.size(1) * v_dst.size(2),
+              "kv_load: contiguous pool buffers");
+  TORCH_CHECK(k_src.sizes() == v_src.sizes() && k_src.size(1) == k_dst.size(1) && k_src.size(2) == k_dst.size(2),
+              "kv_load: K, V and the pool share [H, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+                  slots.size(0) == k_src.size(0),
+              "kv_load: slots [T] int64");
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  one(k_src, k_scale, sl, k_dst);
+  one(v_src, v_scale, sl, v_dst);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("load_layer", &load_layer, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,34 @@
+"""A restored layer into the CPU KV pool (``kv_load.cpp``): stored K/V rows, float32 or int8 with
+their scales, copied (decoded) straight into the pool's slots, one read of each stored byte and one
+write of each pool byte, without the GIL. The loader thread (:mod:`sgl_loopkv.cache.loader`) uses
+it for float32 pools on the CPU; ``LOOPKV_NATIVE_KV_LOAD=0`` (or no compiler) keeps the torch path
+(``torch.mul`` + ``index_copy_``), which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_loopkv.kernels.native import NativeExtension
+
+EXTENSION = NativeExtension("kv_load", "LOOPKV_NATIVE_KV_LOAD", "KV loads")
+
+
+def load(verbose: bool = False):
+    """The compiled module (``load_layer(k, v, k_scale, v_scale, slots, k_dst, v_dst)``) or None."""
+    return EXTENSION.load(verbose)
+
+
+def fits(src: torch.Tensor, dst: torch.Tensor) -> bool:
+    """Whether ``load_layer`` takes these rows ([T, H, D] float32 or int8) into this pool buffer."""
+    return (
+        dst.device.type == "cpu"
+        and dst.dtype == torch.float32
+        and dst.is_contiguous()
+        and src.device.type == "cpu"
+        and src.dtype in (torch.float32, torch.int8)
+        and src.dim() == 3
+        and src.stride(2) == 1
+        and src.stride(1) == src.shape[2]
+        and src.shape[1:] == dst.shape[1:]
+    )

@@ -1,0 +1,64 @@
+"""The kv_load kernel (a restored layer into the CPU pool): bitwise what the torch path writes, for
+float32 rows (any slot order, runs of consecutive slots and strided sources) and int8 rows with
+their scales; bad arguments are refused, not written out of bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.kernels import kv_load
+
+H, D = 3, 64
+native = kv_load.load()
+pytestmark = pytest.mark.skipif(native is None, reason="no compiler for the kv_load kernel here")
+
+
+def pools(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((n, H, D), float("nan")), torch.full((n, H, D), float("nan"))
+
+
+@pytest.mark.parametrize("order", ["consecutive", "pages", "random"])
+def test_float_rows_land_bit_for_bit(order):
+    g = torch.Generator().manual_seed(0)
+    T = 200
+    kv = torch.randn(4, 2, T + 30, H, D, generator=g)[:, :, 30:]  # a token slice: strided like a tier's
+    if order == "consecutive":
+        slots = torch.arange(17, 17 + T)
+    elif order == "pages":  # pages of 16 in shuffled order (what the paged allocator hands out)
+        pages = torch.randperm(T // 16 + 1, generator=g)
+        slots = (pages[:, None] * 16 + torch.arange(16)).flatten()[:T]
+    else:
+        slots = torch.randperm(400, generator=g)[:T]
+    k, v = pools(400)
+    native.load_layer(kv[2, 0], kv[2, 1], None, None, slots, k, v)
+    rk, rv = pools(400)
+    rk.index_copy_(0, slots, kv[2, 0])
+    rv.index_copy_(0, slots, kv[2, 1])
+    assert torch.equal(k.nan_to_num(7.0), rk.nan_to_num(7.0)) and torch.equal(v.nan_to_num(7.0), rv.nan_to_num(7.0))
+
+
+def test_int8_rows_decode_to_torch_mul():
+    g = torch.Generator().manual_seed(1)
+    q = QuantKV.quantize(torch.randn(3, 2, 90, H, D, generator=g) * 5).slice_tokens(10, 90)
+    slots = torch.randperm(300, generator=g)[:80]
+    k, v = pools(300)
+    native.load_layer(q.q[1, 0], q.q[1, 1], q.scale[1, 0], q.scale[1, 1], slots, k, v)
+    want = torch.mul(q.q[1], q.scale[1].unsqueeze(-1))
+    assert torch.equal(k[slots], want[0]) and torch.equal(v[slots], want[1])
+    others = torch.ones(300, dtype=torch.bool)
+    others[slots] = False
+    assert torch.isnan(k[others]).all()  # nothing else written
+
+
+def test_bad_arguments_are_refused():
+    k, v = pools(32)
+    src = torch.randn(4, H, D)
+    with pytest.raises(RuntimeError, match="out of range"):
+        native.load_layer(src, src, None, None, torch.tensor([0, 1, 2, 32]), k, v)
+    with pytest.raises(RuntimeError, match="scales"):
+        native.load_layer(src.to(torch.int8), src.to(torch.int8), None, None, torch.arange(4), k, v)
+    with pytest.raises(RuntimeError, match="float32 pool"):
+        native.load_layer(src, src, None, None, torch.arange(4), k.to(torch.bfloat16), v.to(torch.bfloat16))
+    assert torch.isnan(k).all()
