@@ -7,6 +7,8 @@ own scheduler metrics, so ``GET /metrics`` of the HTTP server shows them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sgl_loopkv.cache.store import TierStats
 
 
@@ -171,20 +173,6 @@ class TierMetrics:
             self.tenant_tokens.labels(*key).set(tokens)
             self.tenant_bytes.labels(*key).set(nbytes)
         self._tenant_labels |= stats.tenants.keys()
-        self._last = TierStats(
-            stats.host_bytes,
-            stats.disk_bytes,
-            dict(stats.hit_tokens),
-            stats.disk_bytes_read,
-            stats.disk_bytes_used,
-            stats.load_seconds,
-            stats.corrupt_segments,
-            stats.lost_segments,
-            gone_segments=stats.gone_segments,
-            disk_write_errors=stats.disk_write_errors,
-            disk_expired=stats.disk_expired,
-            forgets=stats.forgets,
-            pins_refused=stats.pins_refused,
-            disk_read_seconds=stats.disk_read_seconds,
-            disk_verify_seconds=stats.disk_verify_seconds,
-        )
+        # what the next publish subtracts: a copy of the counters (not the live object, which the
+        # store keeps counting into)
+        self._last = replace(stats, hit_tokens=dict(stats.hit_tokens), tenants={})
