@@ -28,8 +28,8 @@ Bubble fraction = seconds the forward waited for a layer's load / TTFT. Stored b
 tier bytes / tier tokens (key summaries, scales and file headers included).
 
 Where a resume's time goes (issue 54): per timed resume, the server's ``loopkv_restore_seconds{part}``
-(lookup, plan, fetch, alloc, recompute on the scheduler thread; decode and copy on the loader thread;
-bubble) and ``loopkv_disk_seconds{part}`` (read, verify) deltas, medians over the repeats. Beside
+(lookup, plan, fetch, alloc, loads_first, recompute on the scheduler thread; decode and copy on the
+loader thread, or inside loads_first on a CPU pool; bubble) and ``loopkv_disk_seconds{part}`` (read, verify) deltas, medians over the repeats. Beside
 them the "hot" TTFT: the same history still on the device, a new turn of the same length (what the
 new tokens' extend and the server's overheads cost with nothing to restore). The limit of a resume
 is hot TTFT + history bytes / bandwidth: from the host tier, the pool's KV bytes of the history over
@@ -111,13 +111,17 @@ def turn_ids(tok, variant: int = 0) -> list[int]:
 
 #: the metric samples a resume's breakdown is read from (deltas around it): name -> stage
 STAGE_SAMPLES = {
-    **{f'loopkv_restore_seconds_total{{part="{p}"}}': p for p in ("lookup", "plan", "fetch", "alloc", "recompute")},
+    **{
+        f'loopkv_restore_seconds_total{{part="{p}"}}': p
+        for p in ("held", "lookup", "plan", "fetch", "alloc", "loads_first", "recompute")
+    },
     **{f'loopkv_restore_seconds_total{{part="{p}"}}': p for p in ("decode", "copy", "bubble")},
     'loopkv_disk_seconds_total{part="read"}': "disk_read",
     'loopkv_disk_seconds_total{part="verify"}': "disk_verify",
+    'loopkv_disk_seconds_total{part="total"}': "disk_total",
 }
 #: the stages that run one after another on the scheduler thread before the forward starts
-SERIAL_STAGES = ("lookup", "plan", "fetch", "alloc", "recompute")
+SERIAL_STAGES = ("held", "lookup", "plan", "fetch", "alloc", "loads_first", "recompute")
 
 
 def _generate(url: str, body: dict) -> dict:
@@ -370,7 +374,10 @@ def breakdown_md(p: dict) -> str:
             if "stages_s" not in r:
                 continue
             st = r["stages_s"]
-            ms = [1000 * st[k] for k in (*SERIAL_STAGES, "disk_read", "disk_verify", "decode", "copy", "bubble")]
+            ms = [
+                1000 * st[k]
+                for k in (*SERIAL_STAGES, "disk_total", "disk_read", "disk_verify", "decode", "copy", "bubble")
+            ]
             rows.append(
                 [L, name, tier, 1000 * r["ttft_s"], 1000 * r["hot_ttft_s"], 1000 * r["limit_s"],
                  r["resume_over_limit"], *ms, 1000 * r["other_s"]]
@@ -378,14 +385,22 @@ def breakdown_md(p: dict) -> str:
     if not rows:
         return ""
     head = ["history", "system", "tier", "TTFT ms", "hot TTFT ms", "limit ms", "TTFT / limit"]
-    head += [f"{k} ms" for k in SERIAL_STAGES] + ["disk read ms", "verify ms", "decode ms", "copy ms", "bubble ms"]
+    head += [f"{k} ms" for k in SERIAL_STAGES] + [
+        "disk ms",
+        "pread ms",
+        "verify ms",
+        "decode ms",
+        "copy ms",
+        "bubble ms",
+    ]
     return (
         "Where a resume's time goes (ms, medians over the timed resumes). hot TTFT: the same history on the "
         "device, a new turn of the same length; limit: hot TTFT + the history's bytes over the measured "
         "bandwidth (host: pool bytes over one thread's copy; disk: stored bytes over a cold sequential read). "
-        "lookup ... recompute run one after another on the scheduler thread before the forward; disk read and "
-        "verify are inside fetch (or on the read-ahead thread before it); decode and copy run on the loader "
-        "thread beside the forward, which waits for them only in bubble; other = TTFT - hot TTFT - the "
+        "held: sat out scheduler rounds while the read-ahead thread read its disk-only history; lookup ... recompute "
+        "run one after another on the scheduler thread before the forward; disk (a whole read: pread, verify "
+        "and the tensors built from them) is inside held or fetch; decode and copy run on the loader "
+        "thread beside the forward, which waits for them only in bubble, or (a CPU pool) inside loads_first; other = TTFT - hot TTFT - the "
         "scheduler-thread stages - bubble (the extend slowed by the loader sharing its cores, and the rest).\n\n"
         + md_table([*head, "other ms"], rows)
     )

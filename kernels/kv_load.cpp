@@ -5,15 +5,19 @@
 // Why not torch: an int8 layer went through torch.mul into a layer-sized float32 temporary and then
 // index_copy_ into the pool, so each byte of the pool was written twice and read once more; here
 // each stored byte is read once and each pool byte written once, the decode in registers. The GIL
-// is released for the call (the forward's Python runs meanwhile). Single-threaded on purpose: the
-// loader must not take the forward's cores.
+// is released for the call. load_layer copies one layer on the calling thread (a loader thread
+// beside the forward must not take the forward's cores); load_layers copies every layer of a part,
+// split over torch's threads (a resume that loads before its forward).
 //
 // Exactness: a float32 row is copied bit for bit; an int8 element becomes float(q) * scale rounded
 // once, the product torch.mul(int8, float32) computes (tests/unit/test_kv_load.py).
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
+
 #include <cstring>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -94,6 +98,52 @@ void load_layer(torch::Tensor k_src, torch::Tensor v_src, c10::optional<torch::T
   one(v_src, v_scale, sl, v_dst);
 }
 
+// Every layer of a part at once, the layers split over torch's threads: what a CPU resume runs on
+// the scheduler thread before the forward (cache/loader.py says why not beside it). Arguments as
+// load_layer's, one list entry per layer (empty scale lists for float32 rows).
+void load_layers(std::vector<torch::Tensor> k_src, std::vector<torch::Tensor> v_src, std::vector<torch::Tensor> k_scale,
+                 std::vector<torch::Tensor> v_scale, std::vector<torch::Tensor> slots, std::vector<torch::Tensor> k_dst,
+                 std::vector<torch::Tensor> v_dst) {
+  const int64_t n = static_cast<int64_t>(k_src.size());
+  TORCH_CHECK(v_src.size() == k_src.size() && slots.size() == k_src.size() && k_dst.size() == k_src.size() &&
+                  v_dst.size() == k_src.size(),
+              "kv_load: one entry per layer in every list");
+  const bool quant = !k_scale.empty();
+  TORCH_CHECK(!quant || (k_scale.size() == k_src.size() && v_scale.size() == k_src.size()), "kv_load: one scale per layer");
+  // checks first, on this thread: a TORCH_CHECK must not throw inside the parallel region
+  for (int64_t i = 0; i < n; ++i) {
+    check_rows(k_src[i], "k_src");
+    check_rows(v_src[i], "v_src");
+    check_rows(k_dst[i], "k_dst");
+    check_rows(v_dst[i], "v_dst");
+    TORCH_CHECK(k_dst[i].scalar_type() == torch::kFloat && v_dst[i].scalar_type() == torch::kFloat,
+                "kv_load: a float32 pool");
+    TORCH_CHECK(k_src[i].sizes() == v_src[i].sizes() && k_src[i].size(1) == k_dst[i].size(1) &&
+                    k_src[i].size(2) == k_dst[i].size(2) && k_dst[i].is_contiguous() && v_dst[i].is_contiguous(),
+                "kv_load: K, V and a contiguous pool share [H, D]");
+    TORCH_CHECK(slots[i].scalar_type() == torch::kLong && slots[i].dim() == 1 && slots[i].is_contiguous() &&
+                    slots[i].size(0) == k_src[i].size(0),
+                "kv_load: slots [T] int64");
+    TORCH_CHECK(quant == (k_src[i].scalar_type() == torch::kChar), "kv_load: int8 rows need their scales");
+    const int64_t* sl = slots[i].data_ptr<int64_t>();
+    for (int64_t j = 0; j < slots[i].size(0); ++j)
+      TORCH_CHECK(sl[j] >= 0 && sl[j] < k_dst[i].size(0) && sl[j] < v_dst[i].size(0), "kv_load: slot out of range");
+    if (quant)
+      for (auto* sc : {&k_scale[i], &v_scale[i]})
+        TORCH_CHECK(sc->scalar_type() == torch::kFloat && sc->dim() == 2 && sc->size(0) == k_src[i].size(0) &&
+                        sc->size(1) == k_src[i].size(1) && sc->stride(1) == 1,
+                    "kv_load: scales [T, H] float32");
+  }
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* sl = slots[i].data_ptr<int64_t>();
+      one(k_src[i], quant ? c10::optional<torch::Tensor>(k_scale[i]) : c10::nullopt, sl, k_dst[i]);
+      one(v_src[i], quant ? c10::optional<torch::Tensor>(v_scale[i]) : c10::nullopt, sl, v_dst[i]);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("load_layer", &load_layer, py::call_guard<py::gil_scoped_release>());
+  m.def("load_layers", &load_layers, py::call_guard<py::gil_scoped_release>());
 }

@@ -10,11 +10,18 @@ the meeting point HiCache's ``LayerDoneCounter`` uses): the pool's ``get_key_buf
 ``get_value_buffer`` call :meth:`LayerwiseLoader.wait_until` before handing out a layer, so every
 attention backend (ours, ``torch_native``, the GPU ones) waits per layer and the loads overlap
 the forward whatever the backend.
+
+On a CPU pool the loads run before the forward instead (:func:`beside_forward`): the forward's
+OpenMP team keeps every core busy (its threads spin between regions), so a loader thread beside it
+got a fraction of a core, and the forward lost what the loader took; a 4K history's copy took ~3x
+as long as alone and the forward ~50 ms more (docs/decisions/2026-12-03-cpu-resume-loads-first.md).
+Run first, the copy is one native call split over torch's threads (:mod:`sgl_loopkv.kernels.kv_load`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +38,13 @@ from sgl_loopkv.platform import keep_torch_on_this_thread
 logger = logging.getLogger(__name__)
 
 DECODE_BLOCK = 512  # tokens of an int8 layer decoded at a time: SmolLM2's K and V of 512 tokens are 1.5 MB
+
+
+def beside_forward(device: torch.device) -> bool:
+    """Whether loads into a pool on ``device`` run on a loader thread beside the forward (CUDA: on
+    their own stream) rather than before it. ``LOOPKV_LOAD_BESIDE_FORWARD=1`` keeps the loader
+    thread on a CPU too (for comparison)."""
+    return torch.device(device).type != "cpu" or os.environ.get("LOOPKV_LOAD_BESIDE_FORWARD", "0") == "1"
 
 
 @dataclass(slots=True)
@@ -109,18 +123,50 @@ class LayerwiseLoader:
 
     def _copy(self, parts: list[LoadPart], after) -> None:
         with self.copies.copying(after):
+            done = self._copy_all_native(parts) if self.synchronous else set()
             for layer in range(self.num_layers):
-                self._copy_layer(parts, layer)
+                self._copy_layer(parts, layer, done)
 
-    def _copy_layer(self, parts: list[LoadPart], layer: int) -> None:
+    def _copy_all_native(self, parts: list[LoadPart]) -> set[tuple[int, int]]:
+        """Synchronous loads: every (part, layer) the native kernel takes, in one call over torch's
+        threads; returns those pairs (the per-layer pass skips them)."""
+        if self._kv_load is None:
+            return set()
+        args: list[list] = [[] for _ in range(7)]  # k, v, k scales, v scales, slots, k pool, v pool
+        done, nbytes, quantized = set(), 0, None
+        for i, p in enumerate(parts):
+            for layer in range(self.num_layers):
+                skip = p.skip[layer] if p.skip is not None else 0
+                k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
+                rows = self._native_rows(p, layer, skip, k_buf, v_buf)
+                if rows is None:
+                    continue
+                k, v, k_scale, v_scale, slots = rows
+                quantized = (k_scale is not None) if quantized is None else quantized
+                if quantized != (k_scale is not None):  # one call takes one kind of rows: the rest per layer
+                    continue
+                scales = (k_scale, v_scale) if quantized else ()
+                for a, x in zip(args, (k, v, *scales)):
+                    a.append(x)
+                for a, x in zip(args[4:], (slots, k_buf, v_buf)):
+                    a.append(x)
+                done.add((i, layer))
+                nbytes += 2 * (len(p.slots) - skip) * self.k_buffers[layer][0].numel() * 4
+        if done:
+            t0 = time.perf_counter()
+            self._kv_load.load_layers(*args)
+            self.on_copy(nbytes, 0.0, time.perf_counter() - t0)
+        return done
+
+    def _copy_layer(self, parts: list[LoadPart], layer: int, done: set[tuple[int, int]] = frozenset()) -> None:
         try:
             decode_s = copy_s = 0.0
             nbytes = 0
             k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
-            for p in parts:
+            for i, p in enumerate(parts):
                 skip = p.skip[layer] if p.skip is not None else 0
                 n = len(p.slots)
-                if skip >= n:
+                if skip >= n or (i, layer) in done:
                     continue
                 a = time.perf_counter()
                 if self._native_layer(p, layer, skip, k_buf, v_buf):  # decoded inside the copy
@@ -151,25 +197,34 @@ class LayerwiseLoader:
             self._done[layer] += 1
             self._cond.notify_all()
 
-    def _native_layer(self, p: LoadPart, layer: int, skip: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
-        """Layer ``layer`` of ``p`` from token ``skip`` on through :mod:`sgl_loopkv.kernels.kv_load`;
-        False (nothing copied) where it does not apply: a shared layer, a pool it does not take."""
-        if self._kv_load is None:
-            return False
+    def _native_rows(self, p: LoadPart, layer: int, skip: int, k_buf: torch.Tensor, v_buf: torch.Tensor):
+        """(k, v, k scales, v scales, slots) of layer ``layer`` of ``p`` from token ``skip`` on, as
+        :mod:`sgl_loopkv.kernels.kv_load` takes them; None where it does not apply (no kernel, a
+        shared layer, a pool it does not take, nothing to copy)."""
+        if self._kv_load is None or skip >= len(p.slots):
+            return None
         if isinstance(p.kv, QuantKV):
             k, v = p.kv.q[layer, 0, skip:], p.kv.q[layer, 1, skip:]
-            scales = p.kv.scale[layer, 0, skip:], p.kv.scale[layer, 1, skip:]
+            k_scale, v_scale = p.kv.scale[layer, 0, skip:], p.kv.scale[layer, 1, skip:]
         elif isinstance(p.kv, torch.Tensor):
             k, v = p.kv[layer, 0, skip:], p.kv[layer, 1, skip:]
-            scales = None, None
+            k_scale = v_scale = None
         else:
-            return False
+            return None
         if not (kv_load.fits(k, k_buf) and kv_load.fits(v, v_buf)):
-            return False
+            return None
         slots = p.slots[skip:]
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             slots = slots.to(torch.int64).contiguous()
-        self._kv_load.load_layer(k, v, *scales, slots, k_buf, v_buf)
+        return k, v, k_scale, v_scale, slots
+
+    def _native_layer(self, p: LoadPart, layer: int, skip: int, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+        """Layer ``layer`` of ``p`` through the native kernel on this thread; False (nothing copied)
+        where it does not apply."""
+        rows = self._native_rows(p, layer, skip, k_buf, v_buf)
+        if rows is None:
+            return False
+        self._kv_load.load_layer(*rows[:4], rows[4], k_buf, v_buf)
         return True
 
     def _decoded(self, kv, layer: int, t0: int, t1: int, blocked: bool) -> torch.Tensor:

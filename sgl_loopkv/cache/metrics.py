@@ -70,7 +70,7 @@ class TierMetrics:
         )
         self.disk_seconds = Counter(
             "loopkv_disk_seconds",
-            "Disk tier reads by part: read (preads, summed over threads), verify (crc32 or decryption)",
+            "Disk tier reads by part: read (preads, summed over threads), verify (crc32 or decryption), total (whole segment reads)",
             ["part"],
         )
         self._last_restore = None
@@ -159,6 +159,7 @@ class TierMetrics:
         self.load_seconds.inc(stats.load_seconds - last.load_seconds)
         self.disk_seconds.labels(part="read").inc(max(stats.disk_read_seconds - last.disk_read_seconds, 0.0))
         self.disk_seconds.labels(part="verify").inc(max(stats.disk_verify_seconds - last.disk_verify_seconds, 0.0))
+        self.disk_seconds.labels(part="total").inc(max(stats.disk_read_wall_seconds - last.disk_read_wall_seconds, 0.0))
         self.corrupt.inc(stats.corrupt_segments - last.corrupt_segments)
         self.write_errors.inc(stats.disk_write_errors - last.disk_write_errors)
         self.gone.inc(stats.gone_segments - last.gone_segments)

@@ -58,7 +58,7 @@ from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, CorruptSegment, Fou
 from sgl_loopkv.cache.forget import apply_notes as apply_forget_notes
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
-from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
+from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart, beside_forward
 from sgl_loopkv.cache.metrics import TierMetrics
 from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, PrunedStats, Source
 from sgl_loopkv.cache.requests import RequestState, RequestStates
@@ -119,13 +119,17 @@ class LoopKVRadixCache(RadixCache):
         self.loader = LayerwiseLoader(
             kv_pool.k_buffer,
             kv_pool.v_buffer,
+            synchronous=not beside_forward(kv_pool.k_buffer[0].device),
             on_copy=self.restorer.observe_copy,
             on_wait=self.restorer.observe_bubble,
         )
         # The pool's get_key_buffer/get_value_buffer wait on it: layer-wise loads overlap the forward
         # under every attention backend.
         kv_pool.register_layer_transfer_counter(self.loader)
-        logger.info("loopkv: layer-wise loads overlap the forward (the KV pool's layer transfer counter)")
+        logger.info(
+            "loopkv: %s (the KV pool's layer transfer counter)",
+            "loads run before the forward" if self.loader.synchronous else "layer-wise loads overlap the forward",
+        )
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self.requests = RequestStates()  # per request: its loads, lookups, hold-backs, pin, pruned restore
         self._probing = False  # in awaits_write's lookup: a request may be held back for its disk reads
@@ -520,6 +524,11 @@ class LoopKVRadixCache(RadixCache):
             )
         if stored and req is not None:
             self.restorer.add_seconds("lookup", time.perf_counter() - t_lookup)
+            state = self.requests.get(req.rid)
+            if state is not None and state.awaiting is not None and state.awaiting[0] == READ_AHEAD:
+                # admitted after sitting out rounds while its disk read ran on the prefetch thread
+                self.restorer.add_seconds("held", time.monotonic() - (state.awaiting[1] - READ_AHEAD_WAIT_S))
+                state.awaiting = None
             loaded, last_device = self._load_back(stored, last_device, params.req, device_len, len(key))
             device_len += loaded
             self.metrics.publish(self.store.count_tokens())
@@ -869,6 +878,7 @@ class LoopKVRadixCache(RadixCache):
                 if self.store.tier_of(_ref(nd)[0]) == "disk" and not self.store.read_ahead_done(_ref(nd)[0])
             ),
             chunk=self.page_size,
+            overlapped=not self.loader.synchronous,
         )
         plan = self.restorer.plan(job)
         parts: list[tuple[TreeNode, torch.Tensor, str]] = []
@@ -922,7 +932,10 @@ class LoopKVRadixCache(RadixCache):
             if tier == "disk" and self.store.written_elsewhere(_ref(node)[0]):
                 tally["shared"] += len(node.key)
             self.store.stats.hit_tokens[tier] += len(node.key)
+        t_submit = time.perf_counter()
         self.loader.submit(loads)
+        if self.loader.synchronous:  # the copies ran in submit, before the forward
+            self.restorer.add_seconds("loads_first", time.perf_counter() - t_submit)
         elapsed = time.perf_counter() - t0
         self.store.stats.load_seconds += elapsed
         recompute_s = 0.0
@@ -932,8 +945,7 @@ class LoopKVRadixCache(RadixCache):
         by_tier = {t: sum(len(nd.key) for nd, _, tt in parts if tt == t) for t in ("host", "disk")}
         logger.info(
             "loopkv: resuming %d tokens (host %d, disk %d); fetched in %.3f s; plan: recompute %d..%d front tokens "
-            "per layer (%.0f%% of token-layers) in %.3f s, the rest copied layer by layer on the loader thread "
-            "(predicted bubble %.3f s)",
+            "per layer (%.0f%% of token-layers) in %.3f s, the rest %s (predicted bubble %.3f s)",
             n,
             by_tier["host"],
             by_tier["disk"],
@@ -942,6 +954,7 @@ class LoopKVRadixCache(RadixCache):
             plan.recompute[-1],
             100 * plan.recompute_fraction,
             recompute_s,
+            "loaded before the forward" if self.loader.synchronous else "copied layer by layer on the loader thread",
             predicted["bubble_s"],
         )
         return n, parts[-1][0]

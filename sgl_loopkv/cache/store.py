@@ -72,6 +72,7 @@ class TierStats:
     load_seconds: float = 0.0
     disk_read_seconds: float = 0.0  # the disk codec's preads (summed over threads) and checksums
     disk_verify_seconds: float = 0.0
+    disk_read_wall_seconds: float = 0.0  # whole reads of segments (read, verify, the tensors built from them)
     corrupt_segments: int = 0
     lost_segments: int = 0
     gone_segments: int = 0  # disk segments found evicted by another worker when read (recomputed)
@@ -488,7 +489,10 @@ class TieredKVStore:
         chunk-pruned restore's reader reading at the same moment would be counted here too (a
         metric, not a decision, depends on it)."""
         t0, before = time.perf_counter(), self.disk.bytes_read
-        kv = self.disk.read(seg_id, chunk_lo, chunk_hi, first)
+        try:
+            kv = self.disk.read(seg_id, chunk_lo, chunk_hi, first)
+        finally:
+            self.stats.disk_read_wall_seconds += time.perf_counter() - t0  # any thread: a metric only
         return PrefetchedRead(kv, self.disk.bytes_read - before, time.perf_counter() - t0)
 
     def fetch(

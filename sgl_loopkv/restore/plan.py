@@ -13,6 +13,10 @@ been read (the tiered store verifies disk extents before a match is promised):
   each extend layer waiting until that layer's load is done;
 - load: copy layer 0 .. N-1's loaded tokens into the KV pool.
 
+Where the loads do not run beside the compute (``RestoreJob.overlapped`` False: a CPU pool, whose
+loads run before the forward, :mod:`sgl_loopkv.cache.loader`), the compute stream starts once every
+layer is loaded.
+
 A bubble is time the compute stream waits for the load stream. The best plan minimises the time
 until the new turn's extend finishes.
 """
@@ -105,6 +109,7 @@ class RestoreJob:
     disk_tokens: int = 0
     stored_layer_bytes: float | None = None  # mean stored bytes per token-layer (compressed), default layer_bytes
     chunk: int = 16
+    overlapped: bool = True  # loads run beside the compute (a loader thread); False: all of them first
 
 
 @dataclass(slots=True)
@@ -127,12 +132,15 @@ def simulate(plan: RestorePlan, job: RestoreJob, cost: CostModel) -> Timeline:
     # Disk part first (verified whole before the match is promised); only loaded tokens are read.
     disk = sum(plan.load(layer) * disk_frac for layer in range(plan.num_layers)) * stored / cost.disk_bps
     t_c = t_l = disk
+    if not job.overlapped:  # every layer loaded before the compute starts
+        t_c += sum(plan.load(layer) for layer in range(plan.num_layers)) * job.layer_bytes / cost.copy_bps
+    start = t_c
     per_layer = []
     for layer in range(plan.num_layers):
         t_c += cost.rows_s(plan.recompute[layer], job.prefix)
         t_l += plan.load(layer) * job.layer_bytes / cost.copy_bps
         per_layer.append((t_c, t_l))
-    compute_busy, load_busy = t_c - disk, t_l
+    compute_busy, load_busy = t_c - start, t_l
     restored = max(t_c, t_l)
     bubble = 0.0
     for _, load_done in per_layer:  # the extend, layer by layer, waits for each layer's load
@@ -234,8 +242,8 @@ def finish_times(recompute: np.ndarray, job: RestoreJob, cost: CostModel) -> np.
     rows = np.where(
         r > 0, cost.layer_s + cost.token_s * r + cost.attn_s * r * (job.prefix + r / 2), 0.0
     )  # CostModel.rows_s per layer
-    t_c = disk + rows.sum(1)
     t_l = disk[:, None] + np.cumsum(load * job.layer_bytes / cost.copy_bps, axis=1)
+    t_c = (disk if job.overlapped else t_l[:, -1]) + rows.sum(1)
     ext = cost.rows_s(job.new_tokens, job.prefix + job.total)
     for layer in range(r.shape[1]):  # the extend waits for each layer's load
         t_c = np.maximum(t_c, t_l[:, layer]) + ext

@@ -24,15 +24,17 @@ logger = logging.getLogger(__name__)
 EMA = 0.3  # weight of a new measurement in the online refinement
 
 
-#: Where a resume's time goes (``loopkv_restore_seconds{part}``, wall seconds). On the scheduler
-#: thread, in order: ``lookup`` (tree walk, cross-worker discovery), ``plan`` (the planner itself),
+#: Where a resume's time goes (``loopkv_restore_seconds{part}``, wall seconds). ``held``: a request
+#: whose history only the disk held sat out scheduler rounds while it was read on the read-ahead
+#: thread (the read's own parts are the store's). On the scheduler thread, in order: ``lookup`` (tree walk, cross-worker discovery), ``plan`` (the planner itself),
 #: ``fetch`` (taking the stored bytes from their tier: a host slice, or a disk read with its
 #: verification and promotion), ``alloc`` (pool slots, evictions for them), ``recompute`` (the
 #: plan's front). On the loader thread, beside the forward: ``decode`` (int8 or shared rows to the
-#: pool's dtype) and ``copy`` (into the pool's slots); ``load`` = decode + copy. ``bubble``: the
-#: forward waiting for a layer still being loaded. Disk reads and checksums are the store's
+#: pool's dtype) and ``copy`` (into the pool's slots); ``load`` = decode + copy. ``loads_first``: on
+#: a CPU pool the loads run on the scheduler thread before the forward instead (``load`` counts
+#: them too). ``bubble``: the forward waiting for a layer still being loaded. Disk reads and checksums are the store's
 #: (``loopkv_disk_seconds``): they may run on the read-ahead thread before the match.
-STAGES = ("lookup", "plan", "fetch", "alloc", "recompute", "decode", "copy", "load", "bubble")
+STAGES = ("held", "lookup", "plan", "fetch", "alloc", "loads_first", "recompute", "decode", "copy", "load", "bubble")
 
 
 @dataclass(slots=True)

@@ -62,3 +62,27 @@ def test_bad_arguments_are_refused():
     with pytest.raises(RuntimeError, match="float32 pool"):
         native.load_layer(src, src, None, None, torch.arange(4), k.to(torch.bfloat16), v.to(torch.bfloat16))
     assert torch.isnan(k).all()
+
+
+def test_all_layers_at_once_equal_one_layer_at_a_time():
+    g = torch.Generator().manual_seed(3)
+    L = 5
+    q = QuantKV.quantize(torch.randn(L, 2, 70, H, D, generator=g))
+    slots = [torch.randperm(200, generator=g)[: 70 - 7 * i] for i in range(L)]
+    one_k, one_v = zip(*[pools(200) for _ in range(L)])
+    all_k, all_v = zip(*[pools(200) for _ in range(L)])
+    for i in range(L):
+        s = 7 * i
+        native.load_layer(
+            q.q[i, 0, s:], q.q[i, 1, s:], q.scale[i, 0, s:], q.scale[i, 1, s:], slots[i], one_k[i], one_v[i]
+        )
+    native.load_layers(
+        [q.q[i, 0, 7 * i :] for i in range(L)], [q.q[i, 1, 7 * i :] for i in range(L)],
+        [q.scale[i, 0, 7 * i :] for i in range(L)], [q.scale[i, 1, 7 * i :] for i in range(L)],
+        slots, list(all_k), list(all_v),
+    )  # fmt: skip
+    for a, b in zip((*one_k, *one_v), (*all_k, *all_v)):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    with pytest.raises(RuntimeError, match="out of range"):  # checked before any layer is written
+        native.load_layers([q.q[0, 0]], [q.q[0, 1]], [q.scale[0, 0]], [q.scale[0, 1]], [torch.arange(70) + 200],
+                           [all_k[0]], [all_v[0]])  # fmt: skip

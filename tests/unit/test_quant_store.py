@@ -141,4 +141,6 @@ def test_the_loader_decodes_int8_into_the_same_pool_values(native):
             s = skip[layer]
             assert torch.equal(k[layer][sl[s:]], want[0, s:]) and torch.equal(v[layer][sl[s:]], want[1, s:])
             assert torch.isnan(k[layer][sl[:s]]).all()  # the recomputed front is left to the restorer
-    assert len(decoded) == L and all(n > 0 and d >= 0 and c >= 0 for n, d, c in decoded)
+    want_bytes = sum(2 * (len(sl) - s) * H * D * 4 for _, sl, skip in refs for s in skip if s < len(sl))
+    assert sum(n for n, _, _ in decoded) == want_bytes and all(d >= 0 and c >= 0 for _, d, c in decoded)
+    assert len(decoded) == (1 if native else L)  # synchronous + native: every layer in one threaded call
