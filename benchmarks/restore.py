@@ -18,7 +18,7 @@ Tiers: ``host`` (the history evicted from the device pool into the host arena) a
 host arena; the segment files are dropped from the OS page cache before each resume).
 
 Per configuration: the history is stored, then one untimed evict + resume (warm-up) and
-``--repeats`` timed ones (TTFT of a 1-token request, median); then the restored KV (on the device
+``--repeats`` timed ones (each after the filler's own store has finished: ``SETTLE_S``) (TTFT of a 1-token request, median); then the restored KV (on the device
 by then) generates 128 greedy tokens and scores full_load's 128 tokens teacher-forced.
 Fidelity vs full_load (host): ``greedy_agreement`` = share of the 128 reference positions whose
 top-1 token the system predicts given the reference prefix (teacher forced); ``prefix_agreement`` =
@@ -48,6 +48,7 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import requests
@@ -74,6 +75,9 @@ from sgl_loopkv.server.process import ServerProcess
 
 GEN = 128
 TOPK = 20
+#: pause after the filler turn: its store (write-through; with int8 tiers a quantization of its
+#: 1100 tokens) runs on the scheduler thread after its answer, and a resume sent at once waited for it
+SETTLE_S = 1.0
 REQUIRED = ("full_load", "full_recompute")  # the fidelity reference and the recompute baseline
 FILLER = 1100
 HEAD = "loopkv"
@@ -181,6 +185,7 @@ def run_config(name: str, tier: str, tok, L: int, repeats: int, ref: dict | None
             if flags is not None:  # evict the history (over 4K it may be two radix nodes)
                 filler = synthetic_ids(tok, FILLER + (4096 if L > 4096 else 0), seed=10_000 + 100 * L + r)
                 timed_generate(srv.url, filler, 1)
+                time.sleep(SETTLE_S)  # the filler's own turn is stored (int8: quantized) before the resume
                 if disk_dir:
                     drop_page_cache(disk_dir)
                 m0 = metrics(srv.url)
