@@ -352,6 +352,9 @@ class SegmentCodec:
         header = self.header(fd, seg_id)
         layout = self.layout(header)
         layer_rows = header.get("layer_rows") or list(range(g.num_layers))
+        if not first_chunk:
+            rows = self._read_whole(fd, seg_id, header, layout, chunk_lo, chunk_hi)
+            return self._packed(fd, seg_id, header, layout, rows, layer_rows, chunk_lo, chunk_hi)
         if first_chunk:  # a row shared by several layers is read from the earliest chunk any of them needs
             row_first = [chunk_hi] * layout.rows
             for layer, row in enumerate(layer_rows):
@@ -373,8 +376,58 @@ class SegmentCodec:
                         raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {r}")
                     at = b.chunk0 + need - chunk_lo
                     out[r, at : at + b.n_chunks - need] = arr[need:, r - b.row0, :used]
-        side = self._read_side(fd, seg_id, header, layout) if "side" in header else None
         rows = self._rows_of_extents(torch.from_numpy(out))
+        return self._packed(fd, seg_id, header, layout, rows, layer_rows, chunk_lo, chunk_hi)
+
+    def _read_whole(
+        self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout, chunk_lo: int, chunk_hi: int
+    ) -> torch.Tensor | QuantKV:
+        """Every row's chunks [chunk_lo, chunk_hi), verified -> rows [R, 2, n * c, H, D] (a QuantKV for
+        int8). Each group's extents are read (``preadv``) into one buffer in file order, [n, group
+        rows, extent bytes], and copied once from there into the rows' layout: no intermediate
+        ``bytes`` per read and no second copy (a cold 4K-token resume spent more time building its
+        tensors than reading). Raises CorruptSegment."""
+        g = self.geometry
+        n, eb, used = chunk_hi - chunk_lo, g.extent_bytes, g.chunk_tokens * g.token_bytes_per_layer
+        c, H, D, R = g.chunk_tokens, g.num_kv_heads, g.head_dim, layout.rows
+        groups: list[tuple[int, np.ndarray]] = []
+        blocks, into = [], []
+        for g0 in range(0, R, layout.group):
+            g1 = layout.group_of(g0)[1]
+            buf = np.empty((n, g1 - g0, eb), np.uint8)
+            groups.append((g0, buf))
+            for b in layout.blocks(range(g0, g1), list(range(chunk_lo, chunk_hi))):
+                blocks.append(b)
+                into.append(buf[b.chunk0 - chunk_lo : b.chunk0 - chunk_lo + b.n_chunks])
+        for b, (_, ok) in zip(blocks, self._fetch(fd, layout, header, blocks, parallel=False, into=into)):
+            if not ok.all():
+                bad = b.row0 + int(np.nonzero(~ok)[1][0])
+                raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {bad}")
+        if g.quantized:
+            q = torch.empty((R, 2, n * c, H, D), dtype=torch.int8)
+            scale = torch.empty((R, 2, n * c, H), dtype=torch.float32)
+            qb = 2 * c * H * D
+            for g0, buf in groups:
+                raw, gr = torch.from_numpy(buf), buf.shape[1]
+                q[g0 : g0 + gr].view(gr, 2, n, c, H, D).copy_(
+                    raw[..., :qb].view(torch.int8).view(n, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
+                )
+                scale[g0 : g0 + gr].view(gr, 2, n, c, H).copy_(
+                    raw[..., qb:used].view(torch.float32).view(n, gr, 2, c, H).permute(1, 2, 0, 3, 4)
+                )
+            return QuantKV(q, scale)
+        out = torch.empty((R, 2, n * c, H, D), dtype=g.dtype)
+        for g0, buf in groups:
+            raw, gr = torch.from_numpy(buf), buf.shape[1]
+            out[g0 : g0 + gr].view(gr, 2, n, c, H, D).copy_(
+                raw[..., :used].view(g.dtype).view(n, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
+            )
+        return out
+
+    def _packed(self, fd, seg_id, header, layout, rows, layer_rows, chunk_lo: int, chunk_hi: int):
+        """``rows`` as read, or with the segment's shared layer pairs a PackedKV (its side data read and verified)."""
+        g = self.geometry
+        side = self._read_side(fd, seg_id, header, layout) if "side" in header else None
         if side is None:
             return rows
         c, codec = g.chunk_tokens, codec_of(header["codec"])
