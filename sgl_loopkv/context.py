@@ -19,14 +19,30 @@ call :func:`reset_context` first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # the types only: this module sits below the packages whose objects it holds
     from sgl_loopkv.cache.importance import ChunkImportance
+    from sgl_loopkv.cache.pruned import PrunedRestore
     from sgl_loopkv.krul.observer import KrulObserver
     from sgl_loopkv.restore.recompute import LayerStack
+
+
+class TieredCache(Protocol):
+    """What the rest of the process reads of the tiered radix cache (``LoopKVRadixCache``) through
+    the context: the attention backend its chunk-pruned restores, the response hook its per-tier
+    report, the forget endpoint its namespaces. Anything else of the cache is the cache package's."""
+
+    worker_id: str
+    pruned: Mapping[str, PrunedRestore]  # rid -> its chunk-pruned restore, while one runs
+
+    def pruned_job(self, rid: str) -> PrunedRestore | None: ...
+
+    def tier_breakdown(self, rid: str, cached_tokens: int) -> dict: ...
+
+    def namespace_root(self, extra_key: str | None, cache_salt: str | None) -> bytes: ...
 
 
 @dataclass(slots=True, eq=False)
@@ -34,7 +50,7 @@ class Context:
     importance: ChunkImportance  # chunk attention mass: the attention records, the cache pops at turn end
     observer: KrulObserver  # layer-sharing statistics (Krul): the attention records, the cache pops
     layer_stack: Callable[[], LayerStack | None] | None = None  # set by the loopkv attention factory
-    cache: Any = None  # the LoopKVRadixCache of this scheduler process, set by its factory
+    cache: TieredCache | None = None  # the LoopKVRadixCache of this scheduler process, set by its factory
 
 
 _CONTEXT: Context | None = None
