@@ -96,6 +96,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import conversations as conv
+from benchmarks.baselines import impress
 from benchmarks.common import (
     cpu_pool_dtype,
     drop_page_cache,
@@ -111,6 +112,7 @@ from benchmarks.harness.plot import figure
 from benchmarks.harness.results import RESULTS, load, md_table, write_results
 from benchmarks.harness.stats import median
 from benchmarks.restore import first_token_logprobs, kl_topk
+from sgl_loopkv import extensions
 from sgl_loopkv.cache.layout import KVGeometry, baseline_block_read_bytes, key_summaries
 from sgl_loopkv.config import LoopKVConfig, PrefixConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
@@ -263,9 +265,11 @@ class Bench:
     def hist(self, L: int) -> list[int]:
         return self.hist_all[:L]
 
-    def server(self, name: str, flags: list[str], pool: int) -> ServerProcess:
+    def server(self, name: str, flags: list[str], pool: int, env: dict[str, str] | None = None) -> ServerProcess:
         srv = ServerProcess(
-            [*COMMON, "--max-total-tokens", str(pool), *flags], log_path=RESULTS / f"reprefill_{name}.log"
+            [*COMMON, "--max-total-tokens", str(pool), *flags],
+            log_path=RESULTS / f"reprefill_{name}.log",
+            env=env or {},
         )
         return srv.start()
 
@@ -343,11 +347,13 @@ class Bench:
         self.bar.set_postfix_str(name)
         flags, disk = self.tier_flags(tier, name, "layer" if system == "impress" else "grouped")
         flags += ["--loopkv-prefix-stream"] if stream else ["--loopkv-prefix-budget", str(budget)]
-        if system == "impress":
-            flags += ["--loopkv-prefix-selection", "impress"]
+        env = {}
+        if system == "impress":  # the baseline's selection lives in benchmarks/: the server's processes load it
+            flags += ["--loopkv-prefix-selection", impress.NAME]
+            env[extensions.ENV] = impress.__name__
         if self.args.prefetch is not None:
             flags += ["--loopkv-prefix-prefetch", str(self.args.prefetch)]
-        srv = self.server(name, flags, max(lengths) + 1024)
+        srv = self.server(name, flags, max(lengths) + 1024, env)
         results = {}
         try:
             if tier == "host":  # store the history, then evict it from the device pool

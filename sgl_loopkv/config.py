@@ -438,8 +438,8 @@ class PrefixConfig:
             "help": "How a period's history is chosen below budget 1.0: 'chunks' (ContiguousKV: whole chunks "
             "scored on their stored key min/max) or 'impress' (the IMPRESS-style baseline: the period's first "
             "layer reads every history key and keeps each 64-token block holding a token of highest attention "
-            "mass).",
-            "choices": ["chunks", "impress"],
+            "mass; registered by benchmarks/baselines/impress.py where LOOPKV_EXTENSIONS names it).",
+            "registry": "sgl_loopkv.cache.chunk_selection:CHUNK_SELECTIONS",
             "baseline": True,
         },
     )
@@ -478,10 +478,11 @@ class PrefixConfig:
             raise ValueError(f"--loopkv-prefix-budget must be in (0, 1], not {self.budget}")
         if not 0.0 <= self.prefetch <= 1.0:
             raise ValueError(f"--loopkv-prefix-prefetch must be in [0, 1], not {self.prefetch}")
-        if self.selection not in ("chunks", "impress"):
-            raise ValueError(f"--loopkv-prefix-selection must be chunks or impress, not {self.selection!r}")
         if self.period < 1 or self.gate < 1 or self.local < 1 or self.min_tokens < 0 or self.layer_group < 0:
             raise ValueError("--loopkv-prefix-period, -gate and -local must be >= 1, -min-tokens and -layer-group >= 0")
+        selection = Option("prefix", next(f for f in fields(self) if f.name == "selection"), self.flag_prefix)
+        if self.selection not in selection.choices():  # the registry's names (the baselines' where loaded)
+            raise ValueError(f"--loopkv-prefix-selection: {selection.registry().unknown(self.selection)}")
 
 
 @dataclass(slots=True)

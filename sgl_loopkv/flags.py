@@ -13,11 +13,14 @@ Byte sizes (:func:`parse_bytes`) follow SI and IEC: ``KB``/``MB``/``GB``/``TB`` 
 from __future__ import annotations
 
 import argparse
+import functools
 import pkgutil
 import re
 from dataclasses import MISSING, Field, dataclass
 from decimal import Decimal
 from typing import Any
+
+from sgl_loopkv.extensions import load_extensions
 
 #: A byte count; as a field annotation it makes the flag accept units (``2GiB``, ``500MB``).
 Bytes = int
@@ -99,11 +102,15 @@ class Option:
         """Only benchmarks use it (a baseline or an ablation): listed apart in ``--help`` and the docs."""
         return bool(self.meta.get("baseline"))
 
+    def registry(self) -> Any:
+        """The registry this flag picks from (None: literal ``choices`` or none), looked up now."""
+        return pkgutil.resolve_name(self.meta["registry"]) if "registry" in self.meta else None
+
     def choices(self) -> list[str] | None:
         """The registry's names (plus the ``off`` value first), or the literal ``choices``."""
         if "registry" in self.meta:
-            registry = pkgutil.resolve_name(self.meta["registry"])
-            return ([self.meta["off"]] if "off" in self.meta else []) + registry.names()
+            load_extensions()  # names registered from outside the package (a benchmark's baseline)
+            return ([self.meta["off"]] if "off" in self.meta else []) + self.registry().names()
         return self.meta.get("choices")
 
     @property
@@ -142,6 +149,9 @@ class Option:
             return kwargs
         kwargs["type"] = self.meta.get("type") or FIELD_TYPES.get(self.field.type, (None, None))[0]  # None: str
         choices = self.choices()
+        registry = self.registry()
+        if registry is not None and registry.hint and kwargs["type"] is str:  # unknown: the registry's error and hint
+            kwargs["type"] = functools.partial(_registered, registry, choices)
         if choices is not None:
             kwargs["choices"] = choices
         else:
@@ -163,3 +173,11 @@ class Option:
         if self.switch and self.field.default is not False:
             out.append("is a switch: its default must be False")
         return [f"{self.flag} {p}" for p in out]
+
+
+def _registered(registry, choices: list[str], value: str) -> str:
+    """A registry flag's value: a registered name (or the ``off`` value), else argparse's error in the
+    registry's words (naming where a name registered from outside the package comes from)."""
+    if value not in choices:
+        raise argparse.ArgumentTypeError(registry.unknown(value))
+    return value

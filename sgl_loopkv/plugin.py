@@ -4,6 +4,8 @@ SGLang calls :func:`register` in every process it starts (launcher, scheduler, d
 controller) through ``sglang.srt.plugins.load_plugins()``; registration is idempotent.
 
 What it registers today:
+- the components of the modules outside the package that ``LOOPKV_EXTENSIONS`` names (a benchmark's
+  baseline, :mod:`sgl_loopkv.extensions`);
 - the process's shared state (:mod:`sgl_loopkv.context`), set once;
 - the ``sgl_kernel`` CPU stand-in (only with SGLang's CPU engine and no real sgl_kernel);
 - the ``loopkv`` attention backend (``--attention-backend loopkv``);
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 
+from sgl_loopkv.extensions import load_extensions
 from sgl_loopkv.platform import activate_cpu_standin
 
 logger = logging.getLogger(__name__)
@@ -43,6 +46,7 @@ COMPONENTS: dict[str, list[str]] = {"attention_backend": [], "radix_cache_backen
 def register() -> None:
     # Before anything imports sglang.srt: its modules import sgl_kernel at import time.
     activate_cpu_standin()
+    load_extensions()  # modules outside the package named by LOOPKV_EXTENSIONS register their components
     _set_context()
     _register_attention_backend()
     _register_radix_cache_backend()

@@ -9,8 +9,9 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, hint: str = ""):
         self.kind = kind
+        self.hint = hint  # where names registered from outside the package come from (for the error)
         self._factories: dict[str, Callable[..., T]] = {}
 
     def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -24,8 +25,12 @@ class Registry(Generic[T]):
 
     def create(self, name: str, *args, **kwargs) -> T:
         if name not in self._factories:
-            raise KeyError(f"unknown {self.kind} {name!r}; choose one of {self.names()}")
+            raise KeyError(self.unknown(name))
         return self._factories[name](*args, **kwargs)
+
+    def unknown(self, name: str) -> str:
+        """The error for a name nothing registered."""
+        return f"unknown {self.kind} {name!r}; choose one of {self.names()}" + (f" ({self.hint})" if self.hint else "")
 
     def names(self) -> list[str]:
         return sorted(self._factories)

@@ -77,3 +77,17 @@ def _shared_servers(request, _count_server_starts):
         SERVERS.prestart(request.getfixturevalue("session_paths"), names)
     yield
     SERVERS.stop_all()
+
+
+@pytest.fixture
+def impress_registered(monkeypatch):
+    """The IMPRESS-style baseline (``benchmarks/baselines/impress.py``) registered as a chunk selection
+    for this test only, as ``LOOPKV_EXTENSIONS`` registers it in a benchmark's server (afterwards the
+    registry holds the package's names again: a page generated from the flags never lists it)."""
+    from sgl_loopkv.cache.chunk_selection import CHUNK_SELECTIONS
+
+    monkeypatch.setattr(CHUNK_SELECTIONS, "_factories", dict(CHUNK_SELECTIONS._factories))
+    from benchmarks.baselines.impress import NAME, ImpressSelection
+
+    CHUNK_SELECTIONS.register(NAME)(ImpressSelection)
+    return ImpressSelection

@@ -8,7 +8,7 @@ import torch
 
 from sgl_loopkv.cache.disk import DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
-from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, Source
+from sgl_loopkv.cache.pruned import ChunkReader, KVBuffers, PrunedHistory, PrunedParams, PrunedRestore, Source
 
 C, H, D, L = 16, 2, 8, 6
 GEO = KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, chunk_tokens=C)
@@ -30,8 +30,8 @@ def restore(
     pool_v = [torch.full((4096, H, D), float("nan"), device=device) for _ in range(L)]
     summaries = key_summaries(kv_total[:, 0], C)[::period]  # each period's first layer
     job = PrunedRestore(
-        "r", sources, m, 0, summaries, pool_k, pool_v, reader or ChunkReader(),
-        chunk=C, budget=budget, period=period, gate=gate, local=2, prefetch=prefetch, disk=disk, selection=selection,
+        PrunedHistory("r", sources, m, 0, summaries), KVBuffers(pool_k, pool_v), reader or ChunkReader(),
+        PrunedParams(C, budget, period, gate, local=2, prefetch=prefetch, selection=selection), disk=disk,
     )  # fmt: skip
     if paged:
         pages = torch.randperm(4096 // C - 1)[: job.cache_tokens // C] + 1

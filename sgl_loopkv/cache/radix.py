@@ -60,7 +60,15 @@ from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart, beside_forward
 from sgl_loopkv.cache.metrics import TierMetrics
-from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, PrunedStats, Source
+from sgl_loopkv.cache.pruned import (
+    ChunkReader,
+    KVBuffers,
+    PrunedHistory,
+    PrunedParams,
+    PrunedRestore,
+    PrunedStats,
+    Source,
+)
 from sgl_loopkv.cache.requests import RequestState, RequestStates
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
@@ -729,22 +737,11 @@ class LoopKVRadixCache(RadixCache):
                     os.close(src.fd)
             return None
         job = PrunedRestore(
-            req.rid,
-            sources,
-            first,
-            device_len,
-            torch.cat(summaries, dim=1),
-            self.kv_pool.k_buffer,
-            self.kv_pool.v_buffer,
+            PrunedHistory(req.rid, sources, first, device_len, torch.cat(summaries, dim=1)),
+            KVBuffers(self.kv_pool.k_buffer, self.kv_pool.v_buffer),
             self.chunk_reader,
-            chunk=self.page_size,
-            budget=cfg.budget,
-            period=cfg.period,
-            gate=cfg.gate,
-            prefetch=cfg.prefetch,
-            local=cfg.local,
+            PrunedParams.from_config(cfg, self.page_size),
             disk=self.store.disk,
-            selection=cfg.selection,
         )
         job.attach(slots)
         admitted = self.store.stats.disk_bytes_read - admission_read  # the scored layers' key summaries

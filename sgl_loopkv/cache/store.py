@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from shutil import disk_usage
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,20 @@ from sgl_loopkv.cache.value import ValuePolicy
 from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
 logger = logging.getLogger(__name__)
+
+
+class ChunkSource(NamedTuple):
+    """What a chunk-pruned restore reads a range of a segment's chunks from
+    (:meth:`TieredKVStore.chunk_source`): the host tier's KV of the range (``host_kv[layer]`` ->
+    [2, T, H, D]) or, for a disk hit, an open segment file ``fd`` (the caller closes it) and its
+    verified ``header``; the range's key ``summaries`` of the scored layers [len(layers), m, H, 2, D]
+    float32; the ``tier`` it came from."""
+
+    host_kv: object | None
+    fd: int | None
+    header: dict | None
+    summaries: torch.Tensor
+    tier: str
 
 
 @dataclass(slots=True)
@@ -572,11 +587,10 @@ class TieredKVStore:
         layers: list[int],
         keep: Collection[str] = (),
         cache_summaries: bool = False,
-    ) -> tuple[object | None, int | None, dict | None, torch.Tensor, str]:
+    ) -> ChunkSource:
         """What a chunk-pruned restore reads chunks ``[chunk_lo, chunk_hi)`` from, without reading any KV
-        yet: (host KV of the range or None, an open segment file and its verified header or None,
-        the range's key summaries of ``layers`` only [len(layers), m, H, 2, D] float32 (the layers the
-        restore scores at: a disk admission reads just those), the tier). A disk segment whose rows are
+        yet: a :class:`ChunkSource`, its key summaries those of ``layers`` only (the layers the restore
+        scores at: a disk admission reads just those). A disk segment whose rows are
         packed (layer sharing) is fetched whole (:meth:`fetch`) and served as host KV. Raises
         CorruptSegment (and forgets the segment) like :meth:`fetch`; the caller closes the file.
         ``cache_summaries``: a disk admission's summaries come from, and go to, the host chunk cache."""
@@ -600,11 +614,11 @@ class TieredKVStore:
                     raise
                 finally:  # admission reads (header, the scored layers' summaries) are reads too
                     self.stats.disk_bytes_read += self.disk.bytes_read - before
-                return None, fd, header, summaries[:, chunk_lo:chunk_hi].float(), "disk"
+                return ChunkSource(None, fd, header, summaries[:, chunk_lo:chunk_hi].float(), "disk")
             os.close(fd)
         kv, tier = self.fetch(seg_id, chunk_lo, chunk_hi, keep=keep)
         summaries = seg.host_summaries if seg.host_summaries is not None else self.disk.read_summaries(seg_id)
-        return kv, None, None, summaries[layers, chunk_lo:chunk_hi].float(), tier
+        return ChunkSource(kv, None, None, summaries[layers, chunk_lo:chunk_hi].float(), tier)
 
     def touch(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
         if seg_id in self.segments:

@@ -153,7 +153,7 @@ def test_the_self_documentation_check_names_what_a_new_flag_lacks():
     assert problems["ok_bytes"] == [] and Option("new", dataclasses.fields(New)[3]).default_text() == "3MiB"
 
 
-def test_benchmark_only_flags_are_listed_apart_and_keep_working():
+def test_benchmark_only_flags_are_listed_apart_and_keep_working(impress_registered):
     parser = argparse.ArgumentParser(add_help=False)
     LoopKVConfig.add_cli_args(parser)
     baselines = next(g for g in parser._action_groups if g.title.endswith("benchmark baselines"))
@@ -163,6 +163,35 @@ def test_benchmark_only_flags_are_listed_apart_and_keep_working():
     assert flags == {o.flag for o in LoopKVConfig.options() if o.baseline}
     cfg = parse("--loopkv-stock", "--loopkv-prefix-selection", "impress", "--loopkv-restore-ratio", "0.7")
     assert cfg.stock and cfg.prefix.selection == "impress" and cfg.restore.ratio == 0.7
+
+
+def test_a_selection_registered_outside_the_package_is_accepted_only_once_loaded(monkeypatch, capsys):
+    """The IMPRESS-style baseline lives in benchmarks/: without it the flag refuses its name, saying
+    where it comes from; ``LOOPKV_EXTENSIONS`` naming its module registers it (as in a benchmark's server)."""
+    import sys
+
+    from sgl_loopkv import extensions
+    from sgl_loopkv.cache.chunk_selection import CHUNK_SELECTIONS
+    from sgl_loopkv.config import PrefixConfig
+
+    # this test's registrations and imports are undone after it
+    monkeypatch.setattr(CHUNK_SELECTIONS, "_factories", {"chunks": CHUNK_SELECTIONS._factories["chunks"]})
+    monkeypatch.setattr(extensions, "_loaded", set())
+    monkeypatch.delitem(sys.modules, "benchmarks.baselines.impress", raising=False)
+    monkeypatch.delenv(extensions.ENV, raising=False)
+    with pytest.raises(SystemExit):
+        parse("--loopkv-prefix-selection", "impress")
+    err = capsys.readouterr().err
+    assert "unknown chunk selection 'impress'" in err and "benchmarks/baselines/impress.py" in err, err
+    assert "LOOPKV_EXTENSIONS=benchmarks.baselines.impress" in err, err
+    with pytest.raises(ValueError, match="benchmarks/baselines/impress.py"):
+        PrefixConfig(selection="impress")
+    monkeypatch.setenv(extensions.ENV, "benchmarks.baselines.impress")
+    assert parse("--loopkv-prefix-selection", "impress").prefix.selection == "impress"
+    assert CHUNK_SELECTIONS.names() == ["chunks", "impress"] and PrefixConfig(selection="impress").budget == 1.0
+    monkeypatch.setenv(extensions.ENV, "benchmarks.baselines.nope")
+    with pytest.raises(ImportError, match="LOOPKV_EXTENSIONS names 'benchmarks.baselines.nope'"):
+        extensions.load_extensions()
 
 
 @pytest.mark.parametrize(

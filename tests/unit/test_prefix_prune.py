@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sgl_loopkv.cache.disk import CorruptSegment
 from sgl_loopkv.cache.layout import key_summaries
-from sgl_loopkv.cache.pruned import ChunkReader, PrunedRestore, Source
+from sgl_loopkv.cache.pruned import ChunkReader, KVBuffers, PrunedHistory, PrunedParams, PrunedRestore, Source
 from sgl_loopkv.kernels import chunk_io
 from sgl_loopkv.selection.chunks import (
     always_kept,
@@ -106,8 +106,8 @@ def test_native_host_copy_refuses_spans_outside_its_tensors():
     job, pk, _ = restore([Source("s", 0, 20, 0, host_kv=kv)], kv, budget=0.3, period=3, paged=True)
     to = job.slots.view(-1, C)[:2]
     with pytest.raises(IndexError):  # a chunk past the host rows: never a raw read beyond them
-        job._copy_host(kv[0, :, : 4 * C], 0, torch.tensor([1, 4]), to)
-    assert job._copy_host(kv[0], 0, torch.tensor([1, 4]), to)
+        job.loads.copy_host(kv[0, :, : 4 * C], 0, torch.tensor([1, 4]), to)
+    assert job.loads.copy_host(kv[0], 0, torch.tensor([1, 4]), to)
     assert torch.equal(pk[0][to.flatten()], kv[0, 0].view(-1, C, H, D)[[1, 4]].flatten(0, 1))
     job.close()
 
@@ -218,7 +218,7 @@ def test_token_scores_are_the_exact_attention_mass():
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_impress_restore_probes_every_key_then_attends_to_the_chosen_tokens_only(tmp_path, tier):
+def test_impress_restore_probes_every_key_then_attends_to_the_chosen_tokens_only(tmp_path, tier, impress_registered):
     """The baseline reads the whole history at each period's first layer (its probe), keeps the tokens
     of highest exact mass, reads their 64-token blocks for the other layers; every layer attends to
     exactly the chosen tokens' stored KV, and what it read beyond them is its read amplification."""
@@ -236,7 +236,8 @@ def test_impress_restore_probes_every_key_then_attends_to_the_chosen_tokens_only
     for layer in range(L):
         pos = check_layer(job, pk, pv, kv, layer)
         p = layer // 3
-        assert torch.equal(pos, torch.nonzero(job.kept_tokens[p]).flatten())  # the chosen tokens, nothing else
+        chosen = job.selection.kept_tokens[p]
+        assert torch.equal(pos, torch.nonzero(chosen).flatten())  # the chosen tokens, nothing else
         assert len(pos) == max(want, 3 * C)  # the budget (first + 2 nearest chunks forced)
         if layer % 3 == 0:  # the probe: every chunk of the period's first layer was read
             assert job.loaded[layer].all()
@@ -245,7 +246,7 @@ def test_impress_restore_probes_every_key_then_attends_to_the_chosen_tokens_only
             assert torch.equal(read, job.kept[p]) and len(read) < 24 and len(read) % 4 == 0
     probe = token_scores(q, kv[0, 0], 0.3)  # period 0 chose by exact mass of layer 0's keys
     mask, _ = select_tokens(probe, want, C, 2, 4 * C)
-    assert torch.equal(mask, job.kept_tokens[0])
+    assert torch.equal(mask, job.selection.kept_tokens[0])
     st = job.account()
     assert st.bytes_used == sum(len(job.kept_positions(x)) for x in range(L)) * job.layer_bytes // C
     assert st.bytes_loaded > 2 * st.bytes_used  # probe + block padding: IMPRESS's read amplification
@@ -476,7 +477,7 @@ def test_decode_recall_overlapped_equals_serial_and_stays_in_the_cache(tmp_path)
 
 # --- the backend's kept-chunk plans (fake SGLang batches) ------------------------------------------
 @pytest.mark.parametrize("budget,selection", [(1.0, "chunks"), (0.4, "chunks"), (0.2, "impress")])
-def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget, selection):
+def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget, selection, impress_registered):
     """A batch of two sequences, the first with a pruned history of 20 chunks (its row points the
     history at the padding slot, filled with garbage here), the second dense. The pruned one's
     output equals dense attention over its kept chunks' stored KV and its own tokens (budget 1.0: the
@@ -497,8 +498,8 @@ def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget
     req_to_token[1, :200] = torch.arange(2500, 2700)
     pool.k[0][0] = float("nan")  # whoever reads the padding slot poisons its output
     job = PrunedRestore(
-        "a", [Source("s", 0, 20, 0, host_kv=hist)], 20, 0, key_summaries(hist[:, 0], C)[::3], pool.k, pool.v,
-        ChunkReader(), chunk=C, budget=budget, period=3, gate=2, local=2, selection=selection,
+        PrunedHistory("a", [Source("s", 0, 20, 0, host_kv=hist)], 20, 0, key_summaries(hist[:, 0], C)[::3]),
+        KVBuffers(pool.k, pool.v), ChunkReader(), PrunedParams(C, budget, period=3, gate=2, local=2, selection=selection),
     )  # fmt: skip
     job.attach(torch.arange(3000, 3000 + job.cache_tokens))
     ctx = SimpleNamespace(cache=SimpleNamespace(pruned={"a": job}, pruned_job={"a": job}.get))
@@ -521,7 +522,7 @@ def test_backend_attends_to_exactly_the_kept_chunks_in_prefill_and_decode(budget
     pos = expect(q[:64], 384, 64, out[:64])
     if selection == "impress":  # the chosen tokens (budget, first and 2 nearest chunks forced), not whole chunks
         assert len(pos) == max(math.ceil(budget * 20 * C), 3 * C) and torch.equal(
-            pos, job.kept_tokens[0].nonzero()[:, 0]
+            pos, job.selection.kept_tokens[0].nonzero()[:, 0]
         )
     else:
         assert len(pos) == (20 * C if budget == 1.0 else keep_count(20, budget) * C)
