@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from sgl_loopkv.cache.store import TierStats
+from sgl_loopkv.cache.tier_types import TierStats
 
 
 class TierMetrics:

@@ -10,102 +10,35 @@ evictions when a read finds a file gone (recomputed, like a corrupt one). A writ
 is counted (``disk_write_errors``) and logged, and the segment stays where it was (host arena) or is
 not stored; a full disk also lowers the tier's quota to what fits. All calls come from the scheduler
 thread; the disk writer is the only other thread and touches only the disk store, the ``pending``
-flags, the counters and the ``_evicted`` queue that :meth:`TieredKVStore.sync` drains.
+flags, the counters and the ``evicted`` queue that :meth:`TieredKVStore.sync` drains
+(:mod:`sgl_loopkv.cache.disk_writer`).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import errno
 import logging
 import os
-import queue
-import threading
 import time
-import weakref
-from collections import deque
 from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
-from shutil import disk_usage
-from typing import NamedTuple
 
 import torch
 
 from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.cache.cipher import SegmentCipher
-from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore, NoRoom, SegmentGone, SegmentRecord
+from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.disk_dir import DirectoryLock
+from sgl_loopkv.cache.disk_writer import DiskWriters
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
 from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.retention import Candidate, RetentionBook, tenant_label, tenant_of
+from sgl_loopkv.cache.tier_types import ChunkSource, StoredSegment, TierStats
 from sgl_loopkv.cache.value import ValuePolicy
-from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
 logger = logging.getLogger(__name__)
-
-
-class ChunkSource(NamedTuple):
-    """What a chunk-pruned restore reads a range of a segment's chunks from
-    (:meth:`TieredKVStore.chunk_source`): the host tier's KV of the range (``host_kv[layer]`` ->
-    [2, T, H, D]) or, for a disk hit, an open segment file ``fd`` (the caller closes it) and its
-    verified ``header``; the range's key ``summaries`` of the scored layers [len(layers), m, H, 2, D]
-    float32; the ``tier`` it came from."""
-
-    host_kv: object | None
-    fd: int | None
-    header: dict | None
-    summaries: torch.Tensor
-    tier: str
-
-
-@dataclass(slots=True)
-class StoredSegment:
-    record: SegmentRecord
-    host_kv: torch.Tensor | QuantKV | PackedKV | None = None  # [L, 2, T, H, D], int8, or pairs sharing rows
-    host_summaries: torch.Tensor | None = None  # [L, m, H, 2, D] in geometry.summary_dtype
-    on_disk: bool = False
-    pending_disk: bool = False
-
-    @property
-    def in_host(self) -> bool:
-        return self.host_kv is not None
-
-
-@dataclass(slots=True)
-class TierStats:
-    """Counters for metrics and benchmarks (bytes and tokens)."""
-
-    host_bytes: int = 0
-    disk_bytes: int = 0
-    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
-    disk_bytes_read: int = 0
-    disk_bytes_used: int = 0  # KV bytes the reads delivered to the device pool (excl. padding/headers)
-    load_seconds: float = 0.0
-    disk_read_seconds: float = 0.0  # the disk codec's preads (summed over threads) and checksums
-    disk_verify_seconds: float = 0.0
-    disk_read_wall_seconds: float = 0.0  # whole reads of segments (read, verify, the tensors built from them)
-    corrupt_segments: int = 0
-    lost_segments: int = 0
-    gone_segments: int = 0  # disk segments found evicted by another worker when read (recomputed)
-    disk_write_errors: int = 0  # segment writes the disk refused (full, I/O error): not stored on disk
-    host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
-    disk_tokens: int = 0
-    host_chunk_bytes: int = 0  # the host chunk cache's (chunks of disk-only segments, in the arena's free room)
-    disk_expired: int = 0  # segments the disk TTL (--loopkv-disk-ttl) deleted, by this worker
-    forgets: int = 0  # forgets (POST /loopkv/forget) that removed something here
-    pinned_bytes: int = 0  # host bytes pinned by "retain": "pin" requests
-    pins_refused: int = 0  # pins over --loopkv-pin-bytes: stored unpinned
-    tenants: dict = field(default_factory=dict)  # (tier, tenant metrics label) -> (tokens, bytes)
-
-
-def _close_at_exit(ref: weakref.ref) -> None:
-    store = ref()
-    if store is not None:
-        store.close()
 
 
 class TieredKVStore:
@@ -141,43 +74,9 @@ class TieredKVStore:
         )
         # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-disk-read background)
         self.prefetch = DiskPrefetch() if self.disk is not None and read_ahead else None
-        # Two writers: one at background priority (nobody waits for its writes: the forward should
-        # not lose a core to them) and one at normal priority for writes another worker sharing the
-        # directory may be waiting for (its lookup found the announcement; it recomputes if the write
-        # takes over PENDING_WAIT_S, which a niced writer did on 2 busy cores)
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._shared_queue: queue.Queue[str | None] = queue.Queue()
-        self._evicted: deque[str] = deque()  # disk segments the writer threads evicted, for sync()
-        self._writers: list[threading.Thread] = []
+        # the writer threads and the TTL sweep (cache.disk_writer): started here, stopped by close()
+        self.writers = DiskWriters(self, disk_ttl_s) if self.disk is not None else None
         if self.disk is not None:
-            self.stats.disk_bytes = self.disk.used_bytes
-            for q, background, name in ((self._queue, True, "loopkv-disk-writer"),
-                                        (self._shared_queue, False, "loopkv-disk-writer-shared")):  # fmt: skip
-                t = threading.Thread(target=self._write_loop, args=(q, background), name=name, daemon=True)
-                t.start()
-                self._writers.append(t)
-            # Queued stores reach the disk when the process exits normally (SGLang's scheduler on
-            # shutdown); a weak reference, so a store dropped earlier is not kept alive by this.
-            atexit.register(_close_at_exit, weakref.ref(self))
-        self.disk_ttl_s = disk_ttl_s if self.disk is not None else None
-        self._closing = threading.Event()
-        if self.disk_ttl_s:  # at start-up (nothing of it is known here yet), then periodically
-            self.stats.disk_expired += len(self.disk.expire(self.disk_ttl_s))
-            self.stats.disk_bytes = self.disk.used_bytes
-            t = threading.Thread(target=self._expire_loop, name="loopkv-disk-ttl", daemon=True)
-            t.start()
-            self._writers.append(t)
-
-    def _expire_loop(self) -> None:
-        """Every min(TTL / 4, 60 s): segments unused for the TTL leave the disk; :meth:`sync` tells the tree."""
-        while not self._closing.wait(min(self.disk_ttl_s / 4, 60.0)):
-            try:
-                gone = self.disk.expire(self.disk_ttl_s)
-            except OSError:
-                logger.exception("loopkv: expiring disk segments failed (tried again later)")
-                continue
-            self.stats.disk_expired += len(gone)
-            self._evicted.extend(gone)
             self.stats.disk_bytes = self.disk.used_bytes
 
     # --- in ------------------------------------------------------------------------------------
@@ -235,9 +134,9 @@ class TieredKVStore:
             self.disk.announce(record)  # another worker's lookup of it waits for the write, not recomputes
         if in_host:
             if to_disk:
-                (self._shared_queue if self.disk.presence.others() else self._queue).put(record.seg_id)
+                self.writers.queue(record.seg_id, shared=self.disk.presence.others())
         else:  # too big for the arena: write from this copy now, keep it on disk only
-            self._write(record.seg_id)
+            self.writers.write(record.seg_id)
             self.sync()
             seg.host_kv = seg.host_summaries = None
             if not seg.on_disk:  # the write failed: no tier holds it (the tree never saw it: no on_lost)
@@ -246,72 +145,14 @@ class TieredKVStore:
                 return False
         return True
 
-    def _write(self, seg_id: str) -> None:
-        seg = self.segments.get(seg_id)
-        try:
-            if seg is not None and seg.host_kv is not None:
-                self._evicted.extend(self.disk.write(seg.record, seg.host_kv, seg.host_summaries))
-                seg.on_disk = True
-            elif seg is not None:  # its only copy went before the write: nothing will be published
-                self.disk.unannounce(seg.record)
-        except NoRoom as e:  # every other segment is being written: stays in the arena (if it is there)
-            logger.info("loopkv: segment %s not stored on disk: %s", seg_id, e)
-        except Exception as e:  # whatever went wrong, the writer thread lives on (flush() waits for it)
-            self.stats.disk_write_errors += 1
-            if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                # Something else filled the filesystem: hold the tier to what it has plus what is still
-                # free, so later stores replace the least valuable segments (or stay in host memory)
-                # instead of failing too.
-                before = self.disk.quota_bytes
-                self.disk.quota_bytes = min(before, self.disk.used_bytes + disk_usage(self.disk.root).free)
-                logger.warning(
-                    "loopkv: disk full writing segment %s (%s): not stored on disk (kept in host memory where it "
-                    "fits); disk tier quota lowered from %.3f to %.3f GB until restart",
-                    seg_id,
-                    e,
-                    before / 1e9,
-                    self.disk.quota_bytes / 1e9,
-                )
-            else:
-                logger.exception(
-                    "loopkv: writing segment %s to disk failed: not stored on disk (kept in host memory where it fits)",
-                    seg_id,
-                )
-        finally:
-            if seg is not None:
-                seg.pending_disk = False
-            self.stats.disk_bytes = self.disk.used_bytes
-
-    def _write_loop(self, q: queue.Queue, background: bool) -> None:
-        keep_torch_on_this_thread()  # no OpenMP team of its own: it would slow every later forward
-        if background:
-            yield_cpu_to_the_forward()  # a write nobody waits for can wait; the next request's prefill should not
-        while True:
-            seg_id = q.get()
-            if seg_id is None:
-                q.task_done()
-                return
-            try:
-                self._write(seg_id)
-            finally:
-                q.task_done()
-
     def flush(self) -> None:
         """Wait until every queued disk write is done."""
-        if self.disk is not None:
-            self._queue.join()
-            self._shared_queue.join()
+        if self.writers is not None:
+            self.writers.flush()
 
     def close(self) -> None:
-        if self._writers:
-            self.flush()
-            self._closing.set()
-            for q in (self._queue, self._shared_queue):
-                q.put(None)
-            for t in self._writers:
-                t.join(timeout=30)
-            self._writers = []
-            self.disk.presence.close()
+        if self.writers is not None:
+            self.writers.close()
         if self.dir_lock is not None:
             self.dir_lock.release()
 
@@ -383,8 +224,8 @@ class TieredKVStore:
     def sync(self) -> None:
         """Apply the disk evictions the writer thread made (scheduler thread): a segment no tier
         holds any more is lost."""
-        while self._evicted:
-            seg = self.segments.get(self._evicted.popleft())
+        while self.writers is not None and self.writers.evicted:
+            seg = self.segments.get(self.writers.evicted.popleft())
             if seg is None or not seg.on_disk:
                 continue
             seg.on_disk = False

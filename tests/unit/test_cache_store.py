@@ -494,8 +494,8 @@ def test_writes_another_worker_may_wait_for_run_at_normal_priority(tmp_path):
     store = TieredKVStore(GEO, VALUE_POLICIES.create("lru"), GEO.segment_host_bytes(4) * 4, tmp_path, 1 << 30)
     root = store.disk.root
     threads = []
-    write = store._write
-    store._write = lambda seg_id: (threads.append(threading.current_thread().name), write(seg_id))
+    write = store.writers.write
+    store.writers.write = lambda seg_id: (threads.append(threading.current_thread().name), write(seg_id))
     assert not store.disk.presence.others()
     store.put(*segment(4, 300))
     store.flush()

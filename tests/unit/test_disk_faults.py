@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sgl_loopkv.cache import disk as disk_mod
-from sgl_loopkv.cache import store as store_mod
+from sgl_loopkv.cache import disk_writer as writer_mod
 from sgl_loopkv.cache.backend import model_fingerprint
 from sgl_loopkv.cache.disk import DiskSegmentStore, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -96,7 +96,7 @@ def test_a_full_disk_keeps_the_store_working_and_says_so(tmp_path, monkeypatch, 
     root = tmp_path / "disk"
     fs = _FullDisk(root, _capacity_for(tmp_path, 3))
     monkeypatch.setattr(disk_mod, "open", fs, raising=False)  # module global shadows the builtin
-    monkeypatch.setattr(store_mod, "disk_usage", fs.usage)
+    monkeypatch.setattr(writer_mod, "disk_usage", fs.usage)
     lost = []
     store = TieredKVStore(
         GEO,
@@ -107,7 +107,7 @@ def test_a_full_disk_keeps_the_store_working_and_says_so(tmp_path, monkeypatch, 
         on_lost=lost.append,
     )
     segs = {}
-    with caplog.at_level(logging.WARNING, logger="sgl_loopkv.cache.store"):
+    with caplog.at_level(logging.WARNING, logger="sgl_loopkv.cache.disk_writer"):
         for i in range(8):
             rec, kv, summ = segment(i)
             segs[rec.seg_id] = kv

@@ -72,7 +72,7 @@ def test_expired_while_running_and_the_tree_is_told(tmp_path):
         os.utime(tmp_path / old, (soon - 7200, soon - 7200))  # last used an hour ago
         deadline = time.monotonic() + 60
         seg_id = old.removeprefix("seg_").removesuffix(".kv")
-        while seg_id not in s._evicted:  # queued for sync(), which hands it to the tree
+        while seg_id not in s.writers.evicted:  # queued for sync(), which hands it to the tree
             assert time.monotonic() < deadline, "the unused segment never expired"
             time.sleep(0.05)
         assert not (tmp_path / old).exists() and (tmp_path / used).exists()
