@@ -34,13 +34,15 @@ import torch
 
 from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.cache.cipher import SegmentCipher
-from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore, NoRoom, SegmentGone, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.disk_dir import DirectoryLock
+from sgl_loopkv.cache.disk_evict import NoRoom
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
 from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.retention import Candidate, RetentionBook, tenant_label, tenant_of
+from sgl_loopkv.cache.segment_record import LAYER_GROUP, CorruptSegment, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.value import ValuePolicy
 from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
