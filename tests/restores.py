@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from sgl_loopkv.cache.disk import DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.pruned import ChunkReader, KVBuffers, PrunedHistory, PrunedParams, PrunedRestore, Source
+from sgl_loopkv.cache.segment_record import SegmentRecord
 
 C, H, D, L = 16, 2, 8, 6
 GEO = KVGeometry(num_layers=L, num_kv_heads=H, head_dim=D, dtype=torch.float32, chunk_tokens=C)

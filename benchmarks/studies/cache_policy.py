@@ -22,8 +22,8 @@ import torch
 from benchmarks.harness.env import environment
 from benchmarks.harness.results import md_table
 from benchmarks.studies import write_results
-from sgl_loopkv.cache.disk import SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry
+from sgl_loopkv.cache.segment_record import SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 

@@ -28,9 +28,10 @@ import torch
 from benchmarks.harness.env import environment
 from benchmarks.studies import write_results
 from sgl_loopkv.cache.cipher import SegmentCipher
-from sgl_loopkv.cache.disk import DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import quantize_rows
+from sgl_loopkv.cache.segment_record import SegmentRecord
 
 LAYERS, HEADS, DIM, CHUNK = 30, 3, 64, 16
 

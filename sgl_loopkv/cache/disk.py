@@ -49,46 +49,35 @@ files are dropped at start-up, with a warning (those conversations are recompute
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from sgl_loopkv.cache.cipher import SegmentCipher
-from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX, Presence, SharedDirectory, pid_alive
+from sgl_loopkv.cache.disk_announce import PENDING_WAIT_S, Announced, Announcements
+from sgl_loopkv.cache.disk_dir import Presence, SharedDirectory
+from sgl_loopkv.cache.disk_evict import SegmentEviction, fsync_dir
+from sgl_loopkv.cache.disk_names import CHUNKS, SEG_ID, DiskNames
 from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV
-from sgl_loopkv.cache.segment_file import (  # noqa: F401 (re-exported: the disk tier's record and errors)
-    FORMAT_VERSION,
-    LAYER_GROUP,
-    CorruptSegment,
-    SegmentCodec,
-    SegmentGone,
-    SegmentRecord,
-)
+from sgl_loopkv.cache.segment_file import ChunkRead, SegmentCodec
+from sgl_loopkv.cache.segment_record import FORMAT_VERSION, LAYER_GROUP, CorruptSegment, SegmentGone, SegmentRecord
 
 logger = logging.getLogger(__name__)
 
 LEGACY_INDEX = "index.json"
-CHUNKS = "chunks"
-PENDING = ".pending"
-PENDING_WAIT_S = 2.0  # a lookup waits at least this long for an announced segment
-# ... and up to this much per token it announces, capped: a 3.5K-token float32 segment (~160 MB) took
-# over 2 s to write with two busy workers on 2 cores, while recomputing it costs ~3-4 ms per token there
-PENDING_WAIT_PER_TOKEN_S, PENDING_WAIT_MAX_S = 1e-3, 10.0
-PENDING_STALE_S = 60.0  # an announcement this old belongs to a writer that died
 
-# Segment ids are minted by the cache (address.segment_id), never taken from a request; path()
-# refuses anything else, and so does a header naming another id, so no path can leave the directory.
-SEG_ID = re.compile(r"[0-9A-Za-z_-]{1,80}")
-CHUNK_HASH = re.compile(r"[0-9a-f]{32}")
+#: Bytes per ``write`` of a segment file. On this VM's kernel (6.18, ext4 on virtio) one write of a
+#: 94 MB segment cost 240 ms of kernel time, the same bytes in 1 MB writes 27 ms (4 MB: 240 ms again):
+#: that CPU is taken from the next request's prefill.
+WRITE_PIECE = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,20 +90,18 @@ class Found:
     hi: int
 
 
-@dataclass(frozen=True, slots=True)
-class Announced:
-    """A chunk that no segment holds yet but a live writer announced: its segment is on its way.
-    ``wait_s``: how long a lookup should wait for it, from when it first saw the announcement."""
+class OpenSegment(NamedTuple):
+    """A segment held open for reads of a few chunks at a time (:meth:`DiskSegmentStore.open_for_chunks`)."""
 
-    wait_s: float
+    fd: int
+    header: dict
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+class ReadSeconds(NamedTuple):
+    """Seconds in a codec's reads so far, summed over threads."""
+
+    preads: float
+    checksums: float  # crc32s or decryption
 
 
 class DiskSegmentStore:
@@ -134,16 +121,27 @@ class DiskSegmentStore:
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / CHUNKS).mkdir(mode=0o700, exist_ok=True)
         self.dir = SharedDirectory(self.root)
+        self.names = DiskNames(self.root)
         self.presence = Presence(self.root)  # other workers on this directory (their lookups may wait for our writes)
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
         self.codec = SegmentCodec(geometry, layer_group, cipher)  # files grouped by the writer's prefix period
+        self.announcements = Announcements(self.names, self.dir.host)
+        self.eviction = SegmentEviction(self.dir, self.names, self.codec.header)
         self.bytes_written = 0
-        self._announced: dict[str, tuple[int, int]] = {}  # seg_id -> (device, inode) of its own marker
         with self.dir.eviction_lock():
             self._drop_legacy()
             self.dir.remove_stale_tmp()
-            self._remove_dangling_links()
-            self.used_bytes = self.dir.scan().total  # as of the latest scan (every write rescans)
+            self.eviction.remove_dangling_links(self.announcements)
+            self.eviction.used_bytes = self.dir.scan().total  # as of the latest scan (every write rescans)
+
+    def close(self) -> None:
+        """Stop the codec's read threads (a later read starts them again)."""
+        self.codec.close()
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of segments in the directory (any worker's), as of the latest scan."""
+        return self.eviction.used_bytes
 
     # --- start-up ------------------------------------------------------------------------------
     def _drop_legacy(self) -> None:
@@ -166,78 +164,19 @@ class DiskSegmentStore:
             f.unlink(missing_ok=True)
         index.unlink(missing_ok=True)
 
-    def _remove_dangling_links(self) -> None:
-        """Chunk links whose segment is gone (a crash mid-eviction): they would keep its bytes alive;
-        announcements of writes that never finished."""
-        with os.scandir(self.root / CHUNKS) as it:
-            for e in it:
-                try:
-                    st = e.stat()
-                    if e.name.endswith(PENDING):
-                        if self._writer_gone(Path(e.path).read_text()) or time.time() - st.st_mtime > PENDING_STALE_S:
-                            os.unlink(e.path)
-                    elif st.st_nlink == 1:
-                        os.unlink(e.path)
-                except FileNotFoundError:
-                    continue
-
     # --- names ---------------------------------------------------------------------------------
     def path(self, seg_id: str) -> Path:
-        if not SEG_ID.fullmatch(seg_id):
-            raise ValueError(f"not a segment id: {seg_id!r}")
-        return self.root / f"{SEG_PREFIX}{seg_id}{SEG_SUFFIX}"
-
-    def _chunk_path(self, chunk_hash: str, suffix: str = "") -> Path:
-        if not CHUNK_HASH.fullmatch(chunk_hash):
-            raise ValueError(f"not a chunk hash: {chunk_hash!r}")
-        return self.root / CHUNKS / (chunk_hash + suffix)
+        return self.names.segment(seg_id)
 
     def announce(self, record: SegmentRecord) -> None:
-        """A write of ``record`` is queued: a lookup of any of its chunks waits for it (see the module
-        doc). Every chunk is announced, not just the first: another worker's lookup starts wherever
-        its own tree ends, often inside this segment (after a system prompt that many conversations
-        share, say). One small file, hard-linked under each chunk's name (no bytes: a 3.5K-token
-        segment's 220 names take ~2 ms). A chunk another writer announced keeps that writer's
-        announcement: this one's marker goes only where there is none (:meth:`unannounce` removes
-        only its own)."""
-        if not record.chunk_hashes:
-            return
-        marker, mine = f"{self.dir.host} {os.getpid()} {len(record.token_ids)}", None
-        with contextlib.suppress(OSError):  # only an optimisation: a miss recomputes
-            for h in record.chunk_hashes:
-                name = self._chunk_path(h, PENDING)
-                try:
-                    if mine is not None:
-                        os.link(mine, name)
-                        continue
-                    # whose (a dead writer's goes at start-up) and how many tokens (how long a lookup waits)
-                    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                except FileExistsError:  # announced by another writer (or by this one for another turn)
-                    continue
-                try:
-                    os.write(fd, marker.encode())
-                    st = os.fstat(fd)
-                except OSError:  # no marker rather than an empty one (read as a live writer's)
-                    name.unlink(missing_ok=True)
-                    raise
-                finally:
-                    os.close(fd)
-                mine = name
-                self._announced[record.seg_id] = (st.st_dev, st.st_ino)
+        """A write of ``record`` is queued: a lookup of any of its chunks waits for it
+        (:meth:`Announcements.announce`)."""
+        self.announcements.announce(record)
 
     def unannounce(self, record: SegmentRecord) -> None:
-        """The announced write will not happen (or is done): lookups stop waiting for it. Only this
-        store's own marker goes (the names hard-linked to the file :meth:`announce` created): a chunk
-        that another writer announced is still theirs to publish, and lookups keep waiting for it."""
-        mine = self._announced.pop(record.seg_id, None)
-        if mine is None:
-            return
-        for h in record.chunk_hashes:
-            name = self._chunk_path(h, PENDING)
-            with contextlib.suppress(FileNotFoundError):
-                st = os.stat(name)
-                if (st.st_dev, st.st_ino) == mine:
-                    name.unlink()
+        """The announced write will not happen (or is done): lookups stop waiting for it
+        (:meth:`Announcements.unannounce`)."""
+        self.announcements.unannounce(record)
 
     # --- write -------------------------------------------------------------------------------
     def file_bytes(self, n_chunks: int, n_tokens_ids: int) -> int:
@@ -265,7 +204,7 @@ class DiskSegmentStore:
                 record.file_bytes = final.stat().st_size
                 self.touch([record.seg_id])
                 return []
-            evicted = self._evict_for(size, keep=record.seg_id)
+            evicted = self.eviction.make_room(size, self.quota_bytes, keep=record.seg_id)
             tmp = self.dir.tmp_path(size)  # the name reserves the space for every other worker's scan
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # 0o600 whatever the umask
         try:
@@ -283,7 +222,7 @@ class DiskSegmentStore:
                     pass
                 for h in record.chunk_hashes:
                     try:
-                        os.link(final, self._chunk_path(h))
+                        os.link(final, self.names.chunk(h))
                     except FileExistsError:  # the chunk is already findable through another segment
                         pass
                 # The temp name goes under the lock too: left until after it, another worker could
@@ -292,99 +231,31 @@ class DiskSegmentStore:
                 tmp.unlink()
         finally:
             tmp.unlink(missing_ok=True)  # a half-written file would hold the space a full disk lacks
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
         record.file_bytes = size
         self.bytes_written += size
-        self.used_bytes += size
-        return evicted
-
-    def _evict_for(self, nbytes: int, keep: str) -> list[str]:
-        """Under the eviction lock: delete least recently used segments until ``nbytes`` more fit."""
-        if nbytes > self.quota_bytes:
-            raise NoRoom(f"a segment of {nbytes} B does not fit the disk quota of {self.quota_bytes} B")
-        usage = self.dir.scan()
-        used, evicted = usage.total, []
-        for victim in sorted(usage.published, key=lambda f: f.eviction_order):
-            if used + nbytes <= self.quota_bytes:
-                break
-            if victim.seg_id == keep or not SEG_ID.fullmatch(victim.seg_id):
-                continue
-            self._unlink(victim.seg_id)
-            used -= victim.nbytes
-            evicted.append(victim.seg_id)
-        self.used_bytes = used
-        if used + nbytes > self.quota_bytes:
-            raise NoRoom(f"{used} B of segments in use leave no room for {nbytes} B under {self.quota_bytes} B")
+        self.eviction.used_bytes += size
         return evicted
 
     # --- delete --------------------------------------------------------------------------------
     def expire(self, ttl_s: float) -> list[str]:
-        """Delete the segments (any worker's) not used for ``ttl_s`` seconds (their mtime, which every
-        use renews); -> their ids. A reader that has one open reads it to the end."""
-        cutoff = time.time_ns() - int(ttl_s * 1e9)
-        with self.dir.eviction_lock():
-            old = [f.seg_id for f in self.dir.scan().published if f.mtime_ns < cutoff and SEG_ID.fullmatch(f.seg_id)]
-            for seg_id in old:
-                self._unlink(seg_id)
-        if old:
-            _fsync_dir(self.root)
-        return old
+        """Delete the segments (any worker's) not used for ``ttl_s`` seconds (:meth:`SegmentEviction.expire`)."""
+        return self.eviction.expire(ttl_s)
 
     def delete(self, seg_id: str) -> None:
         """Remove a segment and the chunk links that point to it (under the eviction lock)."""
-        with self.dir.eviction_lock():
-            self._unlink(seg_id)
-
-    def _unlink(self, seg_id: str) -> None:
-        """Links first, the name last: a crash in between leaves a findable-by-name segment, never a
-        link keeping bytes of a segment that is gone (those are removed at start-up anyway)."""
-        path = self.path(seg_id)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        try:
-            ino = os.fstat(fd)
-            try:
-                hashes = self.codec.header(fd, seg_id).get("chunk_hashes", [])
-            except CorruptSegment:
-                hashes = []  # a damaged header: its links, if any, go at the next start-up
-            for h in hashes:
-                link = self._chunk_path(h) if isinstance(h, str) and CHUNK_HASH.fullmatch(h) else None
-                with contextlib.suppress(FileNotFoundError):  # removed by another worker meanwhile
-                    if link is not None and os.path.samestat(os.stat(link), ino):
-                        os.unlink(link)
-        finally:
-            os.close(fd)
-        path.unlink(missing_ok=True)
-        self.used_bytes = max(self.used_bytes - ino.st_size, 0)
+        self.eviction.delete(seg_id)
 
     def touch(self, seg_ids) -> None:
         """A use of these segments: their mtime is what eviction orders by, for every worker."""
-        for seg_id in seg_ids:
-            with contextlib.suppress(FileNotFoundError):  # removed by another worker meanwhile
-                os.utime(self.path(seg_id))
+        self.eviction.touch(seg_ids)
 
     # --- find ----------------------------------------------------------------------------------
-    def _writer_gone(self, marker: str) -> bool:
-        """An announcement (``host pid [tokens]``) whose writer was a process of this host now gone."""
-        fields = marker.split()
-        return len(fields) >= 2 and fields[0] == self.dir.host and fields[1].isdigit() and not pid_alive(int(fields[1]))
-
-    def _wait_budget(self, marker: str, wait_s: float) -> float:
-        """How long to wait for an announced write: ``wait_s``, or longer for a long segment (its
-        write takes longer, its recompute longer still); nothing when its writer on this host is gone."""
-        if self._writer_gone(marker):
-            return 0.0
-        fields = marker.split()
-        tokens = int(fields[2]) if len(fields) >= 3 and fields[2].isdigit() else 0
-        return max(wait_s, min(PENDING_WAIT_MAX_S, tokens * PENDING_WAIT_PER_TOKEN_S))
-
     def find(self, chain: list[str], first: int, wait_s: float = PENDING_WAIT_S) -> Found | None:
         """The stored segment holding chunk ``first`` of the history whose chain hashes are
         ``chain``, and how many of the following chunks it holds too (one ``open``). None when no
         worker stored that chunk (or its segment was evicted); a chunk announced by a writer is
-        waited for, up to ``wait_s`` (or longer for a long segment: :meth:`_wait_budget`), on this
+        waited for, up to ``wait_s`` (or longer for a long segment: :meth:`Announcements.wait_budget`), on this
         thread. The scheduler does not wait here: it uses :meth:`probe` and holds the request back."""
         deadline = None
         while True:
@@ -399,18 +270,14 @@ class DiskSegmentStore:
     def probe(self, chain: list[str], first: int, wait_s: float = PENDING_WAIT_S) -> Found | Announced | None:
         """:meth:`find` without waiting: an announced chunk whose writer may still publish it is
         :class:`Announced` (with how long it is worth waiting for), a chunk nobody stores None."""
-        link = self._chunk_path(chain[first])
+        link = self.names.chunk(chain[first])
         try:
             fd = os.open(link, os.O_RDONLY)
         except FileNotFoundError:
-            pending = self._chunk_path(chain[first], PENDING)
             try:
-                if time.time() - pending.stat().st_mtime >= PENDING_STALE_S:
-                    return None
-                budget = self._wait_budget(pending.read_text(), wait_s)
+                return self.announcements.awaited(chain[first], wait_s)
             except OSError:  # not announced, or published (and unannounced) since the open
                 return self.probe(chain, first, wait_s) if os.path.exists(link) else None
-            return Announced(budget) if budget > 0 else None
         try:
             header = self.codec.header(fd, "chunk " + chain[first])
         except CorruptSegment as e:
@@ -470,18 +337,18 @@ class DiskSegmentStore:
         finally:
             os.close(fd)
 
-    def open_for_chunks(self, seg_id: str) -> tuple[int, dict]:
+    def open_for_chunks(self, seg_id: str) -> OpenSegment:
         """An open descriptor and the verified header of a segment whose chunks will be read a few
         at a time (:meth:`read_chunks`); the caller closes it. Held open, the file survives an
         eviction by any worker until then. Raises CorruptSegment (SegmentGone when it is not there)."""
         fd = self._open(seg_id)
         try:
-            return fd, self.codec.header(fd, seg_id)
+            return OpenSegment(fd, self.codec.header(fd, seg_id))
         except BaseException:
             os.close(fd)
             raise
 
-    def read_chunks(self, fd: int, seg_id: str, header: dict, layers: range, chunks: list[int]):
+    def read_chunks(self, fd: int, seg_id: str, header: dict, layers: range, chunks: list[int]) -> ChunkRead:
         """Chunks of a segment opened by :meth:`open_for_chunks`, for ``layers`` (a gate's): (KV
         [len(layers), 2, n, c, H, D] per chunk, views of one read buffer (an int8 tier's: a QuantKV
         [len(layers), 2, n * c, H, D]), per layer the chunks that failed their checksum).
@@ -510,16 +377,6 @@ class DiskSegmentStore:
         return self.codec.bytes_read
 
     @property
-    def read_seconds(self) -> tuple[float, float]:
+    def read_seconds(self) -> ReadSeconds:
         """Seconds in reads so far (:attr:`SegmentCodec.read_s`, :attr:`SegmentCodec.verify_s`): (preads, checksums)."""
-        return self.codec.read_s, self.codec.verify_s
-
-
-#: Bytes per ``write`` of a segment file. On this VM's kernel (6.18, ext4 on virtio) one write of a
-#: 94 MB segment cost 240 ms of kernel time, the same bytes in 1 MB writes 27 ms (4 MB: 240 ms again):
-#: that CPU is taken from the next request's prefill.
-WRITE_PIECE = 1 << 20
-
-
-class NoRoom(Exception):
-    """The quota cannot hold a new segment (everything else is in use or it is too big alone)."""
+        return ReadSeconds(self.codec.read_s, self.codec.verify_s)

@@ -21,7 +21,7 @@ from collections import deque
 from shutil import disk_usage
 from typing import TYPE_CHECKING
 
-from sgl_loopkv.cache.disk import NoRoom
+from sgl_loopkv.cache.disk_evict import NoRoom
 from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
 if TYPE_CHECKING:

@@ -34,9 +34,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from sgl_loopkv.cache.address import chunk_chain, segment_id
-from sgl_loopkv.cache.disk import CorruptSegment, NoRoom, SegmentRecord
 from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX
+from sgl_loopkv.cache.disk_evict import NoRoom
 from sgl_loopkv.cache.packed import kv_nbytes, slice_tokens
+from sgl_loopkv.cache.segment_record import CorruptSegment, SegmentRecord
 
 logger = logging.getLogger(__name__)
 

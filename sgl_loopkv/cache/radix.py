@@ -54,7 +54,8 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from sgl_loopkv.cache import retention
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
 from sgl_loopkv.cache.copy_stream import pinned_host
-from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, CorruptSegment, Found, SegmentRecord
+from sgl_loopkv.cache.disk import Found
+from sgl_loopkv.cache.disk_announce import Announced
 from sgl_loopkv.cache.forget import apply_notes as apply_forget_notes
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -70,6 +71,7 @@ from sgl_loopkv.cache.pruned import (
     Source,
 )
 from sgl_loopkv.cache.requests import RequestState, RequestStates
+from sgl_loopkv.cache.segment_record import FORMAT_VERSION, CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.config import PrefixConfig

@@ -27,7 +27,7 @@ import torch
 
 from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.cache.cipher import SegmentCipher
-from sgl_loopkv.cache.disk import LAYER_GROUP, CorruptSegment, DiskSegmentStore, SegmentGone, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.disk_dir import DirectoryLock
 from sgl_loopkv.cache.disk_writer import DiskWriters
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
@@ -35,6 +35,7 @@ from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_to
 from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.retention import Candidate, RetentionBook, tenant_label, tenant_of
+from sgl_loopkv.cache.segment_record import LAYER_GROUP, CorruptSegment, SegmentGone, SegmentRecord
 from sgl_loopkv.cache.tier_types import ChunkSource, StoredSegment, TierStats
 from sgl_loopkv.cache.value import ValuePolicy
 

@@ -8,9 +8,9 @@ from typing import NamedTuple
 
 import torch
 
-from sgl_loopkv.cache.disk import SegmentRecord
 from sgl_loopkv.cache.packed import PackedKV
 from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.cache.segment_record import SegmentRecord
 
 
 class ChunkSource(NamedTuple):

@@ -15,8 +15,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout, baseline_block_read_bytes, key_summaries
+from sgl_loopkv.cache.segment_record import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 
@@ -432,7 +433,7 @@ def test_queued_disk_writes_are_flushed_when_the_process_exits(tmp_path):
         f"""
         import torch
         from pathlib import Path
-        from sgl_loopkv.cache.disk import SegmentRecord
+        from sgl_loopkv.cache.segment_record import SegmentRecord
         from sgl_loopkv.cache.layout import KVGeometry
         from sgl_loopkv.cache.store import TieredKVStore
         from sgl_loopkv.cache.value import LRUValuePolicy
@@ -454,7 +455,7 @@ def test_the_file_order_copy_equals_the_extent_by_extent_layout(group, dtype):
     row's chunks into extents, then regroup: per group of rows, per chunk, its rows)."""
     import numpy as np
 
-    from sgl_loopkv.cache.segment_file import _file_order, _to_bytes
+    from sgl_loopkv.cache.segment_encode import _file_order, _to_bytes
 
     R, m, c, H, D = 5, 7, 16, 2, 8
     rows = torch.randn(R, 2, m * c, H, D).to(dtype)
@@ -471,7 +472,7 @@ def test_checksums_are_zlibs_crc32_from_zlib_ng_when_installed():
     import importlib.util
     import zlib
 
-    from sgl_loopkv.cache.segment_file import crc32
+    from sgl_loopkv.cache.segment_check import crc32
 
     g = torch.Generator().manual_seed(0)
     for n in (0, 1, 15, 16, 4095, 24576, 1 << 20):

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_loopkv.cache.chunk_cache import HostChunkCache
-from sgl_loopkv.cache.disk import SegmentRecord
+from sgl_loopkv.cache.segment_record import SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES, AttentionValuePolicy
 from tests.restores import C, L, check_layer, disk_source, restore, run_prefill, stored_segment

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from sgl_loopkv.cache import segment_file
-from sgl_loopkv.cache.disk import DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.segment_record import SegmentRecord
 from sgl_loopkv.kernels import chunk_io
 from tests.restores import C, disk_source, restore, run_prefill, stored_segment
 

@@ -13,8 +13,9 @@ import torch
 
 from sgl_loopkv.cache.address import chunk_chain
 from sgl_loopkv.cache.cipher import KeyFileError, SegmentCipher, load_key
-from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout, key_summaries
+from sgl_loopkv.cache.segment_record import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 

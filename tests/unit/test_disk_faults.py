@@ -15,8 +15,9 @@ import torch
 from sgl_loopkv.cache import disk as disk_mod
 from sgl_loopkv.cache import disk_writer as writer_mod
 from sgl_loopkv.cache.backend import model_fingerprint
-from sgl_loopkv.cache.disk import DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.segment_record import SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from sgl_loopkv.cache.cipher import SegmentCipher
-from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV
+from sgl_loopkv.cache.segment_record import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 from sgl_loopkv.krul.codec import CODECS

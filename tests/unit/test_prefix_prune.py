@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sgl_loopkv.cache.disk import CorruptSegment
 from sgl_loopkv.cache.layout import key_summaries
 from sgl_loopkv.cache.pruned import ChunkReader, KVBuffers, PrunedHistory, PrunedParams, PrunedRestore, Source
+from sgl_loopkv.cache.segment_record import CorruptSegment
 from sgl_loopkv.kernels import chunk_io
 from sgl_loopkv.selection.chunks import (
     always_kept,

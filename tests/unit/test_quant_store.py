@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_loopkv.cache.disk import CorruptSegment, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, quantize_rows
 from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.cache.segment_record import CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 

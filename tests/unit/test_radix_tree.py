@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
-from sgl_loopkv.cache.disk import PENDING
+from sgl_loopkv.cache.disk_announce import PENDING
 from sgl_loopkv.cache.radix import LoopKVRadixCache, _ref
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
@@ -181,7 +181,7 @@ def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_
     cache.queue_backup(node, [], None)
     assert _ref(node) is None and not cache.store.segments  # nothing stored yet
     # ... but announced on the disk tier: another worker's lookup waits for it rather than recomputing
-    pending = cache.store.disk._chunk_path(cache._record_of(node).chunk_hashes[0], PENDING)
+    pending = cache.store.disk.names.chunk(cache._record_of(node).chunk_hashes[0], PENDING)
     assert pending.exists()
     assert cache.evictable_size() == evictable - len(tokens) and cache.protected_size() == len(tokens)
     cache.evict(EvictParams(num_tokens=len(tokens)))  # stores first, then evicts the device copy

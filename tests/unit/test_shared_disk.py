@@ -21,9 +21,11 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams, InsertParams, Ma
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
-from sgl_loopkv.cache.disk import FORMAT_VERSION, Announced, DiskSegmentStore, SegmentGone, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
+from sgl_loopkv.cache.disk_announce import Announced
 from sgl_loopkv.cache.disk_dir import SharedDirectory
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
+from sgl_loopkv.cache.segment_record import FORMAT_VERSION, SegmentGone, SegmentRecord
 from tests.unit.test_radix_tree import CHUNK, LAYERS, SLOTS, add_turn, make_cache
 
 GEO = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_tokens=16)
@@ -102,7 +104,8 @@ WORKER = """
 import sys, time, torch
 from pathlib import Path
 from sgl_loopkv.cache.address import chunk_chain, namespace, segment_id
-from sgl_loopkv.cache.disk import FORMAT_VERSION, DiskSegmentStore, SegmentRecord
+from sgl_loopkv.cache.disk import DiskSegmentStore
+from sgl_loopkv.cache.segment_record import FORMAT_VERSION, SegmentRecord
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 GEO = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, dtype=torch.float32, chunk_tokens=16)
 {segment}
@@ -294,17 +297,17 @@ def test_a_writer_withdraws_only_its_own_announcements(tmp_path):
 def test_a_lookup_waits_longer_for_a_longer_announced_segment_and_not_for_a_dead_writer(tmp_path):
     """The wait scales with the tokens the announcement names (a long segment takes longer to
     write, and longer still to recompute), capped; a dead writer on this host is not waited for."""
-    from sgl_loopkv.cache import disk as disk_mod
+    from sgl_loopkv.cache import disk_announce
 
     store = DiskSegmentStore(tmp_path, 1 << 30, GEO)
     me, host = os.getpid(), store.dir.host
-    assert store._wait_budget(f"{host} {me} 0", 0.5) == 0.5
-    assert store._wait_budget(f"{host} {me} 4000", 0.5) == 4000 * disk_mod.PENDING_WAIT_PER_TOKEN_S
-    assert store._wait_budget(f"{host} {me} 10000000", 0.5) == disk_mod.PENDING_WAIT_MAX_S
-    assert store._wait_budget(f"{host} {me}", 0.5) == 0.5  # an older worker's marker: no token count
+    assert store.announcements.wait_budget(f"{host} {me} 0", 0.5) == 0.5
+    assert store.announcements.wait_budget(f"{host} {me} 4000", 0.5) == 4000 * disk_announce.PENDING_WAIT_PER_TOKEN_S
+    assert store.announcements.wait_budget(f"{host} {me} 10000000", 0.5) == disk_announce.PENDING_WAIT_MAX_S
+    assert store.announcements.wait_budget(f"{host} {me}", 0.5) == 0.5  # an older worker's marker: no token count
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    assert store._wait_budget(f"{host} {int(dead.stdout)} 4000", 0.5) == 0.0
-    assert store._wait_budget(f"another-host {int(dead.stdout)} 4000", 0.5) == 4.0  # not ours to judge
+    assert store.announcements.wait_budget(f"{host} {int(dead.stdout)} 4000", 0.5) == 0.0
+    assert store.announcements.wait_budget(f"another-host {int(dead.stdout)} 4000", 0.5) == 4.0  # not ours to judge
     rec, _, _, chain = _segment(9)
     store.announce(rec)
     marker = next((tmp_path / "chunks").glob("*.pending")).read_text().split()

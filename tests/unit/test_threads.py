@@ -57,7 +57,7 @@ SCRIPT = textwrap.dedent(
     loader.wait_all()
     out["loader"] = len(tasks() - n)
 
-    from sgl_loopkv.cache.disk import SegmentRecord
+    from sgl_loopkv.cache.segment_record import SegmentRecord
     from sgl_loopkv.cache.layout import KVGeometry
     from sgl_loopkv.cache.store import TieredKVStore
     from sgl_loopkv.cache.value import LRUValuePolicy
