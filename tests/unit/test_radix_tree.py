@@ -17,7 +17,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_loopkv.cache.disk import PENDING
-from sgl_loopkv.cache.radix import LoopKVRadixCache, _ref
+from sgl_loopkv.cache.node import ref_of
+from sgl_loopkv.cache.radix import LoopKVRadixCache
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 
@@ -90,7 +91,7 @@ def add_turn(cache, allocator, tokens: list[int]):
     value = torch.cat([prefix.to(torch.int64), slots])
     cache.insert(InsertParams(key=key, value=value))
     node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
-    cache._store_path(node, [])
+    cache.write_through.store_path(node, [])
     cache.store.flush()
     return node
 
@@ -179,13 +180,13 @@ def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_
     node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
     evictable = cache.evictable_size()
     cache.queue_backup(node, [], None)
-    assert _ref(node) is None and not cache.store.segments  # nothing stored yet
+    assert ref_of(node) is None and not cache.store.segments  # nothing stored yet
     # ... but announced on the disk tier: another worker's lookup waits for it rather than recomputing
-    pending = cache.store.disk._chunk_path(cache._record_of(node).chunk_hashes[0], PENDING)
+    pending = cache.store.disk._chunk_path(cache.write_through.record_of(node).chunk_hashes[0], PENDING)
     assert pending.exists()
     assert cache.evictable_size() == evictable - len(tokens) and cache.protected_size() == len(tokens)
     cache.evict(EvictParams(num_tokens=len(tokens)))  # stores first, then evicts the device copy
-    assert _ref(node) is not None and cache.store.segments
+    assert ref_of(node) is not None and cache.store.segments
     cache.store.flush()
     assert not pending.exists()  # published
     assert cache.protected_size() == 0 and node.evicted and attached(cache, node)  # kept as a stored node
@@ -196,6 +197,6 @@ def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_
     node2 = cache.match_prefix(MatchPrefixParams(key=key2)).last_device_node
     cache.queue_backup(node2, [], None)
     cache.flush_pending_backups()  # what SGLang calls after streaming the batch's outputs
-    assert _ref(node2) is not None and cache.protected_size() == 0 and not node2.evicted
+    assert ref_of(node2) is not None and cache.protected_size() == 0 and not node2.evicted
     cache.flush_pending_backups()  # nothing left: a no-op
     cache.store.flush()
