@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sgl_loopkv.cache.disk import CorruptSegment
-from sgl_loopkv.cache.loader import LoadPart
+from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart, beside_forward
 from sgl_loopkv.cache.node import ref_of, tokens
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
 
@@ -31,6 +31,21 @@ logger = logging.getLogger(__name__)
 class LoadBack:
     def __init__(self, tree: LoopKVRadixCache):
         self.tree = tree
+        pool = tree.kv_pool
+        self.loader = LayerwiseLoader(
+            pool.k_buffer,
+            pool.v_buffer,
+            synchronous=not beside_forward(pool.k_buffer[0].device),
+            on_copy=tree.restorer.observe_copy,
+            on_wait=tree.restorer.observe_bubble,
+        )
+        # The pool's get_key_buffer/get_value_buffer wait on it: layer-wise loads overlap the forward
+        # under every attention backend.
+        pool.register_layer_transfer_counter(self.loader)
+        logger.info(
+            "loopkv: %s (the KV pool's layer transfer counter)",
+            "loads run before the forward" if self.loader.synchronous else "layer-wise loads overlap the forward",
+        )
 
     def count(self, rid: str, seg_id: str, n_tokens: int, tier: str) -> None:
         """``n_tokens`` of ``rid``'s history restored from ``tier``: its per-request tally (``shared``:

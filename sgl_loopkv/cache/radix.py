@@ -52,7 +52,6 @@ from sgl_loopkv.cache.forget import apply_notes as apply_forget_notes
 from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry
 from sgl_loopkv.cache.load_back import LoadBack
-from sgl_loopkv.cache.loader import LayerwiseLoader, beside_forward
 from sgl_loopkv.cache.metrics import TierMetrics
 from sgl_loopkv.cache.node import SegmentRef, ref_of, tokens
 from sgl_loopkv.cache.pruned import PrunedRestore, PrunedStats
@@ -93,20 +92,8 @@ class LoopKVRadixCache(RadixCache):
             dtype=kv_pool.k_buffer[0].dtype,
             chunk_tokens=self.page_size,
         )
-        self.loader = LayerwiseLoader(
-            kv_pool.k_buffer,
-            kv_pool.v_buffer,
-            synchronous=not beside_forward(kv_pool.k_buffer[0].device),
-            on_copy=self.restorer.observe_copy,
-            on_wait=self.restorer.observe_bubble,
-        )
-        # The pool's get_key_buffer/get_value_buffer wait on it: layer-wise loads overlap the forward
-        # under every attention backend.
-        kv_pool.register_layer_transfer_counter(self.loader)
-        logger.info(
-            "loopkv: %s (the KV pool's layer transfer counter)",
-            "loads run before the forward" if self.loader.synchronous else "layer-wise loads overlap the forward",
-        )
+        self.load_back = LoadBack(self)
+        self.loader = self.load_back.loader
         self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
         self.requests = RequestStates()  # per request: its loads, lookups, hold-backs, pin, pruned restore
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
@@ -121,7 +108,6 @@ class LoopKVRadixCache(RadixCache):
         self.prefix = prefix or PrefixConfig()
         self.write_through = WriteThrough(self)
         self.discovery = SharedDiskDiscovery(self)
-        self.load_back = LoadBack(self)
         self.pruned_admission = PrunedAdmission(self)
 
     @property
@@ -178,22 +164,6 @@ class LoopKVRadixCache(RadixCache):
                 return False
             node = parent
         return True
-
-    def position(self, node: TreeNode) -> int:
-        """Tokens above ``node`` (where its key starts in the history)."""
-        pos, node = 0, node.parent
-        while node is not self.root_node:
-            pos += len(node.key)
-            node = node.parent
-        return pos
-
-    def history(self, node: TreeNode) -> list[int]:
-        """Token ids from the root to the end of ``node``."""
-        keys = []
-        while node is not self.root_node:
-            keys.append(node.key.raw_token_ids())
-            node = node.parent
-        return [t for k in reversed(keys) for t in k]
 
     def chain(self, token_ids, key: RadixKey) -> list[str]:
         """Chain hashes of the whole chunks of ``token_ids`` in ``key``'s namespace (extra key, salt).
@@ -339,31 +309,21 @@ class LoopKVRadixCache(RadixCache):
                 # The history's row entries point at the padding slot (the plans list the page
                 # cache instead): SGLang must not free them, and on_release frees the cache.
                 n = device_len + job.tokens
-                return self._match(n, last_device, cache_protected_len=n)
+                return _match(n, last_device, cache_protected_len=n)
             # loads the tree's way: what is still stored (a bad segment ends the history there)
             keep = next((i for i, nd in enumerate(stored) if ref_of(nd) is None or not self.attached(nd)), len(stored))
             stored = stored[:keep]
         if stored and req is not None:
             state = self.requests.get(req.rid)
             if state is not None and state.probing and self.discovery.reads_ahead(stored, req.rid):
-                return self._match(device_len, last_device)  # held back this round: what the device holds
+                return _match(device_len, last_device)  # held back this round: what the device holds
             self.restorer.add_seconds("lookup", time.perf_counter() - t_lookup)
             self.discovery.admitted(req.rid)
             loaded, last_device = self.load_back.load(stored, last_device, req, device_len, len(key))
             device_len += loaded
             self.metrics.publish(self.store.count_tokens())
             self.metrics.publish_restore(self.restorer.stats)
-        return self._match(device_len, last_device)
-
-    @staticmethod
-    def _match(device_len: int, last_device: TreeNode, **extra) -> MatchResult:
-        return MatchResult(
-            device_prefix_len=device_len,
-            last_device_node=last_device,
-            last_host_node=last_device,
-            best_match_node=last_device,
-            **extra,
-        )
+        return _match(device_len, last_device)
 
     def _walk(self, key: RadixKey) -> tuple[int, TreeNode, list[TreeNode]]:
         now = time.monotonic()
@@ -433,3 +393,13 @@ class LoopKVRadixCache(RadixCache):
         if pruned is not None:  # a chunk-pruned restore: what it read and used (per request)
             out["pruned"] = pruned
         return out
+
+
+def _match(device_len: int, last_device: TreeNode, **extra) -> MatchResult:
+    return MatchResult(
+        device_prefix_len=device_len,
+        last_device_node=last_device,
+        last_host_node=last_device,
+        best_match_node=last_device,
+        **extra,
+    )

@@ -200,10 +200,15 @@ class WriteThrough:
         return out
 
     def record_of(self, node: TreeNode) -> SegmentRecord:
-        tree = self.tree
+        """The segment ``node`` is stored as: named by its whole history's chain hash."""
+        tree, keys, up = self.tree, [], node
+        while up is not tree.root_node:
+            keys.append(up.key)
+            up = up.parent
+        history = [t for k in reversed(keys) for t in k.raw_token_ids()]  # from the root to the end of node
         n_chunks = len(node.key) // tree.page_size
-        start = tree.position(node)
-        chain = tree.chain(tree.history(node), node.key)
+        start = sum(len(k) for k in keys[1:])  # where node's key starts in the history
+        chain = tree.chain(history, node.key)
         first = start // tree.page_size
         return SegmentRecord(  # named by content: the same history stored by another worker is this file
             seg_id=segment_id(first, chain[-1]),
