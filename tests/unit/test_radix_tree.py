@@ -51,8 +51,13 @@ class PagedAllocator:
         assert not set(pages) & set(self.free_pages), f"pages {pages} freed twice"
         self.free_pages += pages
 
+    def free(self, slots):
+        self.free_segment(slots)
+
 
 class KVPool:
+    size = SLOTS
+
     def __init__(self):
         g = torch.Generator().manual_seed(0)
         self.k_buffer = [torch.randn(SLOTS, HEADS, DIM, generator=g) for _ in range(LAYERS)]
@@ -167,6 +172,35 @@ def test_a_failing_chunk_pruned_admission_loads_the_history_instead(tmp_path, mo
     for fd in opened:
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_a_pruned_restore_is_adopted_once_its_row_is_written_and_gives_its_slots_back_at_release(tmp_path, monkeypatch):
+    """A chunk-pruned restore admitted by a match holds its page cache outside the tree. Reading the
+    row's prefix (prefix_device_indices) changes nothing; SGLang's maybe_hand_to_session, called once
+    the row is written, makes it the running request's (a queued one would be dropped after
+    UNADOPTED_S); on_release frees its page cache."""
+    from sgl_loopkv.config import PrefixConfig
+
+    hist = list(range(300, 364))
+    cache, allocator = make_cache(tmp_path, host_bytes=0, prefix=PrefixConfig(budget=0.5, min_tokens=16))
+    add_turn(cache, allocator, hist)
+    cache.evict(EvictParams(num_tokens=SLOTS))
+    monkeypatch.setattr(cache.restorer, "_stack", object())  # as if the loopkv backend ran (it runs pruned plans)
+    free_before = allocator.available_size()
+    req = SimpleNamespace(rid="r")
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(hist + [7] * 16, None), req=req))
+    job = cache.pruned_job("r")
+    assert job is not None and match.device_prefix_len == len(hist) == job.tokens
+    assert allocator.available_size() == free_before - job.cache_tokens
+    req.last_node, req.prefix_len = match.last_device_node, match.device_prefix_len
+    indices = cache.prefix_device_indices(req)
+    assert indices.tolist() == [0] * len(hist)  # the padding slot: the plans read the page cache instead
+    assert "r" not in cache.pruned_admission.adopted  # a read, not an adoption
+    cache.maybe_hand_to_session(req)
+    assert "r" in cache.pruned_admission.adopted
+    cache.on_release(req, checkpointed=False)
+    assert cache.pruned_job("r") is None and not cache.pruned_admission.adopted
+    assert allocator.available_size() == free_before and cache.pruned_stats.cache_tokens == job.cache_tokens
 
 
 def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_eviction(tmp_path):
