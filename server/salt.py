@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 
 TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager._create_tokenized_object"
-UNSALTED = "loopkv-unsalted-"  # a salt given here: its KV is never stored (cache.radix)
+UNSALTED = "loopkv-unsalted-"  # a salt given here: its KV is never stored (cache.write_through)
 
 
 def isolate_unsalted(self, obj, *args, **kwargs):

@@ -94,6 +94,12 @@ PRIVATES: tuple[PrivateUse, ...] = (
         "has streamed the batch's outputs; a finished turn is stored to the tiers there, not before its last token",
     ),
     PrivateUse(
+        "sglang.srt.mem_cache.allocation:alloc_for_extend",
+        "79929fe4dbc6fcec6b21939c16d13bca32575f02c0db6bc986fbd2f2bd47f6e2",
+        "relied on (cache/radix.py maybe_hand_to_session): called for every request of an extend batch once its "
+        "row was written with prefix_device_indices' indices; a chunk-pruned restore is adopted there",
+    ),
+    PrivateUse(
         "sglang.srt.managers.scheduler:Scheduler.get_new_batch_prefill",
         "a8b9a7a4fee3e50eea30094ab73dfcc4c840c8398c1d4d8cc5b231849d2980ee",
         "AROUND hook (cache/awaited.py): called with running_batch, returns a NextBatchPlan (batch_to_run, "
@@ -108,7 +114,7 @@ PRIVATES: tuple[PrivateUse, ...] = (
     PrivateUse(
         "sglang.srt.managers.schedule_batch:Req.init_next_round_input",
         "e7af52023f823aec3726cf67236ed435b6cf8e585376f3032bcb636bf73372fb",
-        "called with the tree cache (cache/radix.py awaits_write): matches the request as the scheduler does "
+        "called with the tree cache (cache/discovery.py awaits_write): matches the request as the scheduler does "
         "before admitting it (match_prefix with req=self)",
     ),
     PrivateUse(

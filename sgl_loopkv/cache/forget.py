@@ -241,12 +241,12 @@ def remove(cache, removed: set[str], held: Holdings) -> ForgetReport:
     busy += [
         rid
         for rid, job in cache.pruned.items()
-        if rid in cache.pruned_adopted and {s.seg_id for s in job.sources} & set(segs)
+        if rid in cache.pruned_admission.adopted and {s.seg_id for s in job.sources} & set(segs)
     ]
     if busy:
         raise Busy(f"{len(busy)} running request(s) use this conversation's KV; retry when they finish")
     for rid in [r for r, j in cache.pruned.items() if {s.seg_id for s in j.sources} & set(segs)]:
-        cache._drop_pruned(rid, ran=False)
+        cache.pruned_admission.drop(rid, ran=False)
     for node, i in targets:
         if i > 0:
             cache._split_node(node.key, node, i * page)  # node keeps chunks [i, ...) below a new upper node

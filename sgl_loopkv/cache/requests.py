@@ -25,6 +25,7 @@ class RequestState:
     # what it is held back for: (an announced chunk's hash or READ_AHEAD, until when, still waiting)
     awaiting: tuple[str, float, bool] | None = None
     probed: bool = False  # looked up at least once (the hold-back probe runs once per wait)
+    probing: bool = False  # in the hold-back probe's match: a disk-only history is read ahead, not loaded
     pin: str | None = None  # its "retain": "pin" outcome (retention.pin_outcome)
     pruned: object | None = None  # its finished chunk-pruned restore's accounting (PrunedStats)
 

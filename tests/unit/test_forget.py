@@ -30,7 +30,7 @@ def add_turn(cache, allocator, tokens: list[int], salt: str | None = None):
     prefix = cache.path_device_indices(match.last_device_node) if match.device_prefix_len else torch.empty(0)
     cache.insert(InsertParams(key=key, value=torch.cat([prefix.to(torch.int64), slots])))
     node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
-    cache._store_path(node, [])
+    cache.write_through.store_path(node, [])
     cache.store.flush()
     return node
 

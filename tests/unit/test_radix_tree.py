@@ -17,7 +17,8 @@ from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 from sglang.srt.mem_cache.radix_cache import RadixKey
 
 from sgl_loopkv.cache.disk_announce import PENDING
-from sgl_loopkv.cache.radix import LoopKVRadixCache, _ref
+from sgl_loopkv.cache.node import ref_of
+from sgl_loopkv.cache.radix import LoopKVRadixCache
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
 
@@ -50,8 +51,13 @@ class PagedAllocator:
         assert not set(pages) & set(self.free_pages), f"pages {pages} freed twice"
         self.free_pages += pages
 
+    def free(self, slots):
+        self.free_segment(slots)
+
 
 class KVPool:
+    size = SLOTS
+
     def __init__(self):
         g = torch.Generator().manual_seed(0)
         self.k_buffer = [torch.randn(SLOTS, HEADS, DIM, generator=g) for _ in range(LAYERS)]
@@ -90,7 +96,7 @@ def add_turn(cache, allocator, tokens: list[int]):
     value = torch.cat([prefix.to(torch.int64), slots])
     cache.insert(InsertParams(key=key, value=value))
     node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
-    cache._store_path(node, [])
+    cache.write_through.store_path(node, [])
     cache.store.flush()
     return node
 
@@ -168,6 +174,35 @@ def test_a_failing_chunk_pruned_admission_loads_the_history_instead(tmp_path, mo
             os.fstat(fd)
 
 
+def test_a_pruned_restore_is_adopted_once_its_row_is_written_and_gives_its_slots_back_at_release(tmp_path, monkeypatch):
+    """A chunk-pruned restore admitted by a match holds its page cache outside the tree. Reading the
+    row's prefix (prefix_device_indices) changes nothing; SGLang's maybe_hand_to_session, called once
+    the row is written, makes it the running request's (a queued one would be dropped after
+    UNADOPTED_S); on_release frees its page cache."""
+    from sgl_loopkv.config import PrefixConfig
+
+    hist = list(range(300, 364))
+    cache, allocator = make_cache(tmp_path, host_bytes=0, prefix=PrefixConfig(budget=0.5, min_tokens=16))
+    add_turn(cache, allocator, hist)
+    cache.evict(EvictParams(num_tokens=SLOTS))
+    monkeypatch.setattr(cache.restorer, "_stack", object())  # as if the loopkv backend ran (it runs pruned plans)
+    free_before = allocator.available_size()
+    req = SimpleNamespace(rid="r")
+    match = cache.match_prefix(MatchPrefixParams(key=RadixKey(hist + [7] * 16, None), req=req))
+    job = cache.pruned_job("r")
+    assert job is not None and match.device_prefix_len == len(hist) == job.tokens
+    assert allocator.available_size() == free_before - job.cache_tokens
+    req.last_node, req.prefix_len = match.last_device_node, match.device_prefix_len
+    indices = cache.prefix_device_indices(req)
+    assert indices.tolist() == [0] * len(hist)  # the padding slot: the plans read the page cache instead
+    assert "r" not in cache.pruned_admission.adopted  # a read, not an adoption
+    cache.maybe_hand_to_session(req)
+    assert "r" in cache.pruned_admission.adopted
+    cache.on_release(req, checkpointed=False)
+    assert cache.pruned_job("r") is None and not cache.pruned_admission.adopted
+    assert allocator.available_size() == free_before and cache.pruned_stats.cache_tokens == job.cache_tokens
+
+
 def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_eviction(tmp_path):
     """A turn's store waits for SGLang's flush_pending_backups (called once the batch's outputs are
     streamed: the last token does not wait for the copy and its encoding); until then its nodes stay
@@ -179,13 +214,13 @@ def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_
     node = cache.match_prefix(MatchPrefixParams(key=key)).last_device_node
     evictable = cache.evictable_size()
     cache.queue_backup(node, [], None)
-    assert _ref(node) is None and not cache.store.segments  # nothing stored yet
+    assert ref_of(node) is None and not cache.store.segments  # nothing stored yet
     # ... but announced on the disk tier: another worker's lookup waits for it rather than recomputing
-    pending = cache.store.disk.names.chunk(cache._record_of(node).chunk_hashes[0], PENDING)
+    pending = cache.store.disk.names.chunk(cache.write_through.record_of(node).chunk_hashes[0], PENDING)
     assert pending.exists()
     assert cache.evictable_size() == evictable - len(tokens) and cache.protected_size() == len(tokens)
     cache.evict(EvictParams(num_tokens=len(tokens)))  # stores first, then evicts the device copy
-    assert _ref(node) is not None and cache.store.segments
+    assert ref_of(node) is not None and cache.store.segments
     cache.store.flush()
     assert not pending.exists()  # published
     assert cache.protected_size() == 0 and node.evicted and attached(cache, node)  # kept as a stored node
@@ -196,6 +231,6 @@ def test_a_finished_turn_is_stored_at_the_flush_after_its_output_and_before_any_
     node2 = cache.match_prefix(MatchPrefixParams(key=key2)).last_device_node
     cache.queue_backup(node2, [], None)
     cache.flush_pending_backups()  # what SGLang calls after streaming the batch's outputs
-    assert _ref(node2) is not None and cache.protected_size() == 0 and not node2.evicted
+    assert ref_of(node2) is not None and cache.protected_size() == 0 and not node2.evicted
     cache.flush_pending_backups()  # nothing left: a no-op
     cache.store.flush()
