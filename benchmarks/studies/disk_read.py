@@ -1,11 +1,13 @@
-"""Disk resumes read inline vs read ahead (``--loopkv-disk-read inline|background``), side by side.
+"""Disk resumes read inline vs read ahead (``--loopkv-disk-read inline|background``), side by side;
+the read-ahead thread at its default background priority (nice 10) and at normal priority
+(``background-normal``: ``LOOPKV_READ_AHEAD_NICE=0``).
 
 SmolLM2, three 3K-token histories on the disk tier only (``--loopkv-host-bytes 0``, a device pool
 that holds one), the page cache dropped before each resume. Under load: client A resumes them back
 to back while client B streams three 150-token answers; B's inter-token gaps and A's TTFT. Idle:
 A alone, 15 resumes. The modes alternate (inline, background, inline, ...) so drift hits both.
 
-    python -m benchmarks.studies.disk_read            # 2 servers per mode (~12 minutes)
+    python -m benchmarks.studies.disk_read            # 2 servers per mode and load (~18 minutes)
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import requests
 from transformers import AutoTokenizer
 
 from benchmarks.common import synthetic_ids, timed_generate
+from benchmarks.harness.env import environment, finish
 from benchmarks.harness.results import md_table
 from benchmarks.studies import RESULTS, write_results
 from benchmarks.studies.resume import drop_page_cache
@@ -42,7 +45,10 @@ def run(mode: str, tok, idle: bool) -> dict:
     hists = [synthetic_ids(tok, L, seed=70 + i) for i in range(N_HIST)]
     disk = Path(tempfile.mkdtemp(prefix="disk-read-"))
     flags = ["--max-total-tokens", str(L + 1200), "--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk)]
-    srv = ServerProcess([*flags, "--loopkv-disk-read", mode], log_path=RESULTS / f"disk_read_{mode}.log").start()
+    read, env = ("background", {"LOOPKV_READ_AHEAD_NICE": "0"}) if mode == "background-normal" else (mode, {})
+    srv = ServerProcess(
+        [*flags, "--loopkv-disk-read", read], env=env, log_path=RESULTS / f"disk_read_{mode}.log"
+    ).start()
     try:
         for h in hists:
             timed_generate(srv.url, h, 1)
@@ -104,6 +110,23 @@ def median_of(rows: list[dict], mode: str, load: str, key: str) -> float:
     return statistics.median(r[key] for r in rows if r["mode"] == mode and r["load"] == load)
 
 
+def summarize(rows: list[dict]) -> dict:
+    """Ratios of the medians (with a stream beside unless named idle); > 1: the first is larger."""
+    med = functools.partial(median_of, rows)
+    busy = "a stream beside"
+    out = {
+        "stream_gap_p50_inline_over_background": med("inline", busy, "stream_gap_p50_ms") / med("background", busy, "stream_gap_p50_ms"),
+        "ttft_p50_background_over_inline": med("background", busy, "ttft_p50_s") / med("inline", busy, "ttft_p50_s"),
+    }  # fmt: skip
+    if any(r["mode"] == "background-normal" for r in rows):
+        for key in ("stream_gap_p50_ms", "stream_gap_p99_ms", "stream_gap_max_ms", "ttft_p50_s"):
+            out[f"{key}_normal_over_niced"] = med("background-normal", busy, key) / med("background", busy, key)
+        out["ttft_p50_s_normal_over_niced_idle"] = med("background-normal", "idle", "ttft_p50_s") / med(
+            "background", "idle", "ttft_p50_s"
+        )
+    return out
+
+
 def report(rows: list[dict], when: str) -> str:
     keys = ["mode", "load", "resumes", "ttft_p50_s", "stream_gap_p50_ms", "stream_gap_p99_ms", "stream_gap_max_ms"]
     md = f"# disk_read ({when}; `python -m benchmarks.studies.disk_read`)\n\n"
@@ -119,6 +142,14 @@ def report(rows: list[dict], when: str) -> str:
         f"**{med('background', busy, 'ttft_p50_s') / med('inline', busy, 'ttft_p50_s'):.2f}x**. "
         f"Idle: TTFT p50 background / inline **{med('background', idle, 'ttft_p50_s') / med('inline', idle, 'ttft_p50_s'):.2f}x**.\n"
     )
+    if any(r["mode"] == "background-normal" for r in rows):
+        md += (
+            f"\nThe read-ahead thread at normal priority / at nice 10, with a stream beside: the stream's gap p50 "
+            f"**{med('background-normal', busy, 'stream_gap_p50_ms') / med('background', busy, 'stream_gap_p50_ms'):.2f}x**, "
+            f"p99 **{med('background-normal', busy, 'stream_gap_p99_ms') / med('background', busy, 'stream_gap_p99_ms'):.2f}x**; "
+            f"the resuming client's TTFT p50 **{med('background-normal', busy, 'ttft_p50_s') / med('background', busy, 'ttft_p50_s'):.2f}x**; "
+            f"idle: TTFT p50 **{med('background-normal', idle, 'ttft_p50_s') / med('background', idle, 'ttft_p50_s'):.2f}x**.\n"
+        )
     return md
 
 
@@ -131,15 +162,17 @@ def plot(rows: list[dict], path: Path) -> None:
     med = functools.partial(median_of, rows)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     busy = "a stream beside"
-    for i, mode in enumerate(("inline", "background")):
-        axes[0].bar([j + 0.4 * i for j in range(2)], [med(mode, busy, "stream_gap_p50_ms"), med(mode, busy, "stream_gap_p99_ms")],
-                    width=0.4, label=mode)  # fmt: skip
-        axes[1].bar([j + 0.4 * i for j in range(2)], [med(mode, busy, "ttft_p50_s"), med(mode, "idle", "ttft_p50_s")],
-                    width=0.4, label=mode)  # fmt: skip
-    axes[0].set_xticks([0.2, 1.2], ["gap p50", "gap p99"])
+    modes = [m for m in ("inline", "background", "background-normal") if any(r["mode"] == m for r in rows)]
+    w = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        axes[0].bar([j + w * i for j in range(2)], [med(mode, busy, "stream_gap_p50_ms"), med(mode, busy, "stream_gap_p99_ms")],
+                    width=w, label=mode)  # fmt: skip
+        axes[1].bar([j + w * i for j in range(2)], [med(mode, busy, "ttft_p50_s"), med(mode, "idle", "ttft_p50_s")],
+                    width=w, label=mode)  # fmt: skip
+    axes[0].set_xticks([0.4 - w / 2, 1.4 - w / 2], ["gap p50", "gap p99"])
     axes[0].set_ylabel("ms")
     axes[0].set_title("a stream beside disk resumes")
-    axes[1].set_xticks([0.2, 1.2], ["under load", "idle"])
+    axes[1].set_xticks([0.4 - w / 2, 1.4 - w / 2], ["under load", "idle"])
     axes[1].set_ylabel("s")
     axes[1].set_title("the resuming client's TTFT p50")
     axes[0].legend()
@@ -149,17 +182,22 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=2, help="inline/background pairs per load (default 2)")
+    ap.add_argument("--pairs", type=int, default=2, help="runs of each mode per load (default 2)")
     ap.add_argument("--report-only", action="store_true", help="the table again from disk_read.json")
     args = ap.parse_args()
     if args.report_only:
         payload = json.loads((RESULTS / "disk_read.json").read_text())
     else:
+        env = environment()
         tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
         rows = [
-            run(m, tok, idle) for idle in (False, True) for _ in range(args.pairs) for m in ("inline", "background")
+            run(m, tok, idle)
+            for idle in (False, True)
+            for _ in range(args.pairs)
+            for m in ("inline", "background", "background-normal")
         ]
-        payload = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows}
+        payload = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows, "environment": finish(env)}
+    payload["summary"] = summarize(payload["rows"])
     md = report(payload["rows"], payload.get("when", "see the JSON"))
     write_results("disk_read", payload, md + "\n![disk_read](disk_read.png)\n")
     plot(payload["rows"], RESULTS / "disk_read.png")

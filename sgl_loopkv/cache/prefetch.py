@@ -17,6 +17,7 @@ first), so they cannot pile up in RAM; a request whose read was let go reads inl
 
 from __future__ import annotations
 
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sgl_loopkv.cache.packed import kv_nbytes
-from sgl_loopkv.platform import keep_torch_on_this_thread
+from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
 
 @dataclass(slots=True)
@@ -41,7 +42,7 @@ class DiskPrefetch:
     def __init__(self, max_done: int = 8, ttl_s: float = 60.0, max_done_bytes: int = 1 << 30):
         self.max_done, self.ttl_s, self.max_done_bytes = max_done, ttl_s, max_done_bytes
         self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="loopkv-disk-prefetch", initializer=keep_torch_on_this_thread
+            max_workers=1, thread_name_prefix="loopkv-disk-prefetch", initializer=_reader_thread
         )
         self._reads: OrderedDict[str, tuple[Future, float]] = OrderedDict()  # seg_id -> (read, started)
         self.started = 0  # reads started, for logs and tests
@@ -87,6 +88,16 @@ class DiskPrefetch:
             if now - self._reads[s][1] > self.ttl_s or len(done) - i > self.max_done or held > self.max_done_bytes:
                 held -= _bytes_of(self._reads.pop(s)[0])
                 self.expired += 1
+
+
+def _reader_thread() -> None:
+    keep_torch_on_this_thread()
+    if os.environ.get("LOOPKV_READ_AHEAD_NICE") == "0":  # normal priority, for comparison (studies/disk_read)
+        return
+    # The running requests' steps come first (the held request waits for the read anyway): at normal
+    # priority its preads, page faults and checksums took a core from the forward's OpenMP team and
+    # a decode beside it slowed ~3x while the read lasted (docs/decisions/2026-12-06-read-ahead-niced.md).
+    yield_cpu_to_the_forward()
 
 
 def _bytes_of(read: Future) -> int:
