@@ -35,7 +35,7 @@ from pathlib import Path
 
 from sgl_loopkv.cache.address import chunk_chain, segment_id
 from sgl_loopkv.cache.disk_dir import SEG_PREFIX, SEG_SUFFIX
-from sgl_loopkv.cache.disk_evict import NoRoom
+from sgl_loopkv.cache.disk_evict import NoRoom, fsync_dir
 from sgl_loopkv.cache.packed import kv_nbytes, slice_tokens
 from sgl_loopkv.cache.segment_record import CorruptSegment, SegmentRecord
 
@@ -255,8 +255,8 @@ def remove(cache, removed: set[str], held: Holdings) -> ForgetReport:
         _remove_segment(cache, seg_id, segs.get(seg_id), files.get(seg_id), removed, report)
     store.flush()  # the kept prefixes written again are on disk before the answer
     if store.disk is not None:
-        _fsync(store.disk.root)
-        _fsync(store.disk.root / "chunks")
+        fsync_dir(store.disk.root)
+        fsync_dir(store.disk.root / "chunks")
     cache.metrics.publish(store.count_tokens())
     return report
 
@@ -364,14 +364,6 @@ def _record_of_header(h: dict) -> SegmentRecord:
         token_ids=h["token_ids"],
         chunk_hashes=h.get("chunk_hashes") or [],
     )
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ForgetNotes:
