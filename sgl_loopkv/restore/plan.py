@@ -224,12 +224,30 @@ class KrulPlanner(RestorePlanner):
         return np.concatenate([np.zeros((1, n), dtype=np.int64), rows.astype(np.int64)])
 
     def plan(self, job, cost):
+        if load_all_is_optimal(job, cost):  # most CPU resumes: no candidate to simulate
+            return RestorePlan.load_all(job.total, job.num_layers)
         cands = self.candidates(job)
         t = finish_times(cands, job, cost)
         best = int(np.argmin(t))
         if t[0] <= t[best] + 1e-12:  # a tie keeps load-all (no compute spent for nothing)
             best = 0
         return RestorePlan(job.total, tuple(int(x) for x in cands[best]))
+
+
+def load_all_is_optimal(job: RestoreJob, cost: CostModel) -> bool:
+    """Whether load-all finishes first among every split, decided without simulating any, when the
+    loads run before the forward (``not job.overlapped``: a CPU pool). Then a split's finish is its
+    load time plus its recompute time plus the extend, so moving a token-layer from load to recompute
+    costs its recompute and saves its load. A layer's recompute of ``s`` front tokens
+    (:meth:`CostModel.rows_s`) is convex in ``s``, its marginal cost never below
+    ``token_s + attn_s * prefix``: if that already exceeds one token-layer's load (copy, plus the disk
+    read of the disk-only share), no split beats load-all (the simulated search would keep load-all
+    too, at a tie or better)."""
+    if job.overlapped or job.total == 0:
+        return False
+    stored = job.stored_layer_bytes or job.layer_bytes
+    load_s = job.layer_bytes / cost.copy_bps + (job.disk_tokens / job.total) * stored / cost.disk_bps
+    return cost.token_s + cost.attn_s * job.prefix >= load_s
 
 
 def finish_times(recompute: np.ndarray, job: RestoreJob, cost: CostModel) -> np.ndarray:

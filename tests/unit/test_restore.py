@@ -5,6 +5,7 @@ without a device prefix); the model-driven stack matches HF's layers."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from sgl_loopkv.restore.plan import (
     RestoreJob,
     RestorePlan,
     finish_times,
+    load_all_is_optimal,
     pyramid,
     simulate,
 )
@@ -137,6 +139,38 @@ def test_the_planners_array_timeline_is_simulate_for_every_candidate():
             plan = RestorePlan(j.total, tuple(int(x) for x in row))  # valid: non-increasing, chunk-aligned
             assert t == pytest.approx(simulate(plan, j, cost).finish_s, rel=1e-9, abs=1e-15)
         assert simulate(planner.plan(j, cost), j, cost).finish_s == pytest.approx(min(got), rel=1e-9, abs=1e-15)
+
+
+def test_load_all_is_decided_without_simulation_only_where_the_simulation_agrees():
+    """Loads before the forward (a CPU pool): where a token-layer's load is cheaper than any
+    recompute of it, the planner returns load-all without simulating; that must be the simulated
+    optimum (no candidate finishes earlier), and overlapped loads never take the shortcut."""
+    rng = random.Random(3)
+    planner, decided = KrulPlanner(), 0
+    for _ in range(200):
+        total = 16 * rng.randint(1, 300)
+        j = job(
+            total=total,
+            num_layers=rng.choice([2, 30]),
+            prefix=rng.choice([0, 160, 2048]),
+            new_tokens=rng.randint(1, 300),
+            disk_tokens=rng.choice([0, total]),
+            overlapped=False,
+        )
+        cost = CostModel(
+            token_s=10 ** rng.uniform(-7, -4),
+            attn_s=10 ** rng.uniform(-11, -8),
+            layer_s=rng.choice([0.0, 1e-4]),
+            copy_bps=10 ** rng.uniform(7, 10.5),
+            disk_bps=10 ** rng.uniform(7, 10),
+        )
+        if load_all_is_optimal(j, cost):
+            decided += 1
+            t = finish_times(planner.candidates(j), j, cost)
+            assert t[0] <= t.min() * (1 + 1e-12), (j, cost)
+            assert planner.plan(j, cost) == RestorePlan.load_all(j.total, j.num_layers)
+        assert not load_all_is_optimal(replace(j, overlapped=True), cost)
+    assert 20 < decided < 180  # both branches taken
 
 
 def test_disk_reads_only_what_is_loaded():
