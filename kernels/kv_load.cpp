@@ -11,6 +11,12 @@
 //
 // Exactness: a float32 row is copied bit for bit; an int8 element becomes float(q) * scale rounded
 // once, the product torch.mul(int8, float32) computes (tests/unit/test_kv_load.py).
+//
+// Stores: a layer of a restored history is larger than the caches, so ordinary stores first read
+// every destination line into the cache (read-for-ownership) only to overwrite it, and evict it
+// later. Streaming (non-temporal) stores write the lines straight out: a load of a few MB or more
+// writes about half the memory traffic; a small one (a few pages) keeps ordinary stores, whose lines
+// the forward reads next while they are still in the cache.
 
 #include <torch/extension.h>
 
@@ -30,7 +36,27 @@ void check_rows(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), what, ": each token's [H, D] contiguous");
 }
 
-void dequant_row(const int8_t* q, const float* scale, float* out, int64_t heads, int64_t dim) {
+constexpr int64_t STREAM_MIN_BYTES = 2 << 20;  // pool bytes a call writes from which its stores stream
+
+#ifdef __AVX512F__
+bool aligned64(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 63) == 0; }
+#endif
+
+// n floats from src to dst; streamed where asked and dst is 64-byte aligned (pool rows of a
+// multiple of 16 floats are, from a 64-byte aligned buffer).
+void copy_floats(float* dst, const float* src, int64_t n, bool stream) {
+#ifdef __AVX512F__
+  if (stream && aligned64(dst)) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+    if (i < n) std::memcpy(dst + i, src + i, sizeof(float) * (n - i));
+    return;
+  }
+#endif
+  std::memcpy(dst, src, sizeof(float) * n);
+}
+
+void dequant_row(const int8_t* q, const float* scale, float* out, int64_t heads, int64_t dim, bool stream) {
   for (int64_t h = 0; h < heads; ++h) {
     const float s = scale[h];
     const int8_t* qh = q + h * dim;
@@ -38,6 +64,12 @@ void dequant_row(const int8_t* q, const float* scale, float* out, int64_t heads,
     int64_t d = 0;
 #ifdef __AVX512F__
     const __m512 vs = _mm512_set1_ps(s);
+    if (stream && aligned64(oh)) {
+      for (; d + 16 <= dim; d += 16) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + d));
+        _mm512_stream_ps(oh + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), vs));
+      }
+    }
     for (; d + 16 <= dim; d += 16) {
       const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qh + d));
       _mm512_storeu_ps(oh + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), vs));
@@ -47,8 +79,17 @@ void dequant_row(const int8_t* q, const float* scale, float* out, int64_t heads,
   }
 }
 
+// Streamed stores are weakly ordered: fence them before another thread may read the pool.
+void fence_streamed() {
+#ifdef __AVX512F__
+  _mm_sfence();
+#endif
+}
+
+int64_t pool_bytes(const torch::Tensor& src) { return src.numel() * static_cast<int64_t>(sizeof(float)); }
+
 void one(const torch::Tensor& src, const c10::optional<torch::Tensor>& scale, const int64_t* slots,
-         torch::Tensor& dst) {
+         torch::Tensor& dst, bool stream) {
   const int64_t n = src.size(0), heads = src.size(1), dim = src.size(2), width = heads * dim;
   const int64_t capacity = dst.size(0);
   float* out = dst.data_ptr<float>();
@@ -59,9 +100,10 @@ void one(const torch::Tensor& src, const c10::optional<torch::Tensor>& scale, co
     for (int64_t i = 0; i < n;) {  // a run of consecutive slots from consecutive rows is one memcpy
       int64_t j = i + 1;
       while (j < n && slots[j] == slots[j - 1] + 1 && stride == width) ++j;
-      std::memcpy(out + slots[i] * width, in + i * stride, sizeof(float) * width * (j - i));
+      copy_floats(out + slots[i] * width, in + i * stride, width * (j - i), stream);
       i = j;
     }
+    if (stream) fence_streamed();
     return;
   }
   TORCH_CHECK(src.scalar_type() == torch::kChar && scale.has_value(), "kv_load: int8 rows need their scales");
@@ -72,7 +114,8 @@ void one(const torch::Tensor& src, const c10::optional<torch::Tensor>& scale, co
   const int8_t* q = src.data_ptr<int8_t>();
   const float* s = sc.data_ptr<float>();
   for (int64_t i = 0; i < n; ++i)
-    dequant_row(q + i * src.stride(0), s + i * sc.stride(0), out + slots[i] * width, heads, dim);
+    dequant_row(q + i * src.stride(0), s + i * sc.stride(0), out + slots[i] * width, heads, dim, stream);
+  if (stream) fence_streamed();
 }
 
 }  // namespace
@@ -94,8 +137,9 @@ void load_layer(torch::Tensor k_src, torch::Tensor v_src, c10::optional<torch::T
                   slots.size(0) == k_src.size(0),
               "kv_load: slots [T] int64");
   const int64_t* sl = slots.data_ptr<int64_t>();
-  one(k_src, k_scale, sl, k_dst);
-  one(v_src, v_scale, sl, v_dst);
+  const bool stream = 2 * pool_bytes(k_src) >= STREAM_MIN_BYTES;
+  one(k_src, k_scale, sl, k_dst, stream);
+  one(v_src, v_scale, sl, v_dst, stream);
 }
 
 // Every layer of a part at once, the layers split over torch's threads: what a CPU resume runs on
@@ -134,11 +178,14 @@ void load_layers(std::vector<torch::Tensor> k_src, std::vector<torch::Tensor> v_
                         sc->size(1) == k_src[i].size(1) && sc->stride(1) == 1,
                     "kv_load: scales [T, H] float32");
   }
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += pool_bytes(k_src[i]) + pool_bytes(v_src[i]);
+  const bool stream = total >= STREAM_MIN_BYTES;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* sl = slots[i].data_ptr<int64_t>();
-      one(k_src[i], quant ? c10::optional<torch::Tensor>(k_scale[i]) : c10::nullopt, sl, k_dst[i]);
-      one(v_src[i], quant ? c10::optional<torch::Tensor>(v_scale[i]) : c10::nullopt, sl, v_dst[i]);
+      one(k_src[i], quant ? c10::optional<torch::Tensor>(k_scale[i]) : c10::nullopt, sl, k_dst[i], stream);
+      one(v_src[i], quant ? c10::optional<torch::Tensor>(v_scale[i]) : c10::nullopt, sl, v_dst[i], stream);
     }
   });
 }

@@ -86,3 +86,41 @@ def test_all_layers_at_once_equal_one_layer_at_a_time():
     with pytest.raises(RuntimeError, match="out of range"):  # checked before any layer is written
         native.load_layers([q.q[0, 0]], [q.q[0, 1]], [q.scale[0, 0]], [q.scale[0, 1]], [torch.arange(70) + 200],
                            [all_k[0]], [all_v[0]])  # fmt: skip
+
+
+def _pool_at(n: int, offset_floats: int) -> torch.Tensor:
+    """A contiguous [n, H, D] pool buffer whose data starts ``offset_floats`` past a 64-byte boundary."""
+    flat = torch.full((n * H * D + 16,), float("nan"))
+    start = (-flat.data_ptr() // 4) % 16 + offset_floats
+    return flat[start : start + n * H * D].view(n, H, D)
+
+
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_a_load_past_the_streaming_size_lands_bit_for_bit(dtype, offset):
+    # a few MB per call: the kernel's streamed (non-temporal) stores, aligned or not, write what
+    # torch writes, and nothing else
+    g = torch.Generator().manual_seed(4)
+    L, T, S = 3, 2048, 4096
+    kv = torch.randn(L, 2, T, H, D, generator=g) * 3
+    q = QuantKV.quantize(kv) if dtype == "int8" else None
+    pages = torch.randperm(S // 16, generator=g)[: T // 16]
+    slots = (pages[:, None] * 16 + torch.arange(16)).flatten()
+    k = [_pool_at(S, offset) for _ in range(L)]
+    v = [_pool_at(S, offset) for _ in range(L)]
+    if q is None:
+        native.load_layers([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)], [], [], [slots] * L, k, v)
+        want = kv
+    else:
+        native.load_layers([q.q[i, 0] for i in range(L)], [q.q[i, 1] for i in range(L)],
+                           [q.scale[i, 0] for i in range(L)], [q.scale[i, 1] for i in range(L)], [slots] * L, k, v)  # fmt: skip
+        want = torch.stack([q[i] for i in range(L)])
+    others = torch.ones(S, dtype=torch.bool)
+    others[slots] = False
+    for i in range(L):
+        assert torch.equal(k[i][slots], want[i, 0]) and torch.equal(v[i][slots], want[i, 1])
+        assert torch.isnan(k[i][others]).all() and torch.isnan(v[i][others]).all()
+    one_k, one_v = _pool_at(S, offset), _pool_at(S, offset)  # one layer on its own streams too (3 MB)
+    src = (kv[0, 0], kv[0, 1], None, None) if q is None else (q.q[0, 0], q.q[0, 1], q.scale[0, 0], q.scale[0, 1])
+    native.load_layer(*src, slots, one_k, one_v)
+    assert torch.equal(one_k[slots], want[0, 0]) and torch.equal(one_v[slots], want[0, 1])
