@@ -1,13 +1,15 @@
 """Disk resumes read inline vs read ahead (``--loopkv-disk-read inline|background``), side by side;
-the read-ahead thread at its default background priority (nice 10) and at normal priority
-(``background-normal``: ``LOOPKV_READ_AHEAD_NICE=0``).
+the read-ahead thread as it runs by default (nice 10, paced: it naps between pieces of the read while
+other requests run, :mod:`sgl_loopkv.cache.read_pacing`), niced but not paced (``background-unpaced``:
+``LOOPKV_READ_AHEAD_PACED=0``) and at normal priority, not paced (``background-normal``: both off).
 
 SmolLM2, three 3K-token histories on the disk tier only (``--loopkv-host-bytes 0``, a device pool
 that holds one), the page cache dropped before each resume. Under load: client A resumes them back
 to back while client B streams three 150-token answers; B's inter-token gaps and A's TTFT. Idle:
 A alone, 15 resumes. The modes alternate (inline, background, inline, ...) so drift hits both.
 
-    python -m benchmarks.studies.disk_read            # 2 servers per mode and load (~18 minutes)
+    python -m benchmarks.studies.disk_read            # 2 servers per mode and load (~25 minutes)
+    python -m benchmarks.studies.disk_read --pairs 1  # one of each (~13 minutes)
 """
 
 from __future__ import annotations
@@ -34,6 +36,12 @@ from sgl_loopkv.models import ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
 
 L, N_HIST, ANSWER = 3072, 3, 150
+MODE_ENV = {  # the read-ahead modes: the server's environment
+    "background": {},
+    "background-unpaced": {"LOOPKV_READ_AHEAD_PACED": "0"},
+    "background-normal": {"LOOPKV_READ_AHEAD_PACED": "0", "LOOPKV_READ_AHEAD_NICE": "0"},
+}
+MODES = ("inline", *MODE_ENV)
 
 
 def quantile(xs: list[float], p: float) -> float:
@@ -45,7 +53,7 @@ def run(mode: str, tok, idle: bool) -> dict:
     hists = [synthetic_ids(tok, L, seed=70 + i) for i in range(N_HIST)]
     disk = Path(tempfile.mkdtemp(prefix="disk-read-"))
     flags = ["--max-total-tokens", str(L + 1200), "--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk)]
-    read, env = ("background", {"LOOPKV_READ_AHEAD_NICE": "0"}) if mode == "background-normal" else (mode, {})
+    read, env = ("inline", {}) if mode == "inline" else ("background", MODE_ENV[mode])
     srv = ServerProcess(
         [*flags, "--loopkv-disk-read", read], env=env, log_path=RESULTS / f"disk_read_{mode}.log"
     ).start()
@@ -118,10 +126,17 @@ def summarize(rows: list[dict]) -> dict:
         "stream_gap_p50_inline_over_background": med("inline", busy, "stream_gap_p50_ms") / med("background", busy, "stream_gap_p50_ms"),
         "ttft_p50_background_over_inline": med("background", busy, "ttft_p50_s") / med("inline", busy, "ttft_p50_s"),
     }  # fmt: skip
-    if any(r["mode"] == "background-normal" for r in rows):
+    niced = "background-unpaced" if any(r["mode"] == "background-unpaced" for r in rows) else "background"
+    if any(r["mode"] == "background-normal" for r in rows):  # both not paced (a run before pacing: niced = background)
         for key in ("stream_gap_p50_ms", "stream_gap_p99_ms", "stream_gap_max_ms", "ttft_p50_s"):
-            out[f"{key}_normal_over_niced"] = med("background-normal", busy, key) / med("background", busy, key)
+            out[f"{key}_normal_over_niced"] = med("background-normal", busy, key) / med(niced, busy, key)
         out["ttft_p50_s_normal_over_niced_idle"] = med("background-normal", "idle", "ttft_p50_s") / med(
+            niced, "idle", "ttft_p50_s"
+        )
+    if niced == "background-unpaced":
+        for key in ("stream_gap_p50_ms", "stream_gap_p99_ms", "stream_gap_max_ms", "ttft_p50_s"):
+            out[f"{key}_unpaced_over_paced"] = med(niced, busy, key) / med("background", busy, key)
+        out["ttft_p50_s_unpaced_over_paced_idle"] = med(niced, "idle", "ttft_p50_s") / med(
             "background", "idle", "ttft_p50_s"
         )
     return out
@@ -142,13 +157,20 @@ def report(rows: list[dict], when: str) -> str:
         f"**{med('background', busy, 'ttft_p50_s') / med('inline', busy, 'ttft_p50_s'):.2f}x**. "
         f"Idle: TTFT p50 background / inline **{med('background', idle, 'ttft_p50_s') / med('inline', idle, 'ttft_p50_s'):.2f}x**.\n"
     )
-    if any(r["mode"] == "background-normal" for r in rows):
+    s = summarize(rows)
+    if "stream_gap_p50_ms_normal_over_niced" in s:
         md += (
-            f"\nThe read-ahead thread at normal priority / at nice 10, with a stream beside: the stream's gap p50 "
-            f"**{med('background-normal', busy, 'stream_gap_p50_ms') / med('background', busy, 'stream_gap_p50_ms'):.2f}x**, "
-            f"p99 **{med('background-normal', busy, 'stream_gap_p99_ms') / med('background', busy, 'stream_gap_p99_ms'):.2f}x**; "
-            f"the resuming client's TTFT p50 **{med('background-normal', busy, 'ttft_p50_s') / med('background', busy, 'ttft_p50_s'):.2f}x**; "
-            f"idle: TTFT p50 **{med('background-normal', idle, 'ttft_p50_s') / med('background', idle, 'ttft_p50_s'):.2f}x**.\n"
+            f"\nThe read-ahead thread at normal priority / at nice 10 (neither paced), with a stream beside: the "
+            f"stream's gap p50 **{s['stream_gap_p50_ms_normal_over_niced']:.2f}x**, p99 "
+            f"**{s['stream_gap_p99_ms_normal_over_niced']:.2f}x**; the resuming client's TTFT p50 "
+            f"**{s['ttft_p50_s_normal_over_niced']:.2f}x**; idle: TTFT p50 **{s['ttft_p50_s_normal_over_niced_idle']:.2f}x**.\n"
+        )
+    if "stream_gap_p50_ms_unpaced_over_paced" in s:
+        md += (
+            f"\nNot paced / paced (both at nice 10), with a stream beside: the stream's gap p50 "
+            f"**{s['stream_gap_p50_ms_unpaced_over_paced']:.2f}x**, p99 **{s['stream_gap_p99_ms_unpaced_over_paced']:.2f}x**, "
+            f"max **{s['stream_gap_max_ms_unpaced_over_paced']:.2f}x**; the resuming client's TTFT p50 "
+            f"**{s['ttft_p50_s_unpaced_over_paced']:.2f}x**; idle: TTFT p50 **{s['ttft_p50_s_unpaced_over_paced_idle']:.2f}x**.\n"
         )
     return md
 
@@ -162,7 +184,7 @@ def plot(rows: list[dict], path: Path) -> None:
     med = functools.partial(median_of, rows)
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
     busy = "a stream beside"
-    modes = [m for m in ("inline", "background", "background-normal") if any(r["mode"] == m for r in rows)]
+    modes = [m for m in MODES if any(r["mode"] == m for r in rows)]
     w = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         axes[0].bar([j + w * i for j in range(2)], [med(mode, busy, "stream_gap_p50_ms"), med(mode, busy, "stream_gap_p99_ms")],
@@ -190,12 +212,7 @@ def main() -> None:
     else:
         env = environment()
         tok = AutoTokenizer.from_pretrained(ensure_default_model(LoopKVConfig().resolved_cache_dir))
-        rows = [
-            run(m, tok, idle)
-            for idle in (False, True)
-            for _ in range(args.pairs)
-            for m in ("inline", "background", "background-normal")
-        ]
+        rows = [run(m, tok, idle) for idle in (False, True) for _ in range(args.pairs) for m in MODES]
         payload = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows": rows, "environment": finish(env)}
     payload["summary"] = summarize(payload["rows"])
     md = report(payload["rows"], payload.get("when", "see the JSON"))

@@ -42,6 +42,10 @@ def hold_back_awaited(original, self, running_batch, *args, **kwargs):
         plan = original(self, running_batch, *args, **kwargs)
     finally:
         self.waiting_queue = held + self.waiting_queue
-    if plan.batch_to_run is None and plan.running_batch.is_empty():
+    idle = plan.batch_to_run is None and plan.running_batch.is_empty()
+    pace = getattr(self.tree_cache, "pace_reads", None)
+    if pace is not None:  # a held request's read-ahead gives way while others run, reads flat out when idle
+        pace(not idle)
+    if idle:
         time.sleep(IDLE_NAP_S)
     return plan

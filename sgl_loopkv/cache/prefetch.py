@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sgl_loopkv.cache.packed import kv_nbytes
+from sgl_loopkv.cache.read_pacing import ReadPacing
 from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
 
@@ -41,8 +42,12 @@ class DiskPrefetch:
 
     def __init__(self, max_done: int = 8, ttl_s: float = 60.0, max_done_bytes: int = 1 << 30):
         self.max_done, self.ttl_s, self.max_done_bytes = max_done, ttl_s, max_done_bytes
+        self.pacing = ReadPacing()  # the scheduler says whether other requests are running
         self._pool = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="loopkv-disk-prefetch", initializer=_reader_thread
+            max_workers=1,
+            thread_name_prefix="loopkv-disk-prefetch",
+            initializer=_reader_thread,
+            initargs=(self.pacing,),
         )
         self._reads: OrderedDict[str, tuple[Future, float]] = OrderedDict()  # seg_id -> (read, started)
         self.started = 0  # reads started, for logs and tests
@@ -90,8 +95,10 @@ class DiskPrefetch:
                 self.expired += 1
 
 
-def _reader_thread() -> None:
+def _reader_thread(pacing: ReadPacing) -> None:
     keep_torch_on_this_thread()
+    if os.environ.get("LOOPKV_READ_AHEAD_PACED", "1") != "0":  # 0: no naps, for comparison
+        pacing.install()
     if os.environ.get("LOOPKV_READ_AHEAD_NICE") == "0":  # normal priority, for comparison (studies/disk_read)
         return
     # The running requests' steps come first (the held request waits for the read anyway): at normal

@@ -354,6 +354,10 @@ class LoopKVRadixCache(RadixCache):
         """Whether the scheduler should hold ``req`` back this round (:meth:`SharedDiskDiscovery.awaits_write`)."""
         return self.discovery.awaits_write(req)
 
+    def pace_reads(self, busy: bool) -> None:
+        """The scheduler, each round it holds requests back: whether others are running (:meth:`TieredKVStore.pace_reads`)."""
+        self.store.pace_reads(busy)
+
     # --- chunk-pruned restores: the request's row and its lifetime --------------------------------
     def prefix_device_indices(self, req) -> torch.Tensor:
         """SGLang's path indices, then the pruned history's positions (:meth:`PrunedAdmission.row_prefix`:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from sgl_loopkv.cache import read_pacing
 from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout
 from sgl_loopkv.cache.packed import PackedKV, codec_of
@@ -159,25 +160,32 @@ class SegmentCodec:
             if not ok.all():
                 bad = b.row0 + int(np.nonzero(~ok)[1][0])
                 raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {bad}")
+        step = max(read_pacing.PIECE_BYTES // (eb * max(layout.group, 1)), 1)  # chunks per piece of a group
         if g.quantized:
             q = torch.empty((R, 2, n * c, H, D), dtype=torch.int8)
             scale = torch.empty((R, 2, n * c, H), dtype=torch.float32)
             qb = 2 * c * H * D
             for g0, buf in groups:
                 raw, gr = torch.from_numpy(buf), buf.shape[1]
-                q[g0 : g0 + gr].view(gr, 2, n, c, H, D).copy_(
-                    raw[..., :qb].view(torch.int8).view(n, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
-                )
-                scale[g0 : g0 + gr].view(gr, 2, n, c, H).copy_(
-                    raw[..., qb:used].view(torch.float32).view(n, gr, 2, c, H).permute(1, 2, 0, 3, 4)
-                )
+                for j in range(0, n, step):  # in pieces: a paced reader gives way between them
+                    k = min(j + step, n)
+                    q[g0 : g0 + gr].view(gr, 2, n, c, H, D)[:, :, j:k].copy_(
+                        raw[j:k, :, :qb].view(torch.int8).view(k - j, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
+                    )
+                    scale[g0 : g0 + gr].view(gr, 2, n, c, H)[:, :, j:k].copy_(
+                        raw[j:k, :, qb:used].view(torch.float32).view(k - j, gr, 2, c, H).permute(1, 2, 0, 3, 4)
+                    )
+                    read_pacing.checkpoint()
             return QuantKV(q, scale)
         out = torch.empty((R, 2, n * c, H, D), dtype=g.dtype)
         for g0, buf in groups:
             raw, gr = torch.from_numpy(buf), buf.shape[1]
-            out[g0 : g0 + gr].view(gr, 2, n, c, H, D).copy_(
-                raw[..., :used].view(g.dtype).view(n, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
-            )
+            for j in range(0, n, step):
+                k = min(j + step, n)
+                out[g0 : g0 + gr].view(gr, 2, n, c, H, D)[:, :, j:k].copy_(
+                    raw[j:k, :, :used].view(g.dtype).view(k - j, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
+                )
+                read_pacing.checkpoint()
         return out
 
     def _packed(self, fd, seg_id, header, layout, rows, layer_rows, chunk_lo: int, chunk_hi: int):

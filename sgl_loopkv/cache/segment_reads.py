@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sgl_loopkv.cache import read_pacing
 from sgl_loopkv.cache.layout import Block, SegmentFileLayout
 from sgl_loopkv.cache.segment_check import SegmentCheck, crc32
 
@@ -76,8 +77,15 @@ def fetch(
         b, t0 = blocks[i], time.perf_counter()
         if into is None:
             buf = os.pread(fd, b.length(eb), b.offset)
-        else:
-            buf = into[i].reshape(-1)[: os.preadv(fd, [into[i]], b.offset)]
+        else:  # in pieces: a paced reader gives way between them (read_pacing)
+            flat, got = into[i].reshape(-1), 0
+            for start in read_pacing.pieces(flat.nbytes):
+                n = os.preadv(fd, [flat[start : start + read_pacing.PIECE_BYTES]], b.offset + start)
+                got += n
+                if n < min(read_pacing.PIECE_BYTES, flat.nbytes - start):  # end of file: cut short
+                    break
+                read_pacing.checkpoint()
+            buf = flat[:got]
         counters.read_s += time.perf_counter() - t0
         return buf
 
@@ -90,7 +98,12 @@ def fetch(
         got, mv, k0 = len(buf) // eb, memoryview(buf), (b.offset - layout.kv_offset) // eb
         t0 = time.perf_counter()
         if check.cipher is None:
-            ok = np.array([i < got and crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i] for i in range(n)])
+            ok = np.zeros(n, bool)
+            per_piece = max(read_pacing.PIECE_BYTES // eb, 1)
+            for i0 in range(0, n, per_piece):
+                for i in range(i0, min(i0 + per_piece, n)):
+                    ok[i] = i < got and crc32(mv[i * eb : (i + 1) * eb]) == crcs[k0 + i]
+                read_pacing.checkpoint()
         else:  # decrypted in place (a read into ``into``) or into a new buffer (``buf`` is bytes)
             buf = buf if into is not None else np.empty(got * eb, np.uint8)
             ok = check.open_extents(header, k0, mv, memoryview(buf).cast("B"), min(got, n), n)

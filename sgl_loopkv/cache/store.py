@@ -336,6 +336,11 @@ class TieredKVStore:
         self.prefetch.start(seg_id, lambda: self._read(seg_id, 0, seg.record.n_chunks))
         return self.prefetch.pending(seg_id)
 
+    def pace_reads(self, busy: bool) -> None:
+        """Whether other requests are running: a read-ahead then gives way to them (:mod:`~sgl_loopkv.cache.read_pacing`)."""
+        if self.prefetch is not None:
+            self.prefetch.pacing.set_busy(busy)
+
     def read_ahead_done(self, seg_id: str) -> bool:
         """Whether a finished read of ``seg_id`` waits for :meth:`fetch` (its KV is in RAM already)."""
         return self.prefetch is not None and self.prefetch.done(seg_id)
