@@ -41,8 +41,9 @@ from benchmarks.harness.plot import figure
 from benchmarks.harness.results import load, md_table, write_results
 from benchmarks.harness.stats import ratio
 from sgl_loopkv.attention.decode import DECODE_POLICIES, DecodeParams
+from sgl_loopkv.attention.decode.config import SparseDecodeConfig
 from sgl_loopkv.attention.decode.selector import SparseDecoder
-from sgl_loopkv.config import LoopKVConfig, SparseDecodeConfig
+from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.kernels import paged_decode
 from sgl_loopkv.models import ensure_default_model
 

@@ -113,7 +113,8 @@ from benchmarks.harness.stats import median
 from benchmarks.restore import first_token_logprobs, kl_topk
 from sgl_loopkv import extensions
 from sgl_loopkv.cache.layout import KVGeometry, baseline_block_read_bytes, key_summaries
-from sgl_loopkv.config import LoopKVConfig, PrefixConfig
+from sgl_loopkv.cache.prefix_config import PrefixConfig
+from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.selection.chunks import chunk_scores, keep_count, select_chunks
 from sgl_loopkv.server.process import ServerProcess

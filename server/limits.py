@@ -34,13 +34,60 @@ import logging
 import signal
 import threading
 from collections import Counter
+from dataclasses import dataclass, field
+from typing import ClassVar
 
-from sgl_loopkv.config import LimitsConfig, LoopKVConfig
+from sgl_loopkv.config import LoopKVConfig
 
 logger = logging.getLogger(__name__)
 
 GENERATE_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.generate_request"
 SIGTERM_TARGET = "sglang.srt.managers.tokenizer_manager.TokenizerManager.sigterm_watchdog"
+
+
+@dataclass(slots=True)
+class LimitsConfig:
+    """What one request may ask of the server, and how long a stopping server waits for requests; only in
+    servers started by this launcher.
+
+    A plain ``sglang.launch_server`` stays as SGLang made it (the module doc says how)."""
+
+    flag_prefix: ClassVar[str] = ""
+    title: ClassVar[str] = "request limits"
+
+    max_n: int = field(
+        default=8,
+        metadata={"help": "Most choices (OpenAI 'n', sampling 'n') one request may ask for; more gets HTTP 400."},
+    )
+    default_max_tokens: int = field(
+        default=1024,
+        metadata={
+            "help": "Tokens generated for a request that sets no max_tokens or max_new_tokens (SGLang alone would "
+            "generate up to the context length); a request may still ask for more, up to the context length."
+        },
+    )
+    max_client_requests: int = field(
+        default=64,
+        metadata={
+            "help": "Requests one client address may have in flight at once (a stream counts until it ends); more "
+            "get HTTP 429 (0: no limit). Behind a router every request comes from the router's address: raise it "
+            "or set 0 there."
+        },
+    )
+    shutdown_grace_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a server lets running requests finish after SIGTERM before it aborts them and exits "
+            "(SGLang alone waits for every queued request)."
+        },
+    )
+
+    def __post_init__(self):
+        if self.max_n < 1 or self.default_max_tokens < 1 or self.shutdown_grace_s < 0 or self.max_client_requests < 0:
+            raise ValueError(
+                "--loopkv-max-n and --loopkv-default-max-tokens must be >= 1, --loopkv-shutdown-grace-s and "
+                "--loopkv-max-client-requests >= 0"
+            )
 
 
 @functools.cache

@@ -84,7 +84,8 @@ from benchmarks.reprefill import (
     turn_ttft,
 )
 from benchmarks.studies import RESULTS, write_results
-from sgl_loopkv.config import LoopKVConfig, SparseDecodeConfig
+from sgl_loopkv.attention.decode.config import SparseDecodeConfig
+from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
 

@@ -37,8 +37,8 @@ import torch
 from sgl_loopkv.cache.chunk_loads import ChunkLoads
 from sgl_loopkv.cache.chunk_reader import ChunkReader, Source
 from sgl_loopkv.cache.chunk_selection import CHUNK_SELECTIONS, ChunkSelection
+from sgl_loopkv.cache.prefix_config import PrefixConfig
 from sgl_loopkv.cache.pruned_stats import PrunedStats
-from sgl_loopkv.config import PrefixConfig
 from sgl_loopkv.selection.chunks import keep_count
 
 __all__ = ["ChunkReader", "KVBuffers", "PrunedHistory", "PrunedParams", "PrunedRestore", "PrunedStats", "Source"]
@@ -46,7 +46,7 @@ __all__ = ["ChunkReader", "KVBuffers", "PrunedHistory", "PrunedParams", "PrunedR
 
 @dataclass(frozen=True, slots=True)
 class PrunedParams:
-    """How histories are pruned (from :class:`~sgl_loopkv.config.PrefixConfig`): ``chunk`` tokens a
+    """How histories are pruned (from :class:`~sgl_loopkv.cache.prefix_config.PrefixConfig`): ``chunk`` tokens a
     chunk (the pool's page), ``budget`` the share of chunks kept, chosen every ``period`` layers by
     the ``selection`` registered under that name; a layer waits for its ``gate`` of layers' reads;
     the ``local`` nearest chunks are always kept; ``prefetch`` of a period's set is read ahead."""

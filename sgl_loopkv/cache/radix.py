@@ -53,6 +53,7 @@ from sgl_loopkv.cache.layout import KVGeometry
 from sgl_loopkv.cache.load_back import LoadBack
 from sgl_loopkv.cache.metrics import TierMetrics
 from sgl_loopkv.cache.node import SegmentRef, ref_of, tokens
+from sgl_loopkv.cache.prefix_config import PrefixConfig
 from sgl_loopkv.cache.pruned import PrunedRestore, PrunedStats
 from sgl_loopkv.cache.pruned_admission import PrunedAdmission
 from sgl_loopkv.cache.requests import RequestState, RequestStates
@@ -60,7 +61,6 @@ from sgl_loopkv.cache.segment_record import FORMAT_VERSION
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.write_through import WriteThrough
-from sgl_loopkv.config import PrefixConfig
 from sgl_loopkv.platform import release_free_heap
 from sgl_loopkv.restore.restorer import Restorer
 

@@ -29,8 +29,8 @@ from typing import ClassVar
 
 import numpy as np
 
-from sgl_loopkv.config import RestoreConfig
 from sgl_loopkv.registry import Registry
+from sgl_loopkv.restore.config import RestoreConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,12 @@ from pathlib import Path
 import pytest
 
 import sgl_loopkv
-from sgl_loopkv.config import SECTIONS, LoopKVConfig, RestoreConfig, SharingConfig, SparsePrefillConfig, TierConfig
+from sgl_loopkv.attention.policies.config import SparsePrefillConfig
+from sgl_loopkv.cache.tier_config import TierConfig
+from sgl_loopkv.config import LoopKVConfig, sections
 from sgl_loopkv.flags import Bytes, Option, format_bytes, parse_bytes
+from sgl_loopkv.krul.config import SharingConfig
+from sgl_loopkv.restore.config import RestoreConfig
 
 #: Every flag users and scripts may already pass (removing or renaming one breaks them).
 FLAGS = """
@@ -124,7 +128,7 @@ def test_disk_tier_is_on_by_default_under_the_cache_dir_and_none_turns_it_off(tm
 def test_every_flag_shows_its_type_default_and_help():
     problems = [p for o in LoopKVConfig.options() for p in o.problems()]
     assert not problems, "\n".join(problems)
-    for section in (LoopKVConfig, *SECTIONS.values()):  # each is a group of --help and of the docs page
+    for section in (LoopKVConfig, *sections().values()):  # each is a group of --help and of the docs page
         assert "title" in vars(section) and section.__doc__.strip(), section
     parser = argparse.ArgumentParser(add_help=False)
     LoopKVConfig.add_cli_args(parser)
@@ -172,7 +176,7 @@ def test_a_selection_registered_outside_the_package_is_accepted_only_once_loaded
 
     from sgl_loopkv import extensions
     from sgl_loopkv.cache.chunk_selection import CHUNK_SELECTIONS
-    from sgl_loopkv.config import PrefixConfig
+    from sgl_loopkv.cache.prefix_config import PrefixConfig
 
     # this test's registrations and imports are undone after it
     monkeypatch.setattr(CHUNK_SELECTIONS, "_factories", {"chunks": CHUNK_SELECTIONS._factories["chunks"]})

@@ -1,5 +1,5 @@
-"""Forget (sgl_loopkv/cache/forget.py) on a real ``LoopKVRadixCache`` over a small pool and a real
-tiered store (host arena + disk in a temp dir), no server: what is removed from every tier, what a
+"""Forget (sgl_loopkv/cache/forget.py, forget_tiers.py) on a real ``LoopKVRadixCache`` over a small
+pool and a real tiered store (host arena + disk in a temp dir), no server: what is removed from every tier, what a
 shared prefix keeps, durability (a byte scan of the directory, a restarted cache), the notes that
 tell another worker sharing the directory, and a forget refused while a request holds the KV."""
 

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from sgl_loopkv.cache.lifecycle_config import parse_duration
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
-from sgl_loopkv.config import LoopKVConfig, parse_duration
+from sgl_loopkv.config import LoopKVConfig
 from tests.unit.test_forget import SYS, A, B, add_turn
 from tests.unit.test_radix_tree import make_cache
 

@@ -7,8 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from sgl_loopkv.config import ENV_VAR, LimitsConfig, LoopKVConfig
+from sgl_loopkv.config import ENV_VAR, LoopKVConfig
 from sgl_loopkv.server import limits
+from sgl_loopkv.server.limits import LimitsConfig
 
 LIMITS = LimitsConfig(max_n=2, default_max_tokens=5)
 

@@ -420,7 +420,8 @@ def test_gate_waits_for_the_rest_of_the_gate():
 
 
 def test_prefix_flags_validate():
-    from sgl_loopkv.config import LoopKVConfig, PrefixConfig
+    from sgl_loopkv.cache.prefix_config import PrefixConfig
+    from sgl_loopkv.config import LoopKVConfig
 
     assert not PrefixConfig().enabled  # budget 1.0 and no streaming: the load path as before
     assert PrefixConfig(budget=0.1).enabled and PrefixConfig(stream=True).enabled

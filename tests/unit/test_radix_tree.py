@@ -143,7 +143,7 @@ def test_a_failing_chunk_pruned_admission_loads_the_history_instead(tmp_path, mo
     """Whatever goes wrong while admitting a chunk-pruned restore (here: an unexpected error from
     the store), the history is restored the tree's way and nothing leaks: no crashed scheduler, no
     pruned job, the disk sources opened so far closed."""
-    from sgl_loopkv.config import PrefixConfig
+    from sgl_loopkv.cache.prefix_config import PrefixConfig
 
     hist = list(range(300, 364))
     cache, allocator = make_cache(tmp_path, host_bytes=0, prefix=PrefixConfig(budget=0.5, min_tokens=16))
@@ -179,7 +179,7 @@ def test_a_pruned_restore_is_adopted_once_its_row_is_written_and_gives_its_slots
     row's prefix (prefix_device_indices) changes nothing; SGLang's maybe_hand_to_session, called once
     the row is written, makes it the running request's (a queued one would be dropped after
     UNADOPTED_S); on_release frees its page cache."""
-    from sgl_loopkv.config import PrefixConfig
+    from sgl_loopkv.cache.prefix_config import PrefixConfig
 
     hist = list(range(300, 364))
     cache, allocator = make_cache(tmp_path, host_bytes=0, prefix=PrefixConfig(budget=0.5, min_tokens=16))

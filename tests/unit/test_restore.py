@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from sgl_loopkv.config import RestoreConfig
+from sgl_loopkv.restore.config import RestoreConfig
 from sgl_loopkv.restore.plan import (
     PLANNERS,
     CostModel,

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from sgl_loopkv.cache.disk import DiskSegmentStore
+from sgl_loopkv.cache.lifecycle_config import LifecycleConfig
 from sgl_loopkv.cache.retention import (
     TENANT_BUCKETS,
     Retention,
@@ -18,7 +19,6 @@ from sgl_loopkv.cache.retention import (
 )
 from sgl_loopkv.cache.store import TieredKVStore
 from sgl_loopkv.cache.value import VALUE_POLICIES
-from sgl_loopkv.config import LifecycleConfig
 from sgl_loopkv.server.retention import RetentionHints, carry_hint
 from tests.unit.test_cache_store import GEO, segment
 

@@ -13,6 +13,7 @@ from sgl_loopkv.attention import dense_attention
 from sgl_loopkv.attention.calibration import load_head_scores
 from sgl_loopkv.attention.policies import POLICIES, ModelShape
 from sgl_loopkv.attention.policies.block import BlockTopPolicy, block_mass
+from sgl_loopkv.attention.policies.config import SparsePrefillConfig
 from sgl_loopkv.attention.policies.loopserve import (
     VerticalSlashPolicy,
     covered_fraction,
@@ -24,7 +25,6 @@ from sgl_loopkv.attention.policies.loopserve import (
 from sgl_loopkv.attention.policies.lserve import StreamingHeadsPolicy, streaming_heads
 from sgl_loopkv.attention.sampled import sampled_attention
 from sgl_loopkv.attention.sparse.torch import sparse_attention
-from sgl_loopkv.config import SparsePrefillConfig
 from tests.unit.test_sparse_plan import masked_reference
 
 
