@@ -50,7 +50,8 @@ PRIVATES: tuple[PrivateUse, ...] = (
     PrivateUse(
         f"{RADIX}:RadixCache._update_leaf_status",
         "51f24b8b31638db3fb73bf21b142c023f4af36c6698b24e056d493c8aec80f2d",
-        "called (cache/radix.py): keeps the private evictable_leaves set right when a node gains or loses slots",
+        "called (cache/radix.py, cache/node.py): keeps the private evictable_leaves set right when a node gains or "
+        "loses slots",
     ),
     PrivateUse(
         f"{RADIX}:RadixCache.insert",

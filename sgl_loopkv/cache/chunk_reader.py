@@ -76,6 +76,8 @@ class ChunkReader:
             work()
 
     def close(self) -> None:
-        if self._thread is not None:
+        """Finish the queued reads, then stop the thread (idempotent; a later read starts it again)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=10)
+            thread.join(timeout=10)

@@ -68,7 +68,7 @@ class SharedDiskDiscovery:
             new = StoredNode()
             new.parent, new.key, new.value = node, key[pos : pos + n], None
             node.children[new.key.child_key(page)] = new
-            tree.set_ref(new, (found.record.seg_id, found.lo, found.hi))
+            tree.seg_nodes.set_ref(new, (found.record.seg_id, found.lo, found.hi))
             found_nodes.append(new)
             node, pos = new, pos + n
         if found_nodes:

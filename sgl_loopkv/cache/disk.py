@@ -68,6 +68,7 @@ from sgl_loopkv.cache.disk_names import CHUNKS, SEG_ID, DiskNames
 from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV
 from sgl_loopkv.cache.segment_file import ChunkRead, SegmentCodec
+from sgl_loopkv.cache.segment_reads import PreadPool
 from sgl_loopkv.cache.segment_record import FORMAT_VERSION, LAYER_GROUP, CorruptSegment, SegmentGone, SegmentRecord
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,8 @@ class ReadSeconds(NamedTuple):
 class DiskSegmentStore:
     """Segment files in ``root``, shared with other workers; never more than ``quota_bytes`` of
     them in all (published and being written, whoever writes). With a ``cipher`` every file is
-    written sealed and only sealed files are read (:mod:`sgl_loopkv.cache.cipher`)."""
+    written sealed and only sealed files are read (:mod:`sgl_loopkv.cache.cipher`). ``readers``: the
+    pool of its parallel reads, given by its owner (an I/O controller) or its own."""
 
     def __init__(
         self,
@@ -116,6 +118,7 @@ class DiskSegmentStore:
         geometry: KVGeometry,
         layer_group: int = LAYER_GROUP,
         cipher: SegmentCipher | None = None,
+        readers: PreadPool | None = None,
     ):
         self.root, self.quota_bytes, self.geometry = Path(root), quota_bytes, geometry
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -124,7 +127,8 @@ class DiskSegmentStore:
         self.names = DiskNames(self.root)
         self.presence = Presence(self.root)  # other workers on this directory (their lookups may wait for our writes)
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
-        self.codec = SegmentCodec(geometry, layer_group, cipher)  # files grouped by the writer's prefix period
+        # files grouped by the writer's prefix period
+        self.codec = SegmentCodec(geometry, layer_group, cipher, readers=readers or PreadPool())
         self.announcements = Announcements(self.names, self.dir.host)
         self.eviction = SegmentEviction(self.dir, self.names, self.codec.header)
         self.bytes_written = 0

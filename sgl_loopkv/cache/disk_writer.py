@@ -1,5 +1,6 @@
 """The tiers' background disk work: two writer threads and the disk TTL sweep, with one lifecycle
-(started with the store, stopped by :meth:`DiskWriters.close`, or at the process's normal exit).
+(started and stopped by the store's :class:`~sgl_loopkv.cache.io_controller.IOController`, which
+also closes them at the process's normal exit).
 
 Two writers: one at background priority (nobody waits for its writes: the forward should not lose a
 core to them) and one at normal priority for writes another worker sharing the directory may be
@@ -11,12 +12,10 @@ which the store's ``sync`` drains on the scheduler thread.
 
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import queue
 import threading
-import weakref
 from collections import deque
 from shutil import disk_usage
 from typing import TYPE_CHECKING
@@ -38,14 +37,17 @@ class DiskWriters:
         self._shared_queue: queue.Queue[str | None] = queue.Queue()
         self._closing = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        """Start the writer threads and, with a TTL, expire now and start the sweep (idempotent)."""
+        if self._threads:
+            return
         for q, background, name in ((self._queue, True, "loopkv-disk-writer"),
                                     (self._shared_queue, False, "loopkv-disk-writer-shared")):  # fmt: skip
             self._start(name, self._write_loop, q, background)
-        # Queued stores reach the disk when the process exits normally (SGLang's scheduler on
-        # shutdown); a weak reference, so a store dropped earlier is not kept alive by this.
-        atexit.register(_close_at_exit, weakref.ref(store))
-        if ttl_s:  # at start-up (nothing of it is known here yet), then periodically
-            store.stats.disk_expired += len(store.disk.expire(ttl_s))
+        if self.ttl_s:  # at start-up (nothing of it is known here yet), then periodically
+            store = self.store
+            store.stats.disk_expired += len(store.disk.expire(self.ttl_s))
             store.stats.disk_bytes = store.disk.used_bytes
             self._start("loopkv-disk-ttl", self._expire_loop)
 
@@ -141,9 +143,3 @@ class DiskWriters:
             stats.disk_expired += len(gone)
             self.evicted.extend(gone)
             stats.disk_bytes = disk.used_bytes
-
-
-def _close_at_exit(ref: weakref.ref) -> None:
-    store = ref()
-    if store is not None:
-        store.close()

@@ -148,7 +148,7 @@ def _free_subtree(cache, top) -> int:
             freed += len(node.key)
             node.value = None
         cache.evictable_leaves.discard(node)
-        cache.set_ref(node, None)
+        cache.seg_nodes.set_ref(node, None)
     parent = top.parent
     if parent.children.get(top.key.child_key(cache.page_size)) is top:
         del parent.children[top.key.child_key(cache.page_size)]
@@ -188,10 +188,10 @@ def _remove_segment(cache, seg_id: str, record, header: dict | None, removed: se
             token_ids=list(base.token_ids[: keep * page]),
             chunk_hashes=list(hashes[:keep]),
         )
-        for node in list(cache._seg_nodes.get(seg_id, ())):
+        for node in list(cache.seg_nodes.of(seg_id)):
             _, lo, hi = node.lkv
             if hi <= keep:
-                cache.set_ref(node, (new.seg_id, lo, hi))
+                cache.seg_nodes.set_ref(node, (new.seg_id, lo, hi))
     if seg is not None:
         store.remove(seg_id)
     elif store.disk is not None:
@@ -200,9 +200,9 @@ def _remove_segment(cache, seg_id: str, record, header: dict | None, removed: se
         return
     kv, summaries = kept
     report.rewritten_segments += 1
-    if seg is not None or cache._seg_nodes.get(new.seg_id):
+    if seg is not None or cache.seg_nodes.of(new.seg_id):
         if not store.put(new, kv, summaries):
-            cache._on_segment_lost(new.seg_id)
+            cache.seg_nodes.lost(new.seg_id)
         elif seg is not None and seg.in_host:
             report.host.bytes -= kv_nbytes(kv) + summaries.numel() * summaries.element_size()
         return

@@ -17,8 +17,9 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import EvictParams
 from sglang.srt.mem_cache.radix_cache import TreeNode
 
-from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart, beside_forward
+from sgl_loopkv.cache.loader import LoadPart, beside_forward
 from sgl_loopkv.cache.node import ref_of, tokens
+from sgl_loopkv.cache.requests import RequestState
 from sgl_loopkv.cache.segment_record import CorruptSegment
 from sgl_loopkv.restore.plan import RestoreJob, RestorePlan
 
@@ -32,7 +33,7 @@ class LoadBack:
     def __init__(self, tree: LoopKVRadixCache):
         self.tree = tree
         pool = tree.kv_pool
-        self.loader = LayerwiseLoader(
+        self.loader = tree.io.make_loader(
             pool.k_buffer,
             pool.v_buffer,
             synchronous=not beside_forward(pool.k_buffer[0].device),
@@ -56,6 +57,20 @@ class LoadBack:
         if tier == "disk" and store.written_elsewhere(seg_id):
             tally["shared"] += n_tokens
         store.stats.hit_tokens[tier] += n_tokens
+
+    def tier_breakdown(self, rid: str, cached_tokens: int) -> dict[str, int]:
+        """Cached tokens of request ``rid`` by the tier they came from (device = already there), as
+        :meth:`count` tallied them; ``shared``: the part of ``disk`` that another worker process had stored."""
+        state = self.tree.requests.get(rid) or RequestState()
+        loads = state.loads
+        host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
+        out = {"device": cached_tokens - host - disk, "host": host, "disk": disk, "shared": min(loads["shared"], disk)}
+        if state.pin is not None:  # a "retain": "pin" request, stored and pinned (or not) before its last token
+            out["pin"] = state.pin
+        pruned = self.tree.pruned_admission.report(rid, state)
+        if pruned is not None:  # a chunk-pruned restore: what it read and used (per request)
+            out["pruned"] = pruned
+        return out
 
     def load(self, stored: list[TreeNode], last_device: TreeNode, req, device_len: int, key_len: int):
         """Fetch the stored nodes' KV (verified), give them device slots, then restore them by the
@@ -93,7 +108,7 @@ class LoadBack:
                 kv, tier = store.fetch(seg, lo, hi, skip, keep=restoring)
             except CorruptSegment as e:
                 logger.warning("loopkv: %s; recomputing that part of the history", e)
-                break  # _on_segment_lost already removed the node and its subtree
+                break  # SegmentNodes.lost already removed the node and its subtree
             finally:
                 restorer.add_seconds("fetch", time.perf_counter() - t_fetch)
             if tier == "disk":
@@ -104,7 +119,7 @@ class LoadBack:
         # its subtree, and slots handed out through it would be owned twice once the request
         # inserts its history (and freed under it by eviction).
         for i, (node, _, _) in enumerate(parts):
-            if ref_of(node) is None or not tree.attached(node):
+            if ref_of(node) is None or not tree.seg_nodes.attached(node):
                 logger.warning("loopkv: part of a history was lost while it was restored; recomputing it")
                 del parts[i:]
                 break

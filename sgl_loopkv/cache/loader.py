@@ -66,7 +66,9 @@ class LayerwiseLoader:
         synchronous: bool = False,
         on_copy: Callable[[int, float, float], None] = lambda nbytes, decode_s, copy_s: None,
         on_wait: Callable[[float], None] = lambda seconds: None,
+        started: bool = True,
     ):
+        """``started=False``: the thread waits for :meth:`start` (its owner's, :mod:`~sgl_loopkv.cache.io_controller`)."""
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
         self.on_copy, self.on_wait = on_copy, on_wait
         self.num_layers = len(k_buffers)
@@ -80,7 +82,12 @@ class LayerwiseLoader:
         self._kv_load = kv_load.load() if k_buffers[0].device.type == "cpu" else None
         self._queue: queue.Queue[tuple[list[LoadPart], object] | None] = queue.Queue()
         self._thread = None
-        if not synchronous:
+        if started:
+            self.start()
+
+    def start(self) -> None:
+        """Start the loader thread (none for a synchronous loader); idempotent."""
+        if not self.synchronous and self._thread is None:
             self._thread = threading.Thread(target=self._run, name="loopkv-loader", daemon=True)
             self._thread.start()
 
@@ -250,6 +257,8 @@ class LayerwiseLoader:
             self._copy(*job)
 
     def close(self) -> None:
-        if self._thread is not None:
+        """Finish the queued loads, then stop the thread (idempotent)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=10)
+            thread.join(timeout=10)

@@ -85,6 +85,11 @@ class DiskPrefetch:
         """Forget ``seg_id``'s read (the segment is gone); one in flight finishes and is dropped."""
         self._reads.pop(seg_id, None)
 
+    def close(self) -> None:
+        """Stop the thread after the read in flight; reads not begun are dropped (idempotent)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reads.clear()
+
     def _expire(self) -> None:
         now = time.monotonic()
         done = [s for s, (f, _) in self._reads.items() if f.done()]  # oldest first

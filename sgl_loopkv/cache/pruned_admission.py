@@ -24,7 +24,6 @@ from sglang.srt.mem_cache.radix_cache import TreeNode
 
 from sgl_loopkv.cache.node import ref_of, tokens
 from sgl_loopkv.cache.pruned import (
-    ChunkReader,
     KVBuffers,
     PrunedHistory,
     PrunedParams,
@@ -54,7 +53,7 @@ class PrunedAdmission:
         # restore owns device slots, which must not age out of a bounded map with the request's record.
         self.adopted: set[str] = set()
         self.stats = PrunedStats()  # every finished pruned restore, summed
-        self.reader = ChunkReader()
+        self.reader = tree.io.make_chunk_reader()
         if self.cfg.enabled and tree.store.disk is not None:
             from sgl_loopkv.kernels import chunk_io
 
@@ -113,7 +112,7 @@ class PrunedAdmission:
                 first += hi - lo
                 tree.load_back.count(req.rid, seg, len(node.key), tier)
             n = first * page
-            if n == 0 or any(ref_of(nd) is None or not tree.attached(nd) for nd in stored[: len(sources)]):
+            if n == 0 or any(ref_of(nd) is None or not tree.seg_nodes.attached(nd) for nd in stored[: len(sources)]):
                 raise LookupError("part of the history was lost while it was restored")
             slots = tree.load_back.alloc(self.cache_chunks(first) * page, last_device)  # the page cache
             if slots is None:

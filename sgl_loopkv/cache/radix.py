@@ -4,16 +4,19 @@ in the host arena and on disk.
 It subclasses SGLang's own ``RadixCache``: matching, locking, ``checkpoint`` and device eviction
 are SGLang's. The tree does the bookkeeping; each other job is a small collaborator it owns:
 
-- a node carries its stored extent (:mod:`~sgl_loopkv.cache.node`) once its KV is written through
-  at the request's final ``checkpoint`` (:mod:`~sgl_loopkv.cache.write_through`): the tiers hold
-  every conversation's history, the device pool caches;
+- a node carries its stored extent (:mod:`~sgl_loopkv.cache.node`, which also maps a segment back
+  to its nodes) once its KV is written through at the request's final ``checkpoint``
+  (:mod:`~sgl_loopkv.cache.write_through`): the tiers hold every conversation's history, the
+  device pool caches;
 - device eviction drops only the device copy of a stored node; the node stays in the tree.
   Invariant (as in SGLang's HiCache): a node on the device has its parent on the device;
 - ``match_prefix`` walks past the device part into stored nodes, asks the shared disk for what
   the tree lacks (:mod:`~sgl_loopkv.cache.discovery`: another worker's turns, or this worker's
   before a restart; nothing is rebuilt at start-up), then loads them back
   (:mod:`~sgl_loopkv.cache.load_back`) or, for a long history under a budget, admits a
-  chunk-pruned restore (:mod:`~sgl_loopkv.cache.pruned_admission`).
+  chunk-pruned restore (:mod:`~sgl_loopkv.cache.pruned_admission`);
+- every background thread (the loader, the chunk reader, the store's disk writers and readers)
+  belongs to the store's I/O controller (:mod:`~sgl_loopkv.cache.io_controller`): one start, one close.
 
 Reused from SGLang: the tree, RadixKey namespacing, eviction strategies, the KV pool and its
 allocator. Built here: tiers, on-disk layout, layer-wise loader, value policy. SGLang's HiCache
@@ -30,7 +33,6 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
 from dataclasses import replace
 
 import torch
@@ -52,11 +54,11 @@ from sgl_loopkv.cache.importance import ChunkImportance
 from sgl_loopkv.cache.layout import KVGeometry
 from sgl_loopkv.cache.load_back import LoadBack
 from sgl_loopkv.cache.metrics import TierMetrics
-from sgl_loopkv.cache.node import SegmentRef, ref_of, tokens
+from sgl_loopkv.cache.node import SegmentNodes, ref_of, tokens
 from sgl_loopkv.cache.prefix_config import PrefixConfig
 from sgl_loopkv.cache.pruned import PrunedRestore, PrunedStats
 from sgl_loopkv.cache.pruned_admission import PrunedAdmission
-from sgl_loopkv.cache.requests import RequestState, RequestStates
+from sgl_loopkv.cache.requests import RequestStates
 from sgl_loopkv.cache.segment_record import FORMAT_VERSION
 from sgl_loopkv.cache.sharing import LayerSharing
 from sgl_loopkv.cache.store import TieredKVStore
@@ -92,14 +94,15 @@ class LoopKVRadixCache(RadixCache):
             dtype=kv_pool.k_buffer[0].dtype,
             chunk_tokens=self.page_size,
         )
-        self.load_back = LoadBack(self)
-        self.loader = self.load_back.loader
-        self._seg_nodes: dict[str, set[TreeNode]] = defaultdict(set)
+        self.seg_nodes = SegmentNodes(self)
         self.requests = RequestStates()  # per request: its loads, lookups, hold-backs, pin, pruned restore
         # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
         # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
         self.store_geometry = replace(self.geometry, dtype=store_dtype or self.geometry.dtype)
-        self.store: TieredKVStore = store_factory(self.store_geometry, self._on_segment_lost)
+        self.store: TieredKVStore = store_factory(self.store_geometry, self.seg_nodes.lost)
+        self.io = self.store.io  # every background thread (loader, chunk reader too): one start, one close
+        self.load_back = LoadBack(self)
+        self.loader = self.load_back.loader
         # An opaque name of this worker process (not its host name or pid) for responses behind a router.
         self.worker_id = hashlib.blake2b(f"{socket.gethostname()}:{os.getpid()}".encode(), digest_size=4).hexdigest()
         self.metrics = TierMetrics(params.enable_metrics)
@@ -120,31 +123,6 @@ class LoopKVRadixCache(RadixCache):
         return self.pruned_admission.stats
 
     # --- bookkeeping ---------------------------------------------------------------------------
-    def set_ref(self, node: TreeNode, ref: tuple[str, int, int] | None) -> None:
-        old = ref_of(node)
-        if old is not None:
-            self._seg_nodes[old[0]].discard(node)
-        node.lkv = None if ref is None else SegmentRef(*ref)
-        if ref is not None:
-            self._seg_nodes[ref[0]].add(node)
-
-    def _on_segment_lost(self, seg_id: str) -> None:
-        for node in list(self._seg_nodes.pop(seg_id, ())):
-            node.lkv = None
-            if node.evicted:
-                self._drop_subtree(node)
-
-    def _drop_subtree(self, node: TreeNode) -> None:
-        """Remove an evicted node whose KV is gone, with everything below it (unreachable now)."""
-        for child in list(node.children.values()):
-            self._drop_subtree(child)
-        ref = ref_of(node)
-        if ref is not None:
-            self._seg_nodes[ref[0]].discard(node)
-        if node.parent is not None and node.parent.children.get(node.key.child_key(self.page_size)) is node:
-            del node.parent.children[node.key.child_key(self.page_size)]
-            self._update_leaf_status(node.parent)
-
     def reset(self):
         super().reset()
         if not hasattr(self, "store"):  # from RadixCache.__init__: the tiers are not built yet
@@ -152,18 +130,9 @@ class LoopKVRadixCache(RadixCache):
         self.write_through.reset()  # /flush_cache: every tier, and the turns not stored yet
         for seg_id in list(self.store.segments):
             self.store.drop(seg_id)
-        self._seg_nodes.clear()
+        self.seg_nodes.clear()
         self.metrics.publish(self.store.count_tokens())  # else /metrics shows the old tiers until the next turn
         release_free_heap()
-
-    def attached(self, node: TreeNode) -> bool:
-        """Whether ``node`` is still reachable from the root (a dropped subtree keeps its parent links)."""
-        while node is not self.root_node:
-            parent = node.parent
-            if parent is None or parent.children.get(node.key.child_key(self.page_size)) is not node:
-                return False
-            node = parent
-        return True
 
     def chain(self, token_ids, key: RadixKey) -> list[str]:
         """Chain hashes of the whole chunks of ``token_ids`` in ``key``'s namespace (extra key, salt).
@@ -231,13 +200,12 @@ class LoopKVRadixCache(RadixCache):
             self.evictable_leaves.discard(node)
             self._update_leaf_status(node.parent)
             return
-        if ref is not None:
-            self._seg_nodes[ref[0]].discard(node)
+        self.seg_nodes.discard(node)
         # Its stored children (if its own segment was lost while it was on the device) would be
         # orphaned below a deleted node, and losing their segments later would put that deleted
         # node, whose slots are already freed, back among the evictable leaves: drop them now.
         for child in list(node.children.values()):
-            self._drop_subtree(child)
+            self.seg_nodes.drop_subtree(child)
         super()._delete_leaf(node)
 
     def insert(self, params: InsertParams) -> InsertResult:
@@ -280,8 +248,8 @@ class LoopKVRadixCache(RadixCache):
         if ref is not None:
             seg, lo, hi = ref
             mid = lo + split_len // self.page_size
-            self.set_ref(new_node, (seg, lo, mid))
-            self.set_ref(child, (seg, mid, hi))
+            self.seg_nodes.set_ref(new_node, (seg, lo, mid))
+            self.seg_nodes.set_ref(child, (seg, mid, hi))
         return new_node
 
     # --- match: device part, then the stored part loaded back ---------------------------------
@@ -311,7 +279,9 @@ class LoopKVRadixCache(RadixCache):
                 n = device_len + job.tokens
                 return _match(n, last_device, cache_protected_len=n)
             # loads the tree's way: what is still stored (a bad segment ends the history there)
-            keep = next((i for i, nd in enumerate(stored) if ref_of(nd) is None or not self.attached(nd)), len(stored))
+            keep = next(
+                (i for i, nd in enumerate(stored) if ref_of(nd) is None or not self.seg_nodes.attached(nd)), len(stored)
+            )
             stored = stored[:keep]
         if stored and req is not None:
             state = self.requests.get(req.rid)
@@ -385,18 +355,8 @@ class LoopKVRadixCache(RadixCache):
         self.pruned_admission.release(req.rid)
 
     def tier_breakdown(self, rid: str, cached_tokens: int) -> dict[str, int]:
-        """Cached tokens of request ``rid`` by the tier they came from (device = already there);
-        ``shared``: the part of ``disk`` that another worker process had stored."""
-        state = self.requests.get(rid) or RequestState()
-        loads = state.loads
-        host, disk = min(loads["host"], cached_tokens), min(loads["disk"], max(cached_tokens - loads["host"], 0))
-        out = {"device": cached_tokens - host - disk, "host": host, "disk": disk, "shared": min(loads["shared"], disk)}
-        if state.pin is not None:  # a "retain": "pin" request, stored and pinned (or not) before its last token
-            out["pin"] = state.pin
-        pruned = self.pruned_admission.report(rid, state)
-        if pruned is not None:  # a chunk-pruned restore: what it read and used (per request)
-            out["pruned"] = pruned
-        return out
+        """Cached tokens of request ``rid`` by the tier they came from (:meth:`LoadBack.tier_breakdown`)."""
+        return self.load_back.tier_breakdown(rid, cached_tokens)
 
 
 def _match(device_len: int, last_device: TreeNode, **extra) -> MatchResult:

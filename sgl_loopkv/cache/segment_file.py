@@ -45,7 +45,8 @@ class SegmentCodec:
     writes group rows by ``layer_group`` (the writer's gate); it reads any grouping. With a
     ``cipher`` it writes and reads only sealed files (:mod:`sgl_loopkv.cache.cipher`): a unit's tag
     takes the place of its crc32, and a file it cannot open is a :class:`CorruptSegment`. Owns the
-    threads of its parallel reads (:class:`PreadPool`: started on first use, :meth:`close`)."""
+    threads of its parallel reads (:class:`PreadPool`: started on first use, :meth:`close`), or is
+    given them (``readers``: an I/O controller's)."""
 
     geometry: KVGeometry
     layer_group: int = LAYER_GROUP
@@ -53,13 +54,12 @@ class SegmentCodec:
     counters: ReadCounters = field(default_factory=ReadCounters)
     check: SegmentCheck = field(init=False, repr=False)
     encoder: SegmentEncoder = field(init=False, repr=False)
-    readers: PreadPool = field(init=False, repr=False)
+    readers: PreadPool = field(default_factory=PreadPool, repr=False)
     _crc_tables: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.check = SegmentCheck(self.geometry, self.cipher)
         self.encoder = SegmentEncoder(self.geometry, self.layer_group, self.cipher)
-        self.readers = PreadPool()
 
     def close(self) -> None:
         """Stop the read threads (a later parallel read starts them again)."""

@@ -8,19 +8,19 @@ tells the radix tree. The host arena is private and evicts the least valuable se
 worker learns of others' segments by finding them (:meth:`TieredKVStore.register`) and of their
 evictions when a read finds a file gone (recomputed, like a corrupt one). A write the disk refuses
 is counted (``disk_write_errors``) and logged, and the segment stays where it was (host arena) or is
-not stored; a full disk also lowers the tier's quota to what fits. All calls come from the scheduler
-thread; the disk writer is the only other thread and touches only the disk store, the ``pending``
-flags, the counters and the ``evicted`` queue that :meth:`TieredKVStore.sync` drains
-(:mod:`sgl_loopkv.cache.disk_writer`).
+not stored; a full disk also lowers the tier's quota to what fits. The way out (fetches, reads ahead,
+chunk sources) is :mod:`sgl_loopkv.cache.store_reads`; the room in each tier :mod:`sgl_loopkv.cache.store_room`.
+
+All calls come from the scheduler thread. The background threads belong to the store's I/O
+controller (:mod:`sgl_loopkv.cache.io_controller`): the disk writers touch only the disk store, the
+``pending`` flags, the counters and the evictions that :meth:`TieredKVStore.sync` drains
+(:mod:`sgl_loopkv.cache.disk_writer`); the read-ahead thread only reads.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import time
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 
 import torch
@@ -29,13 +29,14 @@ from sgl_loopkv.cache.chunk_cache import HostChunkCache
 from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.disk import DiskSegmentStore
 from sgl_loopkv.cache.disk_dir import DirectoryLock
-from sgl_loopkv.cache.disk_writer import DiskWriters
+from sgl_loopkv.cache.io_controller import IOController
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
-from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows, slice_tokens, stored_keys
-from sgl_loopkv.cache.prefetch import DiskPrefetch, PrefetchedRead
+from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows
 from sgl_loopkv.cache.quant import QuantKV
-from sgl_loopkv.cache.retention import Candidate, RetentionBook, tenant_label, tenant_of
-from sgl_loopkv.cache.segment_record import LAYER_GROUP, CorruptSegment, SegmentGone, SegmentRecord
+from sgl_loopkv.cache.retention import RetentionBook, tenant_of
+from sgl_loopkv.cache.segment_record import LAYER_GROUP, SegmentRecord
+from sgl_loopkv.cache.store_reads import TierReads
+from sgl_loopkv.cache.store_room import TierRoom, host_bytes
 from sgl_loopkv.cache.tier_types import ChunkSource, StoredSegment, TierStats
 from sgl_loopkv.cache.value import ValuePolicy
 
@@ -57,7 +58,10 @@ class TieredKVStore:
         disk_ttl_s: float | None = None,
         retention: RetentionBook | None = None,
         disk_cipher: SegmentCipher | None = None,
+        io: IOController | None = None,
     ):
+        """``io``: the owner of its background threads (:mod:`~sgl_loopkv.cache.io_controller`), its
+        own if not given; started here, stopped by :meth:`close`."""
         self.geometry, self.policy = geometry, policy
         self.dir_lock = dir_lock  # a shared hold while the store lives (keeps format-2 servers out)
         self.host_quota = host_quota_bytes
@@ -70,15 +74,18 @@ class TieredKVStore:
             lambda: self.host_quota - self.stats.host_bytes, policy.chunk_values, self._disk_only
         )
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
-        self.disk = (
-            DiskSegmentStore(disk_dir, disk_quota_bytes, geometry, layer_group, disk_cipher) if disk_dir else None
-        )
-        # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-disk-read background)
-        self.prefetch = DiskPrefetch() if self.disk is not None and read_ahead else None
-        # the writer threads and the TTL sweep (cache.disk_writer): started here, stopped by close()
-        self.writers = DiskWriters(self, disk_ttl_s) if self.disk is not None else None
-        if self.disk is not None:
+        self.io = io or IOController()
+        self.disk = self.prefetch = self.writers = None
+        if disk_dir:
+            self.disk = DiskSegmentStore(
+                disk_dir, disk_quota_bytes, geometry, layer_group, disk_cipher, readers=self.io.make_preads()
+            )
             self.stats.disk_bytes = self.disk.used_bytes
+            # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-disk-read background)
+            self.prefetch = self.io.make_prefetch() if read_ahead else None
+            self.writers = self.io.make_writers(self, disk_ttl_s)  # and the TTL sweep (cache.disk_writer)
+        self.reads, self.room = TierReads(self), TierRoom(self)
+        self.io.start()
 
     # --- in ------------------------------------------------------------------------------------
     def encode(
@@ -124,8 +131,8 @@ class TieredKVStore:
         )
         tenant = tenant_of(record.cache_salt)
         if to_disk and self.retention.disk_share < 1.0:
-            to_disk = self._tenant_disk_room(tenant, self.disk.file_bytes(record.n_chunks, len(record.token_ids)))
-        in_host = self._reserve_host(nbytes, tenant=tenant)
+            to_disk = self.room.tenant_disk_room(tenant, self.disk.file_bytes(record.n_chunks, len(record.token_ids)))
+        in_host = self.room.reserve_host(nbytes, tenant=tenant)
         if not (in_host or to_disk):
             return False
         seg = StoredSegment(record, kv, summaries, pending_disk=to_disk)
@@ -152,86 +159,26 @@ class TieredKVStore:
             self.writers.flush()
 
     def close(self) -> None:
-        if self.writers is not None:
-            self.writers.close()
+        """Stop every background thread (:meth:`IOController.close`: the queued writes first), then
+        let the directory go."""
+        self.io.close()
         if self.dir_lock is not None:
             self.dir_lock.release()
 
-    # --- room ----------------------------------------------------------------------------------
+    # --- room (cache.store_room) ---------------------------------------------------------------
     def _host_bytes(self, seg: StoredSegment) -> int:
-        return kv_nbytes(seg.host_kv) + seg.host_summaries.numel() * seg.host_summaries.element_size()
-
-    def _reserve_host(self, nbytes: int, keep: Collection[str] = (), tenant: str | None = None) -> bool:
-        """Room for a segment of ``nbytes`` (of ``tenant``) in the arena, counted as held (the caller
-        puts it there): the chunk cache gives its room first (copies of disk extents), then segments
-        but ``keep`` and pinned ones go, an over-share tenant's first, least valuable first
-        (:meth:`RetentionBook.victim`)."""
-        if nbytes > self.host_quota:
-            return False
-        # the scheduler thread is the only one that adds to the cache or the arena: no lock across both
-        self.chunk_cache.shrink(max(self.host_quota - self.stats.host_bytes - nbytes, 0))
-        while self.stats.host_bytes + nbytes > self.host_quota:
-            pick = self.retention.victim(
-                self._candidates(lambda s: s.in_host and s.record.seg_id not in keep, self._host_bytes),
-                self.host_quota,
-                self.retention.host_share,
-                tenant,
-                nbytes,
-            )
-            if pick is None:
-                return False
-            victim = self.segments[pick.seg_id]
-            if victim.pending_disk:
-                self.flush()  # never drop the only copy while its disk write is queued
-            self.stats.host_bytes -= self._host_bytes(victim)
-            victim.host_kv = victim.host_summaries = None
-            if not victim.on_disk:
-                self._lose(victim.record.seg_id)
-        self.stats.host_bytes += nbytes
-        return True
-
-    def _candidates(self, which: Callable[[StoredSegment], bool], nbytes: Callable[[StoredSegment], int]):
-        return [
-            Candidate(s.record.seg_id, tenant_of(s.record.cache_salt), nbytes(s), self.policy.value(s.record.seg_id))
-            for s in self.segments.values()
-            if which(s)
-        ]
-
-    def _disk_bytes(self, seg: StoredSegment) -> int:
-        return self.disk.file_bytes(seg.record.n_chunks, len(seg.record.token_ids))
-
-    def _tenant_disk_room(self, tenant: str, nbytes: int) -> bool:
-        """With a disk share: delete ``tenant``'s least valuable disk segments (this worker's view of the
-        shared tier) until ``nbytes`` more stay within its share; False when they cannot. Beyond the
-        share the disk's own LRU eviction (any worker's segments) still holds the whole quota."""
-        limit = self.retention.disk_share * self.disk.quota_bytes
-        if nbytes > limit:
-            return False
-        while True:
-            mine = self._candidates(
-                lambda s: s.on_disk and not s.pending_disk and tenant_of(s.record.cache_salt) == tenant,
-                self._disk_bytes,
-            )
-            if sum(c.nbytes for c in mine) + nbytes <= limit:
-                return True
-            victim = min(mine, key=lambda c: c.value)
-            seg = self.segments[victim.seg_id]
-            self.disk.delete(victim.seg_id)
-            seg.on_disk = False
-            self.stats.disk_bytes = self.disk.used_bytes
-            if not seg.in_host:
-                self._lose(victim.seg_id)
+        return host_bytes(seg)
 
     def sync(self) -> None:
         """Apply the disk evictions the writer thread made (scheduler thread): a segment no tier
         holds any more is lost."""
-        while self.writers is not None and self.writers.evicted:
-            seg = self.segments.get(self.writers.evicted.popleft())
+        for seg_id in self.io.evicted():
+            seg = self.segments.get(seg_id)
             if seg is None or not seg.on_disk:
                 continue
             seg.on_disk = False
             if not seg.in_host and not seg.pending_disk:
-                self._lose(seg.record.seg_id)
+                self.lose(seg.record.seg_id)
 
     def register(self, record: SegmentRecord) -> None:
         """A segment found on disk, stored by another worker (or by this one before a restart)."""
@@ -249,7 +196,8 @@ class TieredKVStore:
         seg = self.segments.get(seg_id)
         return seg is not None and not seg.in_host
 
-    def _lose(self, seg_id: str, lost: bool = True) -> None:
+    def lose(self, seg_id: str, lost: bool = True) -> None:
+        """``seg_id`` leaves every tier, and the tree hears of it (``on_lost``); ``lost``: counted."""
         seg = self.segments.pop(seg_id, None)
         if seg is None:
             return
@@ -271,14 +219,14 @@ class TieredKVStore:
         tree recomputes that history next time)."""
         if seg_id in self.segments:
             self.stats.corrupt_segments += 1
-            self._lose(seg_id)
+            self.lose(seg_id)
 
     def drop(self, seg_id: str) -> None:
         """Remove a segment from every tier (the tree no longer needs it)."""
         seg = self.segments.get(seg_id)
         if seg is not None and seg.pending_disk:
             self.flush()
-        self._lose(seg_id)
+        self.lose(seg_id)
 
     def remove(self, seg_id: str) -> None:
         """Remove a segment from every tier because it was asked for (a forget): like :meth:`drop`,
@@ -286,7 +234,7 @@ class TieredKVStore:
         seg = self.segments.get(seg_id)
         if seg is not None and seg.pending_disk:
             self.flush()
-        self._lose(seg_id, lost=False)
+        self.lose(seg_id, lost=False)
 
     def pin(self, seg_id: str, ttl_s: float | None) -> bool:
         """Pin a stored segment's host copy (:meth:`RetentionBook.pin`); False: not in the arena, or over the quota."""
@@ -296,16 +244,8 @@ class TieredKVStore:
         return self.retention.pin(seg_id, self._host_bytes(seg), ttl_s)
 
     def tenant_usage(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """(tier, tenant label) -> (tokens, bytes) held (:func:`tenant_label`: bounded, the salt hashed)."""
-        out: dict[tuple[str, str], tuple[int, int]] = {}
-        c = self.geometry.chunk_tokens
-        for s in self.segments.values():
-            tenant = tenant_label(tenant_of(s.record.cache_salt))
-            for tier, held, nbytes in (("host", s.in_host, self._host_bytes), ("disk", s.on_disk, self._disk_bytes)):
-                if held:
-                    tokens, total = out.get((tier, tenant), (0, 0))
-                    out[(tier, tenant)] = (tokens + s.record.n_chunks * c, total + nbytes(s))
-        return out
+        """(tier, tenant label) -> (tokens, bytes) held (:meth:`TierRoom.tenant_usage`)."""
+        return self.room.tenant_usage()
 
     def count_tokens(self) -> TierStats:
         """Refresh the per-tier token counts (for metrics) and return the stats."""
@@ -328,13 +268,8 @@ class TieredKVStore:
         return "host" if seg.in_host else ("disk" if seg.on_disk else None)
 
     def read_ahead(self, seg_id: str) -> bool:
-        """Start reading ``seg_id`` whole on the prefetch thread if only the disk holds it (a later
-        :meth:`fetch` takes that read); whether a read of it is still in flight."""
-        seg = self.segments.get(seg_id)
-        if self.prefetch is None or seg is None or seg.in_host or not seg.on_disk:
-            return False
-        self.prefetch.start(seg_id, lambda: self._read(seg_id, 0, seg.record.n_chunks))
-        return self.prefetch.pending(seg_id)
+        """Start a whole read of a disk-only ``seg_id`` on the read-ahead thread (:meth:`TierReads.read_ahead`)."""
+        return self.reads.read_ahead(seg_id)
 
     def pace_reads(self, busy: bool) -> None:
         """Whether other requests are running: a read-ahead then gives way to them (:mod:`~sgl_loopkv.cache.read_pacing`)."""
@@ -345,18 +280,6 @@ class TieredKVStore:
         """Whether a finished read of ``seg_id`` waits for :meth:`fetch` (its KV is in RAM already)."""
         return self.prefetch is not None and self.prefetch.done(seg_id)
 
-    def _read(self, seg_id: str, chunk_lo: int, chunk_hi: int, first: list[int] | None = None) -> PrefetchedRead:
-        """The disk read only (verified), timed: inline in :meth:`fetch` or on the prefetch thread
-        (the caller's thread does the rest). ``bytes_read`` is the codec's count over the read: a
-        chunk-pruned restore's reader reading at the same moment would be counted here too (a
-        metric, not a decision, depends on it)."""
-        t0, before = time.perf_counter(), self.disk.bytes_read
-        try:
-            kv = self.disk.read(seg_id, chunk_lo, chunk_hi, first)
-        finally:
-            self.stats.disk_read_wall_seconds += time.perf_counter() - t0  # any thread: a metric only
-        return PrefetchedRead(kv, self.disk.bytes_read - before, time.perf_counter() - t0)
-
     def fetch(
         self,
         seg_id: str,
@@ -365,107 +288,14 @@ class TieredKVStore:
         skip_chunks: list[int] | None = None,
         keep: Collection[str] = (),
     ) -> tuple[torch.Tensor, str]:
-        """KV [L, 2, T, H, D] of chunks [chunk_lo, chunk_hi) and the tier it came from. A disk
-        read is verified and promoted to the host arena, making room by evicting any segment but
-        this one and ``keep`` (the rest of the history being restored: dropping one would cut the
-        tree under the caller). ``skip_chunks[l]``: leading chunks of the range that layer l does
-        not need (recomputed); a disk read then skips them and is not promoted (it is incomplete).
-        Raises CorruptSegment (and forgets the segment) if the only copy is bad."""
-        seg = self.segments.get(seg_id)
-        c = self.geometry.chunk_tokens
-        if seg is None:
-            raise CorruptSegment(f"segment {seg_id} is gone")
-        if seg.in_host:
-            return slice_tokens(seg.host_kv, chunk_lo * c, chunk_hi * c), "host"
-        if not seg.on_disk:
-            raise CorruptSegment(f"segment {seg_id} has no copy")
-        t0 = time.perf_counter()
-        with self._disk_read(seg):  # no lock: a file evicted meanwhile by any worker is either read whole or found gone
-            read = self.prefetch.take(seg_id) if self.prefetch is not None else None  # raises what its read did
-            partial = read is None and skip_chunks is not None and any(skip_chunks)  # read ahead: whole
-            if read is None:
-                first = [chunk_lo + k for k in skip_chunks] if partial else None
-                read = self._read(seg_id, *((chunk_lo, chunk_hi) if partial else (0, seg.record.n_chunks)), first)
-            kv = read.kv
-            self.stats.disk_bytes_read += read.bytes_read
-        self.stats.load_seconds += time.perf_counter() - t0
-        self.last_disk_read = (read.bytes_read, read.seconds)
-        if partial:
-            t = chunk_hi - chunk_lo
-            self.stats.disk_bytes_used += (
-                sum(t - k for k in skip_chunks) * self.geometry.chunk_tokens * (self.geometry.token_bytes_per_layer)
-            )
-            return kv, "disk"
-        self.stats.disk_bytes_used += kv_nbytes(kv)
-        g = self.geometry
-        nbytes = kv_nbytes(kv) + g.num_layers * seg.record.n_chunks * g.summary_bytes_per_chunk_layer
-        if self._reserve_host(
-            nbytes, keep={seg_id, *keep}, tenant=tenant_of(seg.record.cache_salt)
-        ):  # promote (the summaries only once it fits)
-            if isinstance(kv, PackedKV):  # a shared layer's keys are not its own: read the stored summaries
-                summaries = self.disk.read_summaries(seg_id)
-            else:  # the verified keys give the summaries back without another read
-                summaries = key_summaries(stored_keys(kv), g.chunk_tokens).to(g.summary_dtype)
-            seg.host_kv, seg.host_summaries = kv, summaries
-            self.chunk_cache.drop(seg_id)  # the whole copy is in the arena now
-        return slice_tokens(kv, chunk_lo * c, chunk_hi * c), "disk"
-
-    @contextlib.contextmanager
-    def _disk_read(self, seg: StoredSegment) -> Iterator[None]:
-        """Around a read of ``seg``'s file: a file gone (evicted by any worker) or damaged is counted
-        and the segment forgotten (a damaged file deleted); the tree recomputes that history."""
-        try:
-            yield
-        except SegmentGone:
-            self.stats.gone_segments += 1
-            seg.on_disk = False
-            self._lose(seg.record.seg_id)
-            raise
-        except CorruptSegment:
-            self.stats.corrupt_segments += 1
-            self._lose(seg.record.seg_id)
-            raise
+        """KV [L, 2, T, H, D] of chunks [chunk_lo, chunk_hi) and its tier (:meth:`TierReads.fetch`)."""
+        return self.reads.fetch(seg_id, chunk_lo, chunk_hi, skip_chunks, keep)
 
     def chunk_source(
-        self,
-        seg_id: str,
-        chunk_lo: int,
-        chunk_hi: int,
-        layers: list[int],
-        keep: Collection[str] = (),
-        cache_summaries: bool = False,
+        self, seg_id: str, chunk_lo: int, chunk_hi: int, layers: list[int], keep=(), cache_summaries: bool = False
     ) -> ChunkSource:
-        """What a chunk-pruned restore reads chunks ``[chunk_lo, chunk_hi)`` from, without reading any KV
-        yet: a :class:`ChunkSource`, its key summaries those of ``layers`` only (the layers the restore
-        scores at: a disk admission reads just those). A disk segment whose rows are
-        packed (layer sharing) is fetched whole (:meth:`fetch`) and served as host KV. Raises
-        CorruptSegment (and forgets the segment) like :meth:`fetch`; the caller closes the file.
-        ``cache_summaries``: a disk admission's summaries come from, and go to, the host chunk cache."""
-        seg = self.segments.get(seg_id)
-        if seg is None:
-            raise CorruptSegment(f"segment {seg_id} is gone")
-        if not seg.in_host and seg.on_disk:
-            before = self.disk.bytes_read
-            with self._disk_read(seg):
-                fd, header = self.disk.open_for_chunks(seg_id)
-            if "side" not in header:
-                summaries = self.chunk_cache.summaries_of(seg_id, layers) if cache_summaries else None
-                try:
-                    if summaries is None:
-                        with self._disk_read(seg):
-                            summaries = self.disk.codec.read_summaries(fd, seg_id, layers, header)
-                        if cache_summaries:
-                            self.chunk_cache.keep_summaries(seg_id, layers, summaries)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                finally:  # admission reads (header, the scored layers' summaries) are reads too
-                    self.stats.disk_bytes_read += self.disk.bytes_read - before
-                return ChunkSource(None, fd, header, summaries[:, chunk_lo:chunk_hi].float(), "disk")
-            os.close(fd)
-        kv, tier = self.fetch(seg_id, chunk_lo, chunk_hi, keep=keep)
-        summaries = seg.host_summaries if seg.host_summaries is not None else self.disk.read_summaries(seg_id)
-        return ChunkSource(kv, None, None, summaries[layers, chunk_lo:chunk_hi].float(), tier)
+        """What a chunk-pruned restore reads those chunks from (:meth:`TierReads.chunk_source`)."""
+        return self.reads.chunk_source(seg_id, chunk_lo, chunk_hi, layers, keep, cache_summaries)
 
     def touch(self, seg_id: str, n_chunks: int, importance: torch.Tensor | None = None) -> None:
         if seg_id in self.segments:

@@ -180,7 +180,7 @@ class WriteThrough:
         codec = tree.sharing.codec if pairs else None
         if not tree.store.put(record, kv, key_summaries(kv[:, 0], tree.page_size), pairs, codec):
             return False
-        tree.set_ref(node, (record.seg_id, 0, record.n_chunks))
+        tree.seg_nodes.set_ref(node, (record.seg_id, 0, record.n_chunks))
         return True
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
@@ -230,7 +230,7 @@ class WriteThrough:
         start, page = job.start + job.tokens, tree.page_size
         end = up_to // page * page
         parent = job.last_node
-        if end <= start or ref_of(parent) is None or not tree.attached(parent):
+        if end <= start or ref_of(parent) is None or not tree.seg_nodes.attached(parent):
             return
         tokens = array("q", req.full_untruncated_fill_ids[start:end])  # the tree compares keys of one type
         key = RadixKey(tokens, extra_key=job.key.extra_key, cache_salt=job.key.cache_salt)
