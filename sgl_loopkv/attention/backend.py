@@ -77,6 +77,9 @@ class LoopKVAttnBackend(AttentionBackend):
 
             self.sparse_executor = SPARSE_EXECUTORS.create(sparse_executor, dense=self.executor)
         self.sparse_seqs: list[bool] | None = None  # this batch: per sequence, does its prefill go sparse?
+        self.sparse_prefill_metrics = SparsePrefillMetrics(
+            model_runner.server_args.enable_metrics and prefill_policy is not None
+        )
         self.sparse_decoder = None
         if decode_policy is not None:
             num_layers = model_runner.model_config.num_hidden_layers
@@ -226,6 +229,8 @@ class LoopKVAttnBackend(AttentionBackend):
             self.sparse_executor.run(
                 plan, q, k_buf, self.token_to_kv_pool.get_value_buffer(layer.layer_id), layer.scaling, out
             )
+            if layer.layer_id == 0:
+                self.sparse_prefill_metrics.observe(self.sparse_seqs, forward_batch.extend_seq_lens_cpu)
             return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
         if self.delegated:  # the KV is in the pool already: the delegate only reads it
             run = (
@@ -306,6 +311,25 @@ class SparseDecodeMetrics:
         self.steps.inc()
         self.fraction.set(st.selected_fraction)
         self._last = now
+
+
+class SparsePrefillMetrics:
+    """``/metrics`` of sparse prefill (``--enable-metrics``): prefill batches the sparse executor ran, and
+    the new tokens of their sequences that went sparse (counted at the batch's first layer)."""
+
+    def __init__(self, enabled: bool):
+        self.batches = self.tokens = None
+        if enabled:
+            from prometheus_client import Counter
+
+            self.batches = Counter("loopkv_sparse_prefill_batches", "Prefill batches run by the sparse executor")
+            self.tokens = Counter("loopkv_sparse_prefill_tokens", "New tokens of the sequences prefilled sparse")
+
+    def observe(self, sparse_seqs: list[bool], extend_lens: list[int]) -> None:
+        if self.batches is None:
+            return
+        self.batches.inc()
+        self.tokens.inc(sum(n for n, s in zip(extend_lens, sparse_seqs) if s))
 
 
 class DecodePathMetrics:

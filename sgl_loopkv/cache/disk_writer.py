@@ -76,6 +76,7 @@ class DiskWriters:
         except Exception as e:  # whatever went wrong, the writer thread lives on (flush() waits for it)
             store.stats.disk_write_errors += 1
             if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                store.stats.disk_full_writes += 1
                 # Something else filled the filesystem: hold the tier to what it has plus what is still
                 # free, so later stores replace the least valuable segments (or stay in host memory)
                 # instead of failing too.

@@ -1,5 +1,6 @@
 """Tier counters on SGLang's Prometheus endpoint (``--enable-metrics``): bytes per tier, hit
-tokens per tier, disk bytes read vs used (read amplification), load time, corrupt segments, refused disk writes.
+tokens per tier, disk bytes read vs used (read amplification), load time, corrupt segments, refused disk writes
+(and those refused for a full disk), segments stored with shared layer pairs.
 
 Created in the scheduler process after SGLang has set ``PROMETHEUS_MULTIPROC_DIR``, like SGLang's
 own scheduler metrics, so ``GET /metrics`` of the HTTP server shows them.
@@ -32,6 +33,10 @@ class TierMetrics:
         self.write_errors = Counter(
             "loopkv_disk_write_errors", "Segment writes the disk refused (full, I/O error): not stored on disk"
         )
+        self.disk_full = Counter(
+            "loopkv_disk_full_writes", "Of those, refused for a full filesystem: the disk tier's quota was lowered"
+        )
+        self.shared = Counter("loopkv_shared_segments", "Segments stored with layer pairs sharing one row (Krul)")
         self.gone = Counter(
             "loopkv_gone_segments", "Disk segments found evicted (by any worker of the shared tier) when read"
         )
@@ -86,6 +91,9 @@ class TierMetrics:
             "Chunk-pruned restores: the forward waiting for reads (io_wait), the reads waiting for the forward's next selection (compute_wait), the reader busy",
             ["part"],
         )
+        self.pruned_restores = Counter(
+            "loopkv_prefix_restores", "Chunk-pruned restores run (counted when their turn's prefill is over)"
+        )
         self.pruned_bad = Counter("loopkv_prefix_bad_extents", "Chunk extents that failed their checksum (left out)")
         self.pruned_fraction = Gauge(
             "loopkv_prefix_kept_fraction",
@@ -135,6 +143,7 @@ class TierMetrics:
         self.pruned_seconds.labels(part="compute_wait").inc(max(stats.compute_wait_s - last.compute_wait_s, 0.0))
         self.pruned_seconds.labels(part="reader").inc(max(stats.reader_busy_s - last.reader_busy_s, 0.0))
         self.pruned_bad.inc(max(stats.bad_extents - last.bad_extents, 0))
+        self.pruned_restores.inc(max(stats.restores - last.restores, 0))
         if stats.scored_chunks:
             self.pruned_fraction.set(stats.kept_chunks / stats.scored_chunks)
         self.pruned_overlap.set(stats.inter_period_overlap)
@@ -162,6 +171,8 @@ class TierMetrics:
         self.disk_seconds.labels(part="total").inc(max(stats.disk_read_wall_seconds - last.disk_read_wall_seconds, 0.0))
         self.corrupt.inc(stats.corrupt_segments - last.corrupt_segments)
         self.write_errors.inc(stats.disk_write_errors - last.disk_write_errors)
+        self.disk_full.inc(stats.disk_full_writes - last.disk_full_writes)
+        self.shared.inc(stats.shared_segments - last.shared_segments)
         self.gone.inc(stats.gone_segments - last.gone_segments)
         self.expired.inc(stats.disk_expired - last.disk_expired)
         self.forgets.inc(stats.forgets - last.forgets)

@@ -195,6 +195,7 @@ class PrunedAdmission:
             store.forget_corrupt(seg)
         if not ran:  # a queued request's restore, never run: nothing was used
             return
+        self.stats.restores += 1
         mass, touched = job.chunk_importance(), []
         for src in job.sources:
             rec = store.segments.get(src.seg_id)

@@ -32,6 +32,7 @@ class PrunedStats:
     cache_tokens: int = 0  # device-pool slots of the page cache (per restore; summed over restores)
     overlap_sum: float = 0.0  # per selection after a period's first: share of its chunks the previous period kept
     overlaps: int = 0
+    restores: int = 0  # restores run (the sum over restores only; 0 in one restore's own stats)
 
     @property
     def inter_period_overlap(self) -> float:

@@ -57,6 +57,8 @@ class TierStats:
     lost_segments: int = 0
     gone_segments: int = 0  # disk segments found evicted by another worker when read (recomputed)
     disk_write_errors: int = 0  # segment writes the disk refused (full, I/O error): not stored on disk
+    disk_full_writes: int = 0  # of those, refused for a full filesystem (ENOSPC, EDQUOT): quota lowered
+    shared_segments: int = 0  # segments stored with layer pairs sharing one row (Krul)
     host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
     disk_tokens: int = 0
     host_chunk_bytes: int = 0  # the host chunk cache's (chunks of disk-only segments, in the arena's free room)

@@ -180,6 +180,7 @@ class WriteThrough:
         codec = tree.sharing.codec if pairs else None
         if not tree.store.put(record, kv, key_summaries(kv[:, 0], tree.page_size), pairs, codec):
             return False
+        tree.store.stats.shared_segments += bool(pairs)
         tree.seg_nodes.set_ref(node, (record.seg_id, 0, record.n_chunks))
         return True
 

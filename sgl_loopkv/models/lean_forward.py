@@ -30,6 +30,7 @@ import torch
 
 from sgl_loopkv.models.decode_linear import project
 from sgl_loopkv.models.gguf import weights as gguf_weights
+from sgl_loopkv.models.metrics import set_gauge
 
 TARGET = "sglang.srt.models.llama.LlamaModel.forward"
 ENV = "LOOPKV_LEAN_FORWARD"
@@ -62,13 +63,14 @@ def _plain_linear(layer) -> bool:
 
 def runnable(model) -> bool:
     """Whether :func:`lean_forward` computes what ``model.forward`` does for a decode or extend batch
-    (decided once per model, from its modules, and logged)."""
+    (decided once per model, from its modules; logged, and ``loopkv_lean_forward`` on ``/metrics``)."""
     ok = getattr(model, _RUNNABLE, None)
     if ok is None:
         why_not = _why_not(model)
         ok = why_not is None
         setattr(model, _RUNNABLE, ok)
         logger.info("lean forward: %s", "on" if ok else f"off ({why_not})")
+        set_gauge("loopkv_lean_forward", "1: the lean forward runs the model's decode and extend batches", int(ok))
     return ok
 
 

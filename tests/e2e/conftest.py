@@ -86,10 +86,11 @@ def _smollm2(p: SessionPaths) -> ServerProcess:
 @SERVERS.register("gguf_file_server")
 def _gguf_file(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv on the default model's GGUF file itself (``--model-path x.gguf``): SGLang's GGUF loader,
-    the tokenizer and chat template from the file's metadata, the block kernels."""
+    the tokenizer and chat template from the file's metadata, the block kernels; with ``--enable-metrics``
+    (``loopkv_gguf_layers``, ``loopkv_lean_forward``)."""
     from sgl_loopkv.models import default_model_gguf
 
-    args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS]
+    args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS, "--enable-metrics"]
     return ServerProcess(args, log_path=p.logs / "gguf-file.log")
 
 

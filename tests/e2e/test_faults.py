@@ -10,7 +10,7 @@
 - the same directory under other weights (replaced in place): nothing of the other model is used,
   nothing of it is deleted;
 - the disk filling up under the tier (a real tmpfs; skipped where ``mount`` is not permitted): the
-  server keeps serving and storing less, and says so on /metrics and in its log.
+  server keeps serving and storing less, and says so on /metrics (``loopkv_disk_full_writes``).
 
 Each server start costs tens of seconds on a 2-core machine: the default suite runs the first
 three drills on two servers (the second a restart of the first); the last two start one server each
@@ -192,10 +192,13 @@ def test_a_client_that_disconnects_mid_stream_leaves_nothing_behind(faults_serve
     wait_idle(url)
     assert metric(url, "sglang:num_aborted_requests_total") == aborted + 1
     assert metric(url, "sglang:generation_tokens_total") - generated < 6000  # stopped, not run to the end
-    assert "memory leak" not in faults_server.log_path.read_text()  # SGLang's idle check (strict by default)
     again = ask(url, text)  # the turn was stored (a repeat hits it) or not; either way the same answer
     assert again["output_ids"] == reference
     assert wait_idle(url)["num_used_tokens"] == 0
+    # SGLang's idle check of the pools passed: strict by default, a leak raises in the scheduler and takes
+    # the server down
+    time.sleep(1.0)  # a few idle rounds of the scheduler
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
     check_consistent(model_subdir(disk_root), tmp_path / "copy")  # what it stored (if anything) verifies
 
 
@@ -319,11 +322,11 @@ def test_a_disk_that_fills_up_keeps_the_server_serving_and_says_so(
         for i, out in enumerate(first):  # kept serving, from whatever the cache still holds
             assert ask(srv.url, conversation(i))["output_ids"] == out["output_ids"], i
         assert metric(srv.url, "loopkv_disk_write_errors_total") >= 1
+        assert metric(srv.url, "loopkv_disk_full_writes_total") >= 1  # refused for a full disk: quota lowered
         stored = conversations_in(sub, published(sub), tokenizer, range(5))
         # Stores less: what was stored stays (verified below) unless a later turn's segment replaced it
         # (least recently used first).
         assert 0 in stored and len(stored) < 5, stored
     finally:
         srv.stop()
-    assert "disk full writing segment" in log.read_text()
     check_consistent(sub, tmp_path / "copy")

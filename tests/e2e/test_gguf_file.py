@@ -9,6 +9,7 @@ import psutil
 import pytest
 import requests
 
+from benchmarks.common import metrics
 from tests.e2e.test_gguf_weights import FLOAT_BYTES, PROMPTS, greedy
 
 pytestmark = pytest.mark.server
@@ -33,8 +34,8 @@ def test_a_gguf_file_serves_what_its_float32_conversion_serves(gguf_file_server,
         a, b = greedy(gguf_file_server.url, ids), greedy(smollm2_server.url, ids)
         assert a["ids"] == b["ids"], prompt
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-3, prompt
-    log = gguf_file_server.log_path.read_text()
-    assert "gguf weights: 121 layers" in log and "lean forward: on" in log
+    m = metrics(gguf_file_server.url)  # 30 blocks of qkv, o, gate+up, down, and the tied embedding
+    assert m.get("loopkv_gguf_layers") == 121 and m.get("loopkv_lean_forward") == 1, m
 
 
 def test_the_chat_template_and_model_name_come_from_the_file(gguf_file_server, smollm2_server):

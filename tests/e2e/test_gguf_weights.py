@@ -10,6 +10,7 @@ import psutil
 import pytest
 import requests
 
+from benchmarks.common import metrics
 from sgl_loopkv.server.process import ServerProcess
 from tests.e2e.conftest import COMMON_SERVER_ARGS
 
@@ -28,7 +29,8 @@ FLOAT_BYTES = 4 * (30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536) + 4
 
 @pytest.fixture(scope="module")
 def gguf_server(default_model_dir, server_logs):
-    srv = ServerProcess([*COMMON_SERVER_ARGS, "--loopkv-weights", "gguf"], log_path=server_logs / "smollm2-gguf.log")
+    args = [*COMMON_SERVER_ARGS, "--loopkv-weights", "gguf", "--enable-metrics"]
+    srv = ServerProcess(args, log_path=server_logs / "smollm2-gguf.log")
     with srv.start():
         yield srv
 
@@ -55,7 +57,7 @@ def test_gguf_blocks_serve_the_float32_tokens(gguf_server, smollm2_server):
         a, b = greedy(gguf_server.url, prompt), greedy(smollm2_server.url, prompt)
         assert a["ids"] == b["ids"], prompt
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-3, prompt
-    log = gguf_server.log_path.read_text()
-    assert "gguf weights: 121 layers" in log and "lean forward: on" in log
+    m = metrics(gguf_server.url)  # 30 blocks of qkv, o, gate+up, down, and the tied embedding
+    assert m.get("loopkv_gguf_layers") == 121 and m.get("loopkv_lean_forward") == 1, m
     # the float copies are gone: at least half their bytes below the float32 server (same pool, same flags)
     assert _scheduler_rss(smollm2_server) - _scheduler_rss(gguf_server) > FLOAT_BYTES / 2

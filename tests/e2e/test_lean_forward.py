@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from benchmarks.common import metrics
 from sgl_loopkv.models.lean_forward import ENV
 from sgl_loopkv.server.process import ServerProcess
 from tests.e2e.conftest import COMMON_SERVER_ARGS, _server
@@ -21,7 +22,7 @@ from tests.e2e.test_server_tiny import LONG_PROMPT
 
 pytestmark = pytest.mark.server
 
-ON = "lean forward: on"
+ON = "loopkv_lean_forward"  # 1 where the lean forward runs the batches (absent with LOOPKV_LEAN_FORWARD=0)
 
 
 def _decode(url: str, text: str, n: int = 24, prompt_logprobs: bool = False) -> dict:
@@ -48,8 +49,8 @@ def _assert_bitwise_equal(lean: ServerProcess, reference: ServerProcess, prompts
         for prompt_logprobs in (False, False, True):  # the second round prefills after a cached prefix
             a, b = (_decode(srv.url, prompt, prompt_logprobs=prompt_logprobs) for srv in (lean, reference))
             assert a == b, prompt[:40]
-    assert ON in lean.log_path.read_text()
-    assert ON not in reference.log_path.read_text()
+    assert metrics(lean.url).get(ON) == 1
+    assert metrics(reference.url).get(ON, 0) == 0
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +58,8 @@ def tiny_pair(tiny_model_dir, server_logs):
     """Two fresh servers, lean forward on and off, that will serve the same requests in the same order:
     equal radix trees and pool layouts (the session's tiny server has served other tests, and an extend
     over a fragmented history takes another, equally exact, attention path)."""
-    lean = _server(tiny_model_dir, server_logs, "tiny-lean-on", [])
-    ref = _server(tiny_model_dir, server_logs, "tiny-lean-off", [], {ENV: "0"})
+    lean = _server(tiny_model_dir, server_logs, "tiny-lean-on", ["--enable-metrics"])
+    ref = _server(tiny_model_dir, server_logs, "tiny-lean-off", ["--enable-metrics"], {ENV: "0"})
     with lean.spawn(), ref.spawn():  # both start-ups at once: the suite's time
         lean.wait_ready(600)
         ref.wait_ready(600)
@@ -91,6 +92,7 @@ def test_lean_forward_is_bitwise_in_bf16_and_on_smollm2(model, tiny_model_dir, s
         args = list(COMMON_SERVER_ARGS)
     else:
         args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[:-1], "bfloat16"]
+    args.append("--enable-metrics")
     lean = ServerProcess(args, log_path=server_logs / f"{model}-lean-on.log")
     ref = ServerProcess(args, env={ENV: "0"}, log_path=server_logs / f"{model}-lean-off.log")
     with lean.spawn(), ref.spawn():

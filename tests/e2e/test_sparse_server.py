@@ -8,15 +8,21 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.common import metrics
 from tests.e2e.conftest import _server
 from tests.e2e.test_server_tiny import LONG_PROMPT, generate
 
 pytestmark = pytest.mark.server
 
-SPARSE_LINE = "loopkv sparse prefill"
+BATCHES = "loopkv_sparse_prefill_batches_total"  # prefill batches the sparse executor ran
+
+
+def sparse_batches(url: str) -> float:
+    return metrics(url).get(BATCHES, 0.0)
+
 
 # Full budget: every line (alpha = 1), every block, or a window longer than any prompt.
-MIN_LEN = ["--loopkv-sparse-min-len", "512"]
+MIN_LEN = ["--loopkv-sparse-min-len", "512", "--enable-metrics"]
 FULL_BUDGET = {
     "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1", *MIN_LEN],
     "block": ["--loopkv-prefill-policy", "block", "--loopkv-alpha", "1", *MIN_LEN],
@@ -26,20 +32,22 @@ FULL_BUDGET = {
 
 def test_full_budget_sparse_prefill_is_greedy_identical_to_dense(tiny_sparse_server, tiny_server):
     # tagged: nothing of them is cached from the other tests this session's server served
-    log_start, tag = len(tiny_sparse_server.log_path.read_text()), "Sparse prefill. "
+    before, tag = sparse_batches(tiny_sparse_server.url), "Sparse prefill. "
     prompts = ["The capital of France is", tag + LONG_PROMPT[:3000], tag + LONG_PROMPT * 2]  # dense, 1 chunk, 6
     for prompt in prompts:
         ours = generate(tiny_sparse_server.url, prompt, max_new_tokens=24, ignore_eos=True)
         ref = generate(tiny_server.url, prompt, max_new_tokens=24, ignore_eos=True)
         assert ours["output_ids"] == ref["output_ids"], prompt[:40]
+        if prompt == prompts[0]:  # below --loopkv-sparse-min-len: dense, not counted
+            assert sparse_batches(tiny_sparse_server.url) == before
     # a later turn: a long new extend after the radix-cached conversation
     turn = tag + LONG_PROMPT * 2 + " Now a new question follows. " + LONG_PROMPT[:2500]
     ours = generate(tiny_sparse_server.url, turn, max_new_tokens=24, ignore_eos=True)
     ref = generate(tiny_server.url, turn, max_new_tokens=24, ignore_eos=True)
     assert ours["meta_info"]["cached_tokens"] > 4000
     assert ours["output_ids"] == ref["output_ids"]
-    sparse_batches = tiny_sparse_server.log_path.read_text()[log_start:].count(SPARSE_LINE)
-    assert sparse_batches >= 1 + 6 + 1, "the long prefills must have gone through the sparse path"
+    ran = sparse_batches(tiny_sparse_server.url) - before
+    assert ran >= 1 + 6 + 1, f"the long prefills must have gone through the sparse path ({ran} batches)"
 
 
 @pytest.mark.slow
@@ -50,7 +58,7 @@ def test_smollm2_full_budget_greedy_identical_to_dense(policy, default_model_dir
         ours = generate(srv.url, prompt, max_new_tokens=64, ignore_eos=True)
         ref = generate(smollm2_server.url, prompt, max_new_tokens=64, ignore_eos=True)
         assert ours["output_ids"] == ref["output_ids"]
-        assert srv.log_path.read_text().count(SPARSE_LINE) >= 2
+        assert sparse_batches(srv.url) >= 2
 
 
 @pytest.mark.slow
@@ -67,4 +75,4 @@ def test_smollm2_sparse_prefill_below_full_budget_stays_close(default_model_dir,
         ours = generate(srv.url, prompt, max_new_tokens=4)
         ref = generate(smollm2_server.url, prompt, max_new_tokens=4)
         assert ours["output_ids"][:1] == ref["output_ids"][:1]
-        assert srv.log_path.read_text().count(SPARSE_LINE) >= 1
+        assert sparse_batches(srv.url) >= 1

@@ -116,11 +116,11 @@ def test_a_full_disk_keeps_the_store_working_and_says_so(tmp_path, monkeypatch, 
             store.flush()
             assert stored or host == "none", "with a host arena every put is kept"
             if i == 3:  # the first write that does not fit
-                assert store.stats.disk_write_errors == 1 and fs.refused == 1
+                assert store.stats.disk_write_errors == store.stats.disk_full_writes == 1 and fs.refused == 1
                 assert store.disk.quota_bytes == fs.capacity - _used(root) + store.disk.used_bytes
                 assert stored == (host == "arena")  # kept in the arena; with none, nowhere
     store.sync()
-    assert store.stats.disk_write_errors == 1  # later stores fit the lowered quota: no more failures
+    assert store.stats.disk_write_errors == store.stats.disk_full_writes == 1  # later stores fit the lowered quota
     assert "disk full writing segment s3" in caplog.text and "quota lowered" in caplog.text
     assert not list(root.glob("*.tmp"))
     on_disk = sorted(sid for sid, s in store.segments.items() if s.on_disk)

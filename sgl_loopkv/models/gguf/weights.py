@@ -41,6 +41,7 @@ import torch
 
 from sgl_loopkv.models.gguf.linear import linear
 from sgl_loopkv.models.gguf.reader import BlockWeight, GGUFError, GGUFFile
+from sgl_loopkv.models.metrics import set_gauge
 
 ATTR = "_loopkv_gguf"  # the BlockLinear a layer carries
 
@@ -209,6 +210,7 @@ def attach(model, gguf_path: str | Path) -> int:
         _drop_loaded(p.layer)  # shape checks read the blocks
     gc.collect()
     logger.info("gguf weights: %d layers from %s, %.0f MB of loaded weights freed", len(plan), gguf.path, freed / 2**20)
+    set_gauge("loopkv_gguf_layers", "Linear layers and embeddings served from the GGUF file's blocks", len(plan))
     return freed
 
 
