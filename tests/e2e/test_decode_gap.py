@@ -3,8 +3,10 @@
 One conversation decodes while another, whose history only the disk tier holds (no host arena, the
 segment files dropped from the page cache), comes back. With ``--loopkv-disk-read background`` (the
 default) the history is read and verified on the read-ahead thread while its request sits out the
-scheduler's rounds (the server's ``held`` stage says it was), so every decode step of the running
-stream in that window stays within 1.5x of the stream's median inter-token gap. The one step that
+scheduler's rounds (the server's ``held`` stage says it was), at background priority and paced
+(:mod:`sgl_loopkv.cache.read_pacing`: it naps between pieces while others run), so every decode step
+of the running stream in that window stays within 1.5x of the stream's median inter-token gap
+(``LOOPKV_READ_AHEAD_PACED=0``, niced but not paced, fails the bound on 2 cores). The one step that
 holds the returning turn's own prefill (its new tokens' extend, and on a CPU the copy of its history
 into the pool before that forward) is excluded: stock SGLang runs that prefill in the same place,
 recomputing the whole history. The control (``-m slow``) reads inline, on the scheduler thread: the
@@ -170,12 +172,7 @@ HELD = 'loopkv_restore_seconds_total{part="held"}'
 _BACKGROUND: list[Window] = []  # the default-suite test's window, for the control
 
 
-@pytest.mark.slow  # a server of its own beside the default suite's, for a check that fails on 2 cores
-@pytest.mark.xfail(
-    strict=True,
-    reason="on 2 cores the read-ahead thread's work (preads, page faults, checksums), even at nice 10, "
-    "still slows some steps beside it to ~1.6x the median (docs/decisions/2026-12-06-read-ahead-niced.md)",
-)
+@pytest.mark.slow  # a server of its own beside the default suite's
 def test_a_disk_resume_does_not_hold_up_a_running_decode(disk_only_server, session_paths):
     held = metrics(disk_only_server.url).get(HELD, 0.0)
     w = decode_beside_disk_resume(disk_only_server.url, _disk_dir(session_paths, "background"), seed=0)
