@@ -8,6 +8,8 @@ a case total ``--working-set`` MB, several times the last-level cache):
 - ``fp32 loopkv``: the float32 path sgl-loopkv serves today (``kernels/decode_linear.py``);
 - ``Q4_1 gemv`` / ``Q8_0 gemv``: the block kernel streaming the weight from its blocks (the best instruction
   set built here; ``Q4_1 gemv avx2``: the same bits through the 8-lane path, on a CPU with AVX-512);
+- ``Q4_1 gemv q8`` / ``Q8_0 gemv q8``: ``kernels/gguf_q8.cpp``, x quantized to int8 blocks and integer block
+  dots (``LOOPKV_GGUF_ACTIVATIONS=q8``; absent where it did not build);
 - ``Q4_1 tiles``: the prefill path (weight tiles dequantized to float32, torch's GEMM), at 32+ rows.
 
 Each has its bandwidth limit: the weight's bytes over the read bandwidth measured here (a float32
@@ -35,7 +37,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from benchmarks.harness.env import environment, machine_label
 from benchmarks.harness.results import RESULTS, md_table, write_results
 from benchmarks.harness.stats import median
-from sgl_loopkv.kernels import decode_linear, gguf_linear
+from sgl_loopkv.kernels import decode_linear, gguf_linear, gguf_q8
 
 SHAPES = {
     "q/o 576x576": (576, 576),
@@ -97,6 +99,8 @@ def bandwidth_gbs(working_set: int) -> float:
 
 def systems(module):
     gemv = lambda t, path=-1: lambda x, w: module.gemv(x, w, int(t), None, path)  # noqa: E731
+    q8 = gguf_q8.load()
+    gemv_q8 = lambda t: lambda x, w: q8.gemv_q8(x, w, int(t), None, -1)  # noqa: E731
     return {
         "fp32 F.linear": (lambda out, inp: torch.randn(out, inp), lambda x, w: F.linear(x, w), 4.0),
         "fp32 loopkv": (lambda out, inp: torch.randn(out, inp), decode_linear.linear, 4.0),
@@ -104,6 +108,8 @@ def systems(module):
         "Q8_0 gemv": (lambda out, inp: random_blocks(T.Q8_0, out, inp), gemv(T.Q8_0), 34 / 32),
         # the same bits through the 8-lane path, where the build also has the 16-lane one
         "Q4_1 gemv avx2": (lambda out, inp: random_blocks(T.Q4_1, out, inp), gemv(T.Q4_1, 1), 20 / 32),
+        "Q4_1 gemv q8": (lambda out, inp: random_blocks(T.Q4_1, out, inp), gemv_q8(T.Q4_1), 20 / 32),
+        "Q8_0 gemv q8": (lambda out, inp: random_blocks(T.Q8_0, out, inp), gemv_q8(T.Q8_0), 34 / 32),
         "Q4_1 tiles": (
             lambda out, inp: random_blocks(T.Q4_1, out, inp),
             lambda x, w: module.gemm_dequant(x, w, int(T.Q4_1), None, 512),
@@ -209,6 +215,7 @@ def main() -> None:
     if "gemv" in args.parts:
         names = ["fp32 F.linear", "fp32 loopkv", "Q4_1 gemv", "Q8_0 gemv"]
         names += ["Q4_1 gemv avx2"] if "avx512" in module.paths() else []
+        names += ["Q4_1 gemv q8", "Q8_0 gemv q8"] if gguf_q8.load() is not None else []
         res["parts"]["gemv"] = run_part(module, SHAPES, [1, 8], names, args.repeats, args, bw)
         write_results(name, res, markdown(res))
     if "prefill" in args.parts:

@@ -8,9 +8,10 @@
 //   out:        [B, Hq, D]      softmax(q K^T * scale) V, written in q's dtype
 //
 // GQA: the g = Hq / Hkv query heads of one KV head are computed together, so each key and value
-// row is read once per (sequence, KV head). Work items are (sequence, KV head, split of the keys)
-// so that a single sequence still keeps every core busy (flash-decoding); each split keeps a
-// running max / sum / accumulator (online softmax) and the splits are merged at the end.
+// row is read once per sequence. Work items are splits of a sequence's keys (with every KV head; the
+// portable path: (sequence, KV head, split)) so that a single sequence still keeps every core busy
+// (flash-decoding); each split keeps a running max / sum / accumulator (online softmax) and the
+// splits are merged at the end.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -187,6 +188,245 @@ void decode_split(const float* q, const KV* k_cache, const KV* v_cache, const in
   }
 }
 
+// ---- every KV head of a split at once (head dim 64 or 128, AVX2 or AVX-512; the path decode_impl takes) ----
+// Why: the one-head path above reads a strided slice of each pool row per pass (128 of a SmolLM2
+// bfloat16 row's 384 bytes) and pays a horizontal sum and an accumulator load/store per key and query
+// row; at 4K keys it ran at about a third of the memory's bandwidth. Here a work item is a split of
+// one sequence with every KV head: a block of keys is read once, whole rows in order, and serves each
+// head from L1/L2; a key is converted once for up to four query rows whose accumulators stay in
+// registers, and four keys' scores share one reduction. Pool rows cross a 4 KB page every few keys,
+// where the hardware prefetcher stops, so the next block's rows are prefetched in software, one key
+// per key scored. The order of sums differs from the one-head path (float32 rounding, tests); it
+// depends only on the sequence's own length, as the splits do, so a row's result does not depend on
+// the batch, and a head's result not on the other heads (a sparse plan at full budget is the dense
+// result bit for bit).
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+struct Lanes {
+  using V = __m512;
+  static constexpr int N = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const at::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static V load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+  // out[i] = sum of p[i]'s lanes, four at once (a quarter of four reductions' shuffles)
+  static void sum4(const V* p, float* out) {
+    const V x0 = _mm512_add_ps(_mm512_shuffle_f32x4(p[0], p[1], 0x44), _mm512_shuffle_f32x4(p[0], p[1], 0xEE));
+    const V x1 = _mm512_add_ps(_mm512_shuffle_f32x4(p[2], p[3], 0x44), _mm512_shuffle_f32x4(p[2], p[3], 0xEE));
+    V y = _mm512_add_ps(_mm512_shuffle_f32x4(x0, x1, 0x88), _mm512_shuffle_f32x4(x0, x1, 0xDD));
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0x4E));
+    y = _mm512_add_ps(y, _mm512_permute_ps(y, 0xB1));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_maskz_compress_ps(0x1111, y)));
+  }
+};
+#define LOOPKV_HEADS_PATH 1
+#elif defined(LOOPKV_AVX2)
+struct Lanes {
+  using V = __m256;
+  static constexpr int N = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const at::BFloat16* p) { return load8(p); }
+  static V load(const at::Half* p) { return load8(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static float sum(V v) { return hsum(v); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float hmax(V v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+  }
+  static void sum4(const V* p, float* out) {
+    for (int i = 0; i < 4; ++i) out[i] = hsum(p[i]);
+  }
+};
+#define LOOPKV_HEADS_PATH 1
+#endif
+
+#ifdef LOOPKV_HEADS_PATH
+// The K and V rows (every head) of the next block's keys, one key at a time.
+template <typename KV>
+struct Prefetch {
+  const KV* k = nullptr;
+  const KV* v = nullptr;
+  const int64_t* slots = nullptr;
+  int64_t n = 0, row_stride = 0, row_bytes = 0;
+  void operator()(int64_t j) const {
+    if (j >= n) return;
+    const char* pk = reinterpret_cast<const char*>(k + slots[j] * row_stride);
+    const char* pv = reinterpret_cast<const char*>(v + slots[j] * row_stride);
+    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(pk + c), __builtin_prefetch(pv + c);
+  }
+};
+
+// Query rows r0 .. r0 + R of one KV head over one block of n keys (rows[j] + head offset): each key
+// converted once for the R rows, R x D accumulators in registers.
+template <int D, int R, typename KV>
+inline void rows_scores(const float* q, const KV* const* krows, int64_t off, int n, float scale, float* scores,
+                        const Prefetch<KV>& pf) {
+  constexpr int V = D / Lanes::N;
+  using Vec = typename Lanes::V;
+  // a[r][t]: key t's products with query row r, V lanes-wide partial sums folded into one vector
+  auto key = [&](int j, Vec* a, int t) {
+    pf(j);
+    const KV* k = krows[j] + off;
+    Vec kv[V];
+    for (int i = 0; i < V; ++i) kv[i] = Lanes::load(k + i * Lanes::N);
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + r * D;
+      Vec a0 = Lanes::mul(Lanes::load(qr), kv[0]), a1 = Lanes::mul(Lanes::load(qr + Lanes::N), kv[1]);
+      for (int i = 2; i < V; i += 2) {
+        a0 = Lanes::fma(Lanes::load(qr + i * Lanes::N), kv[i], a0);
+        a1 = Lanes::fma(Lanes::load(qr + (i + 1) * Lanes::N), kv[i + 1], a1);
+      }
+      a[r * 4 + t] = Lanes::add(a0, a1);
+    }
+  };
+  Vec a[R * 4];
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    for (int t = 0; t < 4; ++t) key(j + t, a, t);
+    for (int r = 0; r < R; ++r) {
+      float* sr = scores + r * kBlock + j;
+      Lanes::sum4(a + r * 4, sr);
+      for (int t = 0; t < 4; ++t) sr[t] *= scale;
+    }
+  }
+  for (; j < n; ++j) {
+    key(j, a, 0);
+    for (int r = 0; r < R; ++r) scores[r * kBlock + j] = Lanes::sum(a[r * 4]) * scale;
+  }
+}
+
+// max(init, x[0 .. n))
+inline float block_max(const float* x, int n, float init) {
+  typename Lanes::V m = Lanes::set1(init);
+  int j = 0;
+  for (; j + Lanes::N <= n; j += Lanes::N) m = Lanes::max(m, Lanes::load(x + j));
+  float out = Lanes::hmax(m);
+  for (; j < n; ++j) out = std::max(out, x[j]);
+  return out;
+}
+
+template <int D, int R, typename KV>
+inline void rows_pv(const KV* const* vrows, int64_t off, int n, const float* p, const float* correction, float* acc) {
+  constexpr int V = D / Lanes::N;
+  typename Lanes::V a[R][V];
+  for (int r = 0; r < R; ++r) {
+    const typename Lanes::V c = Lanes::set1(correction[r]);
+    for (int i = 0; i < V; ++i) a[r][i] = Lanes::mul(Lanes::load(acc + r * D + i * Lanes::N), c);
+  }
+  for (int j = 0; j < n; ++j) {
+    const KV* v = vrows[j] + off;
+    for (int i = 0; i < V; ++i) {
+      const typename Lanes::V vv = Lanes::load(v + i * Lanes::N);
+      for (int r = 0; r < R; ++r) a[r][i] = Lanes::fma(Lanes::set1(p[r * kBlock + j]), vv, a[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) Lanes::store(acc + r * D + i * Lanes::N, a[r][i]);
+}
+
+// Query rows taken together: as many as keep their accumulators in half the vector registers (32
+// with AVX-512, 16 with AVX2), at most 4.
+template <int D>
+constexpr int kRows = std::clamp((Lanes::N == 16 ? 16 : 8) / (D / Lanes::N), 1, 4);
+
+template <int D, typename KV>
+inline void group_scores(const float* q, const KV* const* krows, int64_t off, int n, int g, float scale, float* scores,
+                         const Prefetch<KV>& pf) {
+  for (int r = 0; r < g;) {
+    const int R = std::min(kRows<D>, g - r);
+    const float* qr = q + r * D;
+    float* sr = scores + r * kBlock;
+    if (R == 4) rows_scores<D, (kRows<D> >= 4 ? 4 : 1), KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
+    else if (R == 3) rows_scores<D, (kRows<D> >= 3 ? 3 : 1), KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
+    else if (R == 2) rows_scores<D, (kRows<D> >= 2 ? 2 : 1), KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
+    else rows_scores<D, 1, KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
+    r += R;
+  }
+}
+
+template <int D, typename KV>
+inline void group_pv(const KV* const* vrows, int64_t off, int n, int g, const float* p, const float* corr, float* acc) {
+  for (int r = 0; r < g;) {
+    const int R = std::min(kRows<D>, g - r);
+    const float* pr = p + r * kBlock;
+    float* ar = acc + r * D;
+    if (R == 4) rows_pv<D, (kRows<D> >= 4 ? 4 : 1), KV>(vrows, off, n, pr, corr + r, ar);
+    else if (R == 3) rows_pv<D, (kRows<D> >= 3 ? 3 : 1), KV>(vrows, off, n, pr, corr + r, ar);
+    else if (R == 2) rows_pv<D, (kRows<D> >= 2 ? 2 : 1), KV>(vrows, off, n, pr, corr + r, ar);
+    else rows_pv<D, 1, KV>(vrows, off, n, pr, corr + r, ar);
+    r += R;
+  }
+}
+
+// One KV head over one block of n keys: scores, online-softmax update of the g query rows' running
+// max / sum, accumulators (g x D) rescaled and P V added.
+template <int D, typename KV>
+void head_block(const float* q, const KV* const* krows, const KV* const* vrows, int64_t off, int n, int g,
+                float scale, float* m_run, float* l_run, float* acc, float* scores, const Prefetch<KV>& pf) {
+  group_scores<D, KV>(q, krows, off, n, g, scale, scores, pf);
+  float corr[8];
+  for (int r = 0; r < g; ++r) {
+    float* sr = scores + r * kBlock;
+    const float m_new = block_max(sr, n, m_run[r]);
+    // 0 on the first block (running max -inf): the empty accumulator is scaled away
+    corr[r] = m_run[r] == -std::numeric_limits<float>::infinity() ? 0.f : std::exp(m_run[r] - m_new);
+    float l = l_run[r] * corr[r];
+#pragma omp simd reduction(+ : l)
+    for (int j = 0; j < n; ++j) {
+      sr[j] = exp_nonpositive(sr[j] - m_new);
+      l += sr[j];
+    }
+    m_run[r] = m_new;
+    l_run[r] = l;
+  }
+  group_pv<D, KV>(vrows, off, n, g, scores, corr, acc);
+}
+
+// One split [t0, t1) of one sequence, every KV head: m/l (hkv x g) and acc (hkv x g x D) per head.
+template <int D, typename KV>
+void decode_split_heads(const float* q, const KV* k_cache, const KV* v_cache, const int64_t* slots, int64_t t0,
+                        int64_t t1, int64_t row_stride, int hkv, int g, float scale, float* m_out, float* l_out,
+                        float* acc) {
+  const KV* krows[kBlock];
+  const KV* vrows[kBlock];
+  float scores[8 * kBlock];  // g <= 8 (checked by the caller)
+  const int64_t row_bytes = static_cast<int64_t>(hkv) * D * sizeof(KV);
+  for (int i = 0; i < hkv * g; ++i) m_out[i] = -std::numeric_limits<float>::infinity(), l_out[i] = 0.f;
+  std::fill(acc, acc + static_cast<size_t>(hkv) * g * D, 0.f);
+  for (int64_t b0 = t0; b0 < t1; b0 += kBlock) {
+    const int n = static_cast<int>(std::min<int64_t>(kBlock, t1 - b0));
+    for (int j = 0; j < n; ++j) {
+      krows[j] = k_cache + slots[b0 + j] * row_stride;
+      vrows[j] = v_cache + slots[b0 + j] * row_stride;
+    }
+    // the next block's rows, all heads, one key per key scored by the first query rows: pool rows
+    // cross a 4 KB page every few keys, where the hardware prefetcher stops
+    const Prefetch<KV> pf{k_cache, v_cache, slots + b0 + n, std::min<int64_t>(kBlock, t1 - b0 - n), row_stride,
+                          row_bytes};
+    for (int h = 0; h < hkv; ++h)
+      head_block<D, KV>(q + static_cast<size_t>(h) * g * D, krows, vrows, static_cast<int64_t>(h) * D, n, g, scale,
+                        m_out + h * g, l_out + h * g, acc + static_cast<size_t>(h) * g * D, scores,
+                        h == 0 ? pf : Prefetch<KV>{});
+  }
+}
+#endif
+
 template <typename KV, typename QO>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  const torch::Tensor& kv_indices, const torch::Tensor& kv_indptr, double scale, torch::Tensor& out,
@@ -214,6 +454,25 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   const int64_t items = split_first[bs] * hkv;
   std::vector<float> part_m(items * g), part_l(items * g), part_acc(items * g * d);
 
+#ifdef LOOPKV_HEADS_PATH
+  if ((d == 64 || d == 128) && g <= 8) {  // items are splits, every KV head in each
+    at::parallel_for(0, split_first[bs], 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(static_cast<size_t>(hq) * d);
+      for (int64_t flat = begin; flat < end; ++flat) {
+        const int64_t b = std::upper_bound(split_first.begin(), split_first.end(), flat) - split_first.begin() - 1;
+        const int64_t part = flat - split_first[b];
+        const int64_t len = indptr[b + 1] - indptr[b];
+        const int64_t t0 = indptr[b] + len * part / splits[b], t1 = indptr[b] + len * (part + 1) / splits[b];
+        const QO* qb = qp + b * hq * d;
+        for (int64_t x = 0; x < hq * d; ++x) qf[x] = to_float(qb[x]);
+        const int64_t item = flat * hkv;  // the part arrays' (split, head) order, as the one-head path's
+        auto run = d == 64 ? decode_split_heads<64, KV> : decode_split_heads<128, KV>;
+        run(qf.data(), kc, vc, slots, t0, t1, row_stride, static_cast<int>(hkv), g, static_cast<float>(scale),
+            &part_m[item * g], &part_l[item * g], &part_acc[item * g * d]);
+      }
+    });
+  } else
+#endif
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(static_cast<size_t>(g) * d);
     for (int64_t item = begin; item < end; ++item) {

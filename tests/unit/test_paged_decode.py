@@ -97,6 +97,32 @@ def test_native_kernel_result_does_not_depend_on_the_batch(native):
         assert torch.equal(alone, out[i : i + 1])
 
 
+@pytest.mark.parametrize("hq,hkv,d", [(14, 2, 64), (16, 2, 64), (32, 8, 128), (12, 4, 128), (5, 5, 32)])
+def test_native_kernel_head_geometries(native, hq, hkv, d):
+    """Query rows per KV head of 1-8 taken in register groups of up to four (7 = 4 + 3), head dim
+    64 and 128 on the every-head path, any other head dim on the per-head one."""
+    q, k_cache, v_cache, slots, plan = fragmented_batch(hq + d, [700, 63, 1], hq, hkv, d=d, pool=2048)
+    out = torch.empty_like(q)
+    native.paged_decode(q, k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, 0.125, out, 256)
+    torch.testing.assert_close(out.double(), reference(q, k_cache, v_cache, slots, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_heads_result_does_not_depend_on_the_other_heads(native, dtype):
+    """Sparse decode runs one KV head at a time (the pool viewed as one-head rows); at full budget it
+    must give the dense step's bits, so a head's output may not depend on its neighbours."""
+    q, k_cache, v_cache, slots, plan = fragmented_batch(9, [1500], 9, 3, dtype=dtype)
+    out = torch.empty_like(q)
+    native.paged_decode(q, k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, 0.125, out, 256)
+    for h in range(3):
+        one = torch.empty_like(q[:, 3 * h : 3 * h + 3])
+        kh, vh = k_cache[:, h : h + 1].contiguous(), v_cache[:, h : h + 1].contiguous()
+        native.paged_decode(
+            q[:, 3 * h : 3 * h + 3].contiguous(), kh, vh, plan.kv_indices, plan.kv_indptr_tensor, 0.125, one, 256
+        )
+        assert torch.equal(one, out[:, 3 * h : 3 * h + 3])
+
+
 def test_native_kernel_rejects_bad_layouts(native):
     q, k_cache, v_cache, _, plan = fragmented_batch(1, [32])
     with pytest.raises(RuntimeError, match="indptr"):
