@@ -139,6 +139,19 @@ def teacher_forced_top1(url: str, prompt: list[int], ref: list[int]) -> list[int
     return [int(e[0][1]) for e in inputs] + [int(m["output_top_logprobs"][0][0][1])]
 
 
+def teacher_forced_steps(url: str, prompt: list[int], ref: list[int], like: list[dict] | None = None) -> list[dict]:
+    """The server's next-token logprobs after ``prompt + ref[:i]`` for every position i of ``ref``, each
+    from its own request over the cached prefix: a few new rows (at most a page), so the decode-step
+    path computes them (short extends take the gemv linears, where ``--loopkv-gguf-activations``
+    acts), where :func:`teacher_forced_top1`'s one long extend takes the prefill path. Per position
+    ``{"top": {token: logprob} (top 20), "chosen": logprobs of like[i]["top"]'s tokens}``."""
+    from benchmarks.restore import first_token_logprobs
+
+    return [
+        first_token_logprobs(url, prompt + ref[:i], list(like[i]["top"]) if like else None) for i in range(len(ref))
+    ]
+
+
 def metrics(url: str) -> dict[str, float]:
     """The server's ``loopkv_*`` Prometheus samples, labels summed away per full sample name."""
     out: dict[str, float] = {}

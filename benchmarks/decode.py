@@ -76,7 +76,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks import conversations as conv
-from benchmarks.common import synthetic_ids, teacher_forced_top1
+from benchmarks.common import synthetic_ids, teacher_forced_steps, teacher_forced_top1
 from benchmarks.harness import cli
 from benchmarks.harness.env import cpu_flags, environment, finish
 from benchmarks.harness.plot import figure
@@ -93,8 +93,10 @@ SHORT = {"float32": "fp32", "bfloat16": "bf16", "gguf": "gguf"}  # "gguf": the G
 SYSTEMS = {
     "loopkv-fp32": ("sglang", "float32", ()),
     "stock-fp32": ("sglang", "float32", ("--loopkv-stock",)),
-    # the GGUF file itself (--model-path x.gguf, prepended in run_sglang): blocks, float32 activations and KV
+    # the GGUF file itself (--model-path x.gguf, prepended in run_sglang): blocks, launcher defaults (bf16 KV)
     "loopkv-gguf": ("sglang", "float32", ()),
+    "loopkv-gguf-fp32kv": ("sglang", "float32", ("--kv-cache-dtype", "auto")),
+    "loopkv-gguf-q8": ("sglang", "float32", ("--loopkv-gguf-activations", "q8")),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
     "hf-fp32": ("hf", "float32", ()),
@@ -124,7 +126,12 @@ WHAT = {
     "hf": "HF transformers `generate()` (greedy, bs 1, prefill in the excluded first token)",
     "llamacpp": "llama.cpp server (llama-cpp-python) on the same GGUF: reads Q4_1 weights, ~1/4 of bf16's bytes; bs 1",
     "loopkv-gguf": "sgl-loopkv launcher defaults serving the GGUF file itself (`--model-path <file>.gguf`: its Q4_1 "
-    "and Q8_0 blocks through the block kernels, no float copy of a weight matrix), float32 activations and KV",
+    "and Q8_0 blocks through the block kernels, no float copy of a weight matrix), float32 activations, a bfloat16 "
+    "KV pool (the GGUF path's default)",
+    "loopkv-gguf-fp32kv": "`loopkv-gguf` with `--kv-cache-dtype auto`: a float32 KV pool (every number the "
+    "dequantized float32 model's)",
+    "loopkv-gguf-q8": "`loopkv-gguf` with `--loopkv-gguf-activations q8`: decode rows (up to 16) on int8 activations "
+    "and integer block dots, as llama.cpp",
     # --loopkv-stock brings SGLang's radix cache and also drops the decode-step hooks (split/gemv
     # linears, lean forward): its ratio is not the tiered cache's cost alone (a radix-only switch is not built)
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
@@ -138,9 +145,9 @@ WHAT = {
     "(`LOOPKV_EXACT_LINEAR=1`: oneDNN, no gemv_bf16)",
 }
 #: systems served from the default model's GGUF file instead of its converted float32 folder
-GGUF_SYSTEMS = ("loopkv-gguf",)
+GGUF_SYSTEMS = ("loopkv-gguf", "loopkv-gguf-fp32kv", "loopkv-gguf-q8")
 #: systems scored against loopkv-fp32's tokens and logprobs (fidelity)
-SCORED = ("loopkv-bf16", "loopkv-gguf")
+SCORED = ("loopkv-bf16", *GGUF_SYSTEMS)
 # run at 4K with the smallest and largest batch only
 BOOKKEEPING = ("loopkv-fp32-radix", "loopkv-fp32-krul", "loopkv-fp32-nodisk")
 
@@ -382,16 +389,24 @@ def fidelity_step(url: str, name: str, L: int, ctx: list[int], fid: dict) -> Non
         slot["ref_logprobs"] = first_token_logprobs(url, prompt, None)["top"]
         tf = teacher_forced_top1(url, prompt, ref)
         slot["fp32_self_agreement"] = sum(a == b for a, b in zip(tf, ref)) / len(ref)
+        slot["ref_steps"] = [{"top": st["top"]} for st in teacher_forced_steps(url, prompt, ref)]
     elif "ref_ids" in slot:
         ref, ref_lp = slot["ref_ids"], slot["ref_logprobs"]
         lp = first_token_logprobs(url, prompt, list(ref_lp))
         tf = teacher_forced_top1(url, prompt, ref)
         own = stream_generate(url, prompt, FID_GEN)["output_ids"]
-        slot.setdefault("scores", {})[name] = {
+        sc = slot.setdefault("scores", {})[name] = {
             "first_token_kl": kl_topk(ref_lp, {**lp["top"], **lp["chosen"]}),
             "teacher_forced_agreement": sum(a == b for a, b in zip(tf, ref)) / len(ref),
             "greedy_identical_prefix": next((i for i, (a, b) in enumerate(zip(own, ref)) if a != b), len(ref)),
         }
+        if "ref_steps" in slot:  # the same positions through the decode-step path (short extends)
+            steps = teacher_forced_steps(url, prompt, ref, slot["ref_steps"])
+            top1 = [max(st["top"], key=st["top"].get) for st in steps]
+            kls = [kl_topk(r["top"], {**st["top"], **st["chosen"]}) for r, st in zip(slot["ref_steps"], steps)]
+            sc["step_teacher_forced_agreement"] = sum(a == b for a, b in zip(top1, ref)) / len(ref)
+            sc["step_kl_mean"] = statistics.fmean(kls)
+            sc["step_kl_max"] = max(kls)
 
 
 def scores(slot: dict, name: str) -> dict:
@@ -708,6 +723,22 @@ def near(contexts: list[int], target: int) -> int:
     return min(contexts, key=lambda L: abs(L - target))
 
 
+def gguf_fidelity(fid: dict, name: str) -> tuple[dict, dict]:
+    """Per context, the worse of a GGUF system's two measurements: teacher-forced agreement (the
+    prefill path's one long extend and the decode-step path's short extends) and KL (the first token's
+    and the largest over the decode-step positions)."""
+    tfs, kls = {}, {}
+    for L, v in fid.items():
+        sc = scores(v, name)
+        tf = [sc[k] for k in ("teacher_forced_agreement", "step_teacher_forced_agreement") if k in sc]
+        kl = [sc[k] for k in ("first_token_kl", "step_kl_max") if k in sc]
+        if tf:
+            tfs[L] = min(tf)
+        if kl:
+            kls[L] = max(kl)
+    return tfs, kls
+
+
 def gguf_summary(p: dict) -> dict:
     """Issue 53's keys: the GGUF system against llama.cpp, float32 and its own limit (empty without it)."""
     res, cfg = p["grid"], p["config"]
@@ -728,9 +759,7 @@ def gguf_summary(p: dict) -> dict:
         return ((res.get(name) or {}).get("memory_after_warmup") or {}).get("rss_mb")
 
     fid = (p.get("fidelity") or {}).get("by_context", {})
-    gf = {L: scores(v, "loopkv-gguf") for L, v in fid.items()}
-    tfs = {L: v["teacher_forced_agreement"] for L, v in gf.items() if "teacher_forced_agreement" in v}
-    kls = {L: v["first_token_kl"] for L, v in gf.items() if "first_token_kl" in v}
+    tfs, kls = gguf_fidelity(fid, "loopkv-gguf")
     out = {
         "gguf_tpot_ms_4k": tpot(res, "loopkv-gguf", c4, 1),
         "gguf_tpot_ms_8k": tpot(res, "loopkv-gguf", c8, 1),
@@ -751,6 +780,18 @@ def gguf_summary(p: dict) -> dict:
         "gguf_kl": kls,
         "gguf_kl_max": max(kls.values()) if kls else None,
     }
+    variants = {}
+    for n in GGUF_SYSTEMS:
+        if n in res:
+            vt, vk = gguf_fidelity(fid, n)
+            variants[n] = {
+                "tpot_ms_4k": tpot(res, n, c4, 1),
+                "tpot_ms_8k": tpot(res, n, c8, 1),
+                f"tokens_per_s_bs{top}_4k": tok_s(n, c4, top),
+                "teacher_forced_agreement_min": min(vt.values()) if vt else None,
+                "kl_max": max(vk.values()) if vk else None,
+            }
+    out["gguf_systems"] = variants
     # the targets' ratios, each read so that > 1 (or <= the bar) is where the issue wants it
     out |= {
         "gguf_over_llamacpp_tpot_4k": ratio(out["gguf_tpot_ms_4k"], tpot(res, "llamacpp", c4, 1)),  # <= 0.75
@@ -896,6 +937,7 @@ def report_md(p: dict) -> str:
     if fid:
         rows = [
             [n, L, v["prompt_tokens"], sc.get("first_token_kl", "-"), sc.get("teacher_forced_agreement", "-"),
+             sc.get("step_teacher_forced_agreement", "-"), sc.get("step_kl_max", "-"),
              sc.get("greedy_identical_prefix", "-"), v.get("fp32_self_agreement", "-")]
             for n in SCORED
             for L, v in fid.items()
@@ -911,6 +953,8 @@ def report_md(p: dict) -> str:
                     "prompt tokens",
                     "first-token KL",
                     "teacher-forced top-1 agreement",
+                    "decode-step teacher-forced agreement",
+                    "decode-step KL, max",
                     "identical greedy tokens before first divergence",
                     "fp32 teacher forcing on itself",
                 ],
@@ -967,9 +1011,10 @@ def gguf_md(p: dict) -> str:
          fmt_ms(sm["llamacpp_prefill_ms_4k"]), _f(sm["llamacpp_over_gguf_prefill_4k"]), ">= 1"],
         ["server RSS MB / float32's", fmt_ms(sm["gguf_rss_mb"]), fmt_ms(sm["fp32_rss_mb"]), _f(sm["gguf_over_fp32_rss"]),
          "< 1"],
-        ["teacher-forced agreement with float32, min", _f(sm["gguf_teacher_forced_agreement_min"]), "-", "-", ">= 0.99"],
-        ["first-token KL vs float32, max", f"{sm['gguf_kl_max']:.4f}" if sm["gguf_kl_max"] is not None else "-", "-",
-         "-", "<= 0.01"],
+        ["teacher-forced agreement with float32, min (prefill and decode-step paths)",
+         _f(sm["gguf_teacher_forced_agreement_min"]), "-", "-", ">= 0.99"],
+        ["KL vs float32, max (first token and decode steps)",
+         f"{sm['gguf_kl_max']:.4f}" if sm["gguf_kl_max"] is not None else "-", "-", "-", "<= 0.01"],
     ]  # fmt: skip
     md = (
         "GGUF path (`loopkv-gguf`) against its targets (first fill = the first request's whole context, untimed cell "
@@ -978,6 +1023,20 @@ def gguf_md(p: dict) -> str:
         + md_table(["figure", "loopkv-gguf", "other", "ratio", "target"], rows)
         + "\n"
     )
+    variants = sm.get("gguf_systems") or {}
+    if len(variants) > 1:
+        vrows = [
+            [n, fmt_ms(v["tpot_ms_4k"]), fmt_ms(v["tpot_ms_8k"]), _f(v[f"tokens_per_s_bs{top}_4k"]),
+             _f(v["teacher_forced_agreement_min"]), f"{v['kl_max']:.4f}" if v["kl_max"] is not None else "-"]
+            for n, v in variants.items()
+        ]  # fmt: skip
+        md += (
+            "The GGUF systems side by side (one request's TPOT; fidelity as above, against loopkv-fp32):\n\n"
+            + md_table(
+                ["system", "TPOT 4K ms", "TPOT 8K ms", f"tokens/s bs {top} 4K", "agreement min", "KL max"], vrows
+            )
+            + "\n"
+        )
     if bd:
         md += (
             f"Where a GGUF decode step goes at {bd['context']} tokens, one request (ms): weights {fmt_ms(b['weights'])} "
@@ -1128,7 +1187,7 @@ def run(args, env: dict) -> dict:
 
     fid_ctx = {
         "loopkv-bf16": [L for L in FID_CONTEXTS if L in contexts and (bf16_full or L in bf16_ctx)] or [bf16_ctx[-1]],
-        "loopkv-gguf": [L for L in contexts if L >= 2048] or [max(contexts)],  # 2K/4K/8K
+        **{n: [L for L in contexts if L >= 2048] or [max(contexts)] for n in GGUF_SYSTEMS},  # 2K/4K/8K
     }
     fid_ctx = {n: cs for n, cs in fid_ctx.items() if n in names}
     fid = None
@@ -1213,10 +1272,10 @@ def run(args, env: dict) -> dict:
             for dt in DTYPE_BYTES
         },
     }
-    if gguf_file is not None:  # the file's bytes once a step, KV in float32
+    if gguf_file is not None:  # the file's bytes once a step, KV in bfloat16 (the GGUF path's default pool)
         limit["weight_bytes"]["gguf"] = file_weight_bytes(gguf_file)
         limit["tpot_ms"]["gguf"] = {
-            f"{L}/{bs}": limit_tpot_ms(facts, "float32", L, bs, args.gen, bandwidth, limit["weight_bytes"]["gguf"])
+            f"{L}/{bs}": limit_tpot_ms(facts, "bfloat16", L, bs, args.gen, bandwidth, limit["weight_bytes"]["gguf"])
             for L in contexts
             for bs in batch_sizes
         }

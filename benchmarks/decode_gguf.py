@@ -6,7 +6,8 @@ decode row through every block matrix of a step as the server holds them
 (:func:`sgl_loopkv.models.gguf.weights.decode_step_linears`: per layer qkv, o, gate+up, down, then
 the LM head), the kernels the server calls, one after another so each matrix is read cold as in a
 served step; ``attention`` = the loopkv dense executor's decode of one query over ``L`` contiguous
-float32 keys and values, times the layers, with the file's head geometry; ``other`` = the served
+keys and values in the served pool's dtype (bfloat16, the GGUF path's default), times the layers, with the
+file's head geometry; ``other`` = the served
 TPOT minus both (norms, rotary, sampling, SGLang's scheduler and streaming, Python). Median of
 ``repeats`` steps after two warm-ups; torch's threads as in this process (the server uses the
 machine's cores as well)."""
@@ -45,7 +46,9 @@ def geometry(path: Path) -> dict:
     }
 
 
-def step_breakdown(path: Path, context: int, tpot_ms: float | None, repeats: int = 15) -> dict:
+def step_breakdown(
+    path: Path, context: int, tpot_ms: float | None, repeats: int = 15, kv_dtype: torch.dtype = torch.bfloat16
+) -> dict:
     """ms per decode step: weights, attention, other (served TPOT minus both; None without a TPOT)."""
     geo = geometry(path)
     linears = decode_step_linears(GGUFFile(path))
@@ -56,7 +59,7 @@ def step_breakdown(path: Path, context: int, tpot_ms: float | None, repeats: int
             lin(x if lin.in_features == x.shape[1] else torch.randn(1, lin.in_features))
 
     hq, hkv, d = geo["heads"], geo["kv_heads"], geo["head_dim"]
-    k, v = torch.randn(context, hkv, d), torch.randn(context, hkv, d)
+    k, v = torch.randn(context, hkv, d).to(kv_dtype), torch.randn(context, hkv, d).to(kv_dtype)
     q, out = torch.randn(1, hq, d), torch.empty(1, hq, d)
     plan = AttentionPlan([0, 1], [0, context], torch.arange(context), causal=True)
     ex = TorchDenseExecutor()
@@ -75,6 +78,7 @@ def step_breakdown(path: Path, context: int, tpot_ms: float | None, repeats: int
         "other_ms": None if tpot_ms is None else tpot_ms - w_ms - a_ms,
         "weight_bytes": sum(p.nbytes for lin in linears for p in lin.parts),
         "torch_threads": torch.get_num_threads(),
+        "kv_dtype": str(kv_dtype).removeprefix("torch."),
         "how": __doc__.split("Step breakdown ")[1].split("\n\n")[0].replace("\n", " "),
     }
 

@@ -430,7 +430,7 @@ void decode_split_heads(const float* q, const KV* k_cache, const KV* v_cache, co
 template <typename KV, typename QO>
 void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                  const torch::Tensor& kv_indices, const torch::Tensor& kv_indptr, double scale, torch::Tensor& out,
-                 int64_t min_split) {
+                 int64_t min_split, bool per_head) {
   const int64_t bs = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t hkv = k_cache.size(1);
   const int g = static_cast<int>(hq / hkv);
@@ -455,7 +455,7 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
   std::vector<float> part_m(items * g), part_l(items * g), part_acc(items * g * d);
 
 #ifdef LOOPKV_HEADS_PATH
-  if ((d == 64 || d == 128) && g <= 8) {  // items are splits, every KV head in each
+  if (!per_head && (d == 64 || d == 128) && g <= 8) {  // items are splits, every KV head in each
     at::parallel_for(0, split_first[bs], 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf(static_cast<size_t>(hq) * d);
       for (int64_t flat = begin; flat < end; ++flat) {
@@ -515,11 +515,11 @@ void decode_impl(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
 
 template <typename KV>
 void dispatch_q(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& idx,
-                const torch::Tensor& indptr, double scale, torch::Tensor& out, int64_t min_split) {
+                const torch::Tensor& indptr, double scale, torch::Tensor& out, int64_t min_split, bool per_head) {
   switch (q.scalar_type()) {
-    case at::kFloat: return decode_impl<KV, float>(q, k, v, idx, indptr, scale, out, min_split);
-    case at::kBFloat16: return decode_impl<KV, at::BFloat16>(q, k, v, idx, indptr, scale, out, min_split);
-    case at::kHalf: return decode_impl<KV, at::Half>(q, k, v, idx, indptr, scale, out, min_split);
+    case at::kFloat: return decode_impl<KV, float>(q, k, v, idx, indptr, scale, out, min_split, per_head);
+    case at::kBFloat16: return decode_impl<KV, at::BFloat16>(q, k, v, idx, indptr, scale, out, min_split, per_head);
+    case at::kHalf: return decode_impl<KV, at::Half>(q, k, v, idx, indptr, scale, out, min_split, per_head);
     default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
   }
 }
@@ -540,20 +540,32 @@ void check_attention_operands(const torch::Tensor& q, const torch::Tensor& k_cac
               "k/v share a dtype; out has q's dtype");
 }
 
-void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_indices,
-                  torch::Tensor kv_indptr, double scale, torch::Tensor out, int64_t min_split) {
+void paged_decode_path(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_indices,
+                       torch::Tensor kv_indptr, double scale, torch::Tensor out, int64_t min_split, bool per_head) {
   check_attention_operands(q, k_cache, v_cache, out);
   TORCH_CHECK(q.size(2) == k_cache.size(2) && q.size(1) % k_cache.size(1) == 0, "head_dim / GQA mismatch");
   TORCH_CHECK(kv_indices.scalar_type() == at::kLong && kv_indptr.scalar_type() == at::kLong &&
                   kv_indices.is_contiguous() && kv_indptr.is_contiguous() && kv_indptr.numel() == q.size(0) + 1,
               "kv_indices / kv_indptr: contiguous int64, indptr has B + 1 entries");
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return dispatch_q<float>(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split);
+    case at::kFloat: return dispatch_q<float>(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split, per_head);
     case at::kBFloat16:
-      return dispatch_q<at::BFloat16>(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split);
-    case at::kHalf: return dispatch_q<at::Half>(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split);
+      return dispatch_q<at::BFloat16>(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split, per_head);
+    case at::kHalf: return dispatch_q<at::Half>(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split, per_head);
     default: TORCH_CHECK(false, "paged_decode: unsupported KV dtype ", k_cache.scalar_type());
   }
+}
+
+void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_indices,
+                  torch::Tensor kv_indptr, double scale, torch::Tensor out, int64_t min_split) {
+  paged_decode_path(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split, false);
+}
+
+// The same over the one-KV-head-per-item path whatever the head dim (tests and
+// benchmarks/studies/decode_attention.py compare the two).
+void paged_decode_per_head(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_indices,
+                           torch::Tensor kv_indptr, double scale, torch::Tensor out, int64_t min_split) {
+  paged_decode_path(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split, true);
 }
 
 // Sparse decode's page selection for one sequence in one layer (the torch path is
@@ -865,6 +877,7 @@ bool intra_op_parallel() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over SGLang's KV pool (CPU)");
+  m.def("paged_decode_per_head", &paged_decode_per_head, "paged_decode over its one-KV-head-per-item path (CPU)");
   m.def("extend_attention", &extend_attention, "Causal attention of a few new rows over their KV in the pool (CPU)");
   m.def("select_pages", &select_pages, "Sparse decode page selection for one sequence and layer (CPU)");
   m.def("page_rows", &page_rows, "Plan rows (slot * Hkv + head) of selected pages (CPU)");

@@ -193,8 +193,8 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
 def gguf_model_start(config: LoopKVConfig, rest: list[str], argv: list[str]) -> list[str]:
     """A CPU start whose ``--model-path`` is a GGUF file (or a folder of one): the file checked
     (:mod:`sgl_loopkv.models.gguf.serving`; a file it cannot serve exits here with the reason), served from
-    its blocks (``config.weights`` becomes ``gguf``), SGLang's argv pointed at the file. Other starts
-    are returned as they are."""
+    its blocks (``config.weights`` becomes ``gguf``) over a bfloat16 KV pool unless ``--kv-cache-dtype``
+    says otherwise, SGLang's argv pointed at the file. Other starts are returned as they are."""
     from sgl_loopkv.models.gguf.serving import GGUFError, check_servable, gguf_file_of, tokenizer_folder
 
     try:
@@ -211,7 +211,9 @@ def gguf_model_start(config: LoopKVConfig, rest: list[str], argv: list[str]) -> 
                             "needs a Hugging Face folder")  # fmt: skip
         own_tokenizer = _given(rest, "--tokenizer-path")
         check_servable(path, own_tokenizer)
-        defaults = {"--served-model-name": path.stem}
+        # a bfloat16 KV pool: half the bytes a decode step's attention reads, within the fidelity bar
+        # against the float32 pool (docs/decisions/2026-12-06-gguf-bf16-kv.md); --kv-cache-dtype auto keeps float32
+        defaults = {"--served-model-name": path.stem, "--kv-cache-dtype": "bf16"}
         if not own_tokenizer:
             defaults["--tokenizer-path"] = str(tokenizer_folder(path, config.resolved_cache_dir))
     except GGUFError as e:

@@ -124,6 +124,17 @@ class LoopKVConfig:
             "choices": ["float32", "gguf"],
         },
     )
+    gguf_activations: str = field(
+        default="float32",
+        metadata={
+            "help": "What a GGUF block weight multiplies in a decode step or short extend (up to 16 rows): "
+            "'float32' (default): the float32 activations against the exactly dequantized weights, bit for bit "
+            "the dequantized float32 model; 'q8': the activations rounded to int8 per 32-element block and "
+            "integer block dot products, as llama.cpp does (faster kernels; below the fidelity bar on the "
+            "default model, docs/models.md).",
+            "choices": ["q8", "float32"],
+        },
+    )
     stock: bool = field(
         default=False,
         metadata={
@@ -147,6 +158,8 @@ class LoopKVConfig:
             raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
         if self.weights not in ("float32", "gguf"):
             raise ValueError(f"--loopkv-weights must be float32 or gguf, not {self.weights!r}")
+        if self.gguf_activations not in ("q8", "float32"):
+            raise ValueError(f"--loopkv-gguf-activations must be q8 or float32, not {self.gguf_activations!r}")
         if self.weights == "gguf" and self.stock:
             raise ValueError("--loopkv-weights gguf is not stock SGLang: it cannot go with --loopkv-stock")
         if self.tiers.disk_dir == "auto":  # resolved here, so the subprocesses get the launcher's path

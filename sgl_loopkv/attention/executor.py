@@ -136,11 +136,12 @@ def attention_over_runs(
     hkv = k_cache.shape[1]
     g = hq // hkv
     L = sum(length for _, length in runs)
-    qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d).to(k_cache.dtype)
+    ct = torch.promote_types(q.dtype, k_cache.dtype)  # a float32 model over a bf16 pool: float32, not bf16
+    qg = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d).to(ct)
     scores = q.new_empty(hkv, g * n, L, dtype=torch.float32)
     pos = 0
     for first, length in runs:
-        k = k_cache[first : first + length].transpose(0, 1)  # [Hkv, r, D] view
+        k = k_cache[first : first + length].transpose(0, 1).to(ct)  # [Hkv, r, D] view (a copy if widened)
         if k.dtype == torch.float32:  # written in place
             torch.bmm(qg, k.transpose(1, 2), out=scores[:, :, pos : pos + length])
         else:  # bmm's out= must match its (half) inputs; softmax in fp32 all the same
@@ -150,11 +151,11 @@ def attention_over_runs(
     if causal and n > 1:
         row_pos = (L - n + torch.arange(n, device=q.device)).repeat(g)  # [g * n], same order as qg rows
         scores.masked_fill_(torch.arange(L, device=q.device)[None, :] > row_pos[:, None], float("-inf"))
-    probs = scores.softmax(dim=-1).to(v_cache.dtype)
-    out = torch.zeros(hkv, g * n, d, dtype=v_cache.dtype, device=q.device)
+    probs = scores.softmax(dim=-1).to(ct)
+    out = torch.zeros(hkv, g * n, d, dtype=ct, device=q.device)
     pos = 0
     for first, length in runs:
-        out.baddbmm_(probs[:, :, pos : pos + length], v_cache[first : first + length].transpose(0, 1))
+        out.baddbmm_(probs[:, :, pos : pos + length], v_cache[first : first + length].transpose(0, 1).to(ct))
         pos += length
     return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d).to(q.dtype)
 
@@ -166,8 +167,10 @@ def gathered_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     single query row; they tile for many."""
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[1]
-    qg = q.view(hkv, hq // hkv, d).to(k.dtype)
-    probs = torch.bmm(qg, k.permute(1, 2, 0)).float().mul_(scale).softmax(dim=-1).to(v.dtype)
+    ct = torch.promote_types(q.dtype, k.dtype)  # a float32 model over a bf16 pool: float32, not bf16
+    k, v = k.to(ct), v.to(ct)
+    qg = q.view(hkv, hq // hkv, d).to(ct)
+    probs = torch.bmm(qg, k.permute(1, 2, 0)).float().mul_(scale).softmax(dim=-1).to(ct)
     return torch.bmm(probs, v.transpose(0, 1)).reshape(1, hq, d).to(q.dtype)
 
 

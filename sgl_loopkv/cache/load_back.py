@@ -185,8 +185,10 @@ class LoadBack:
             prefix_slots = torch.cat(path[::-1]).to(torch.int64)
 
         def write(layer, k, v):
-            k_bufs[layer].index_copy_(0, slots[: len(k)], k.to(k_bufs[layer].dtype))
-            v_bufs[layer].index_copy_(0, slots[: len(v)], v.to(v_bufs[layer].dtype))
+            k, v = k.to(k_bufs[layer].dtype), v.to(v_bufs[layer].dtype)
+            k_bufs[layer].index_copy_(0, slots[: len(k)], k)
+            v_bufs[layer].index_copy_(0, slots[: len(v)], v)
+            return k, v
 
         def prefix_kv(layer):
             return k_bufs[layer][prefix_slots], v_bufs[layer][prefix_slots]

@@ -42,7 +42,9 @@ class LayerStack(ABC):
         ``n`` are the rows' own -> [n, Hq, D]."""
 
 
-KVSink = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, k [s, Hkv, D], v) -> stored
+#: (layer, k [s, Hkv, D], v) -> the K/V as stored (the pool's dtype: what the server's forward attends
+#: to), or None where they are kept as given
+KVSink = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor] | None]
 PrefixKV = Callable[[int], tuple[torch.Tensor, torch.Tensor] | None]  # layer -> K, V of the device prefix
 
 
@@ -69,7 +71,7 @@ def recompute_front(
             break
         x, pos = x[:s], positions[:s]
         q, k, v = stack.qkv(layer, x, pos)
-        write(layer, k, v)
+        k, v = write(layer, k, v) or (k, v)  # a bf16 pool under a float32 model: attend to the rounded K/V
         prefix = prefix_kv(layer) if start else None
         keys, values = (k, v) if prefix is None else (torch.cat([prefix[0], k]), torch.cat([prefix[1], v]))
         attn = stack.attention(q, keys, values)

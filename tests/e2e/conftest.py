@@ -86,12 +86,22 @@ def _smollm2(p: SessionPaths) -> ServerProcess:
 @SERVERS.register("gguf_file_server")
 def _gguf_file(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv on the default model's GGUF file itself (``--model-path x.gguf``): SGLang's GGUF loader,
-    the tokenizer and chat template from the file's metadata, the block kernels; with ``--enable-metrics``
-    (``loopkv_gguf_layers``, ``loopkv_lean_forward``)."""
+    the tokenizer and chat template from the file's metadata, the block kernels, over a float32 KV pool
+    (``--kv-cache-dtype auto``: the exact path, whose tokens are the float32 conversion's); with
+    ``--enable-metrics`` (``loopkv_gguf_layers``, ``loopkv_lean_forward``)."""
     from sgl_loopkv.models import default_model_gguf
 
     args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS, "--enable-metrics"]
-    return ServerProcess(args, log_path=p.logs / "gguf-file.log")
+    return ServerProcess([*args, "--kv-cache-dtype", "auto"], log_path=p.logs / "gguf-file.log")
+
+
+@SERVERS.register("gguf_default_server")
+def _gguf_default(p: SessionPaths) -> ServerProcess:
+    """sgl-loopkv on the default model's GGUF file with the launcher's defaults (a bfloat16 KV pool)."""
+    from sgl_loopkv.models import default_model_gguf
+
+    args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS]
+    return ServerProcess(args, log_path=p.logs / "gguf-default.log")
 
 
 @SERVERS.register("keyed_server")
@@ -163,6 +173,7 @@ tiny_server = _shared("tiny_server")
 tiny_native_server = _shared("tiny_native_server")
 smollm2_server = _shared("smollm2_server")
 gguf_file_server = _shared("gguf_file_server")
+gguf_default_server = _shared("gguf_default_server")
 keyed_server = _shared("keyed_server")
 tiny_sparse_server = _shared("tiny_sparse_server")
 capped_server = _shared("capped_server")

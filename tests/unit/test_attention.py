@@ -200,3 +200,24 @@ def test_attention_over_pool_runs_in_half_precision(dtype):
     out = attention_over_runs(*half, slot_runs(slots), 0.25, True)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_a_float32_model_over_a_bf16_pool_keeps_float32_arithmetic():
+    """``--kv-cache-dtype bf16`` under a float32 model: the pool's values are bf16, but the torch decode
+    paths (pool runs, gathered keys) compute in float32 like the native kernel and SGLang's torch_native,
+    so the result is the reference over the bf16-rounded K/V within float32 rounding, not bf16's."""
+    from sgl_loopkv.attention.executor import attention_over_runs, gathered_decode
+    from sgl_loopkv.attention.plan import slot_runs
+
+    g = torch.Generator().manual_seed(11)
+    slots = torch.cat([torch.arange(p * 16, p * 16 + 16) for p in (5, 2, 9, 0)])
+    k_cache = torch.randn(160, 2, 16, generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(160, 2, 16, generator=g).to(torch.bfloat16)
+    for n in (1, 3):
+        q = torch.randn(n, 6, 16, generator=g)
+        ref = reference_attention(q, k_cache[slots].float(), v_cache[slots].float(), 0.25)
+        out = attention_over_runs(q, k_cache, v_cache, slot_runs(slots), 0.25, True)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    one = gathered_decode(q[-1:], k_cache[slots], v_cache[slots], 0.25)
+    torch.testing.assert_close(one, ref[-1:], atol=1e-5, rtol=1e-5)

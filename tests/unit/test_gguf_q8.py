@@ -6,7 +6,9 @@ linear() takes it only with ``LOOPKV_GGUF_ACTIVATIONS=q8``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import json
 
 import numpy as np
 import pytest
@@ -181,3 +183,20 @@ def test_default_model_layers_close_to_float(q8):
         y, ref = q8.gemv_q8(x, w.blocks, int(w.qtype)), g.gemv(x, w.blocks, int(w.qtype), None, -1)
         rel = float(((y - ref).norm(dim=1) / ref.norm(dim=1)).max())
         assert rel < 0.02, (name, rel)
+
+
+def test_the_launchers_flag_chooses_the_activations(monkeypatch, activations):
+    """``--loopkv-gguf-activations`` reaches the scheduler through the launched config; the variable,
+    when set, wins (tests and kernel benchmarks); float32, the exact path, is the default."""
+    from sgl_loopkv.config import ENV_VAR, LoopKVConfig
+
+    activations("")  # unset: the config decides
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert LoopKVConfig().gguf_activations == "float32" and linear_module.activations() == "float32"
+    monkeypatch.setenv(ENV_VAR, json.dumps(dataclasses.asdict(LoopKVConfig(gguf_activations="q8"))))
+    linear_module.activations.cache_clear()
+    assert linear_module.activations() == "q8"
+    activations("float32")
+    assert linear_module.activations() == "float32"
+    with pytest.raises(ValueError, match="--loopkv-gguf-activations"):
+        LoopKVConfig(gguf_activations="int4")

@@ -82,6 +82,9 @@ def test_a_servable_file_becomes_sglangs_model_path_served_from_blocks(tmp_path)
     assert argv[argv.index("--served-model-name") + 1] == "tiny-q4"
     _, named, _ = build_sglang_argv(["--model-path", str(path), "--served-model-name", "m", *own])
     assert named.count("--served-model-name") == 1 and named[named.index("--served-model-name") + 1] == "m"
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "bf16"  # the GGUF path's default pool
+    _, exact, _ = build_sglang_argv(["--model-path", str(path), "--kv-cache-dtype", "auto", *own])
+    assert exact.count("--kv-cache-dtype") == 1 and exact[exact.index("--kv-cache-dtype") + 1] == "auto"
 
 
 def test_the_tokenizer_and_chat_template_come_from_the_files_metadata(tmp_path):

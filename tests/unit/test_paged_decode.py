@@ -245,3 +245,16 @@ def test_the_kernels_build_cache_is_keyed_by_source_and_torch_path(monkeypatch, 
     assert _build_key(tmp_path / "other" / "paged_decode.cpp") != key
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv-link" / "torch" / "__init__.py"))
     assert _build_key(src) != key
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_two_decode_paths_agree(native, dtype):
+    """Every-head items (what head dims 64 and 128 take) and one-head items (any other): the same
+    attention within float32 rounding of each other, over a fragmented pool."""
+    q, k_cache, v_cache, slots, plan = fragmented_batch(21, [2000, 300, 17], dtype=dtype, pool=4096)
+    q = q.float()
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    native.paged_decode(q, k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, 0.125, a, 256)
+    native.paged_decode_per_head(q, k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, 0.125, b, 256)
+    torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(a.double(), reference(q, k_cache, v_cache, slots, 0.125), atol=2e-6, rtol=1e-5)

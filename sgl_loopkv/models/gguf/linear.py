@@ -8,11 +8,12 @@ By rows of x (thresholds from ``benchmarks/gguf_kernels.py`` on this project's C
 - more rows (prefill): ``gemm_dequant``, tiles of ``GEMM_TILE`` weight rows decoded to float32 and
   multiplied by torch's GEMM (MKL / oneDNN); the tile is the only float copy and lives for one call.
 
-``LOOPKV_GGUF_ACTIVATIONS=q8`` (read once; default ``float32``) runs the gemv rows on int8 activations
-instead (``gguf_q8``: x quantized per 32-element block as llama.cpp does, integer block dots): ~1.6x the
-float gemv's weights/s at one row on an AVX512-VNNI Xeon (decode is bound by the per-weight float
-decode, not by memory), at the cost of x's rounding to ~8 bits per block (not bitwise the float path).
-Types or machines it does not cover keep the float path.
+``--loopkv-gguf-activations q8`` (opt-in) runs the gemv rows on int8 activations instead (``gguf_q8``:
+x rounded per 32-element block as llama.cpp does, integer block dots): on two cores a decode step's
+weights are bound by the per-weight float decode, not by memory, and the integer dots take ~1.5x the
+weights a second. The price is x's rounding to 8 bits per block: not bitwise the dequantized model, and
+on the default model below the fidelity bar (docs/models.md), so ``float32``, the exact path, is the
+default. Types or machines it does not cover keep the float path.
 
 Without the compiled kernel (no compiler, ``LOOPKV_NATIVE_GGUF=0``) the weight is dequantized per call
 with the ``gguf`` package (numpy) and multiplied by ``F.linear``: correct, slow, for a machine that
@@ -27,6 +28,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.kernels import gguf_q8
 from sgl_loopkv.kernels.gguf_linear import load
 from sgl_loopkv.models.gguf.reader import BlockWeight, dequantize_rows
@@ -36,14 +38,15 @@ from sgl_loopkv.models.gguf.reader import BlockWeight, dequantize_rows
 GEMV_MAX_ROWS = 16
 #: Weight rows per dequantized tile of the prefill path (at K = 576: 1.2 MB of float32, L2-sized).
 GEMM_TILE = 512
-#: ``q8``: the gemv rows on int8 activations (``gguf_q8``); ``float32`` (default): the exact float path.
+#: Overrides ``--loopkv-gguf-activations`` in this process (tests, kernel benchmarks).
 ACTIVATIONS_ENV = "LOOPKV_GGUF_ACTIVATIONS"
 
 
 @functools.cache
 def activations() -> str:
-    """``q8`` or ``float32``, from ``LOOPKV_GGUF_ACTIVATIONS`` (read once per process)."""
-    value = os.environ.get(ACTIVATIONS_ENV, "float32").strip().lower() or "float32"
+    """``q8`` or ``float32``: ``LOOPKV_GGUF_ACTIVATIONS`` if set, else the server's
+    ``--loopkv-gguf-activations`` (read once per process)."""
+    value = os.environ.get(ACTIVATIONS_ENV, "").strip().lower() or LoopKVConfig.from_env().gguf_activations
     if value not in ("q8", "float32"):
         raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected q8 or float32")
     return value
