@@ -138,15 +138,19 @@ def run_part(module, shapes, rows_list, names, repeats, args, bw) -> list[dict]:
 
 
 def summarize(res: dict) -> dict:
-    """Per shape at one row (a decode step): float32 F.linear / Q4_1 gemv, and the 8-lane path / the best
-    path where both ran (> 1: the block kernel, or the wider path, is faster); medians."""
+    """Per shape at one row (a decode step): float32 F.linear / Q4_1 gemv, the 8-lane path / the best
+    path where both ran, and the float-activation gemv / the int8-activation one (> 1: the block kernel,
+    the wider path, the int8 one is faster); medians."""
     by = {(c["shape"], c["rows"], c["system"]): c["ms"] for c in res["parts"].get("gemv", [])}
-    out: dict = {"fp32_over_q4_1_gemv_1row": {}, "avx2_over_best_q4_1_1row": {}}
+    out: dict = {"fp32_over_q4_1_gemv_1row": {}, "avx2_over_best_q4_1_1row": {}, "float_over_q8_q4_1_1row": {}}
     for shape in SHAPES:
         f, q, a = (by.get((shape, 1, n)) for n in ("fp32 F.linear", "Q4_1 gemv", "Q4_1 gemv avx2"))
+        i8 = by.get((shape, 1, "Q4_1 gemv q8"))
         key = shape.split()[0]
         if f and q:
             out["fp32_over_q4_1_gemv_1row"][key] = f / q
+        if q and i8:
+            out["float_over_q8_q4_1_1row"][key] = q / i8
         if a and q:
             out["avx2_over_best_q4_1_1row"][key] = a / q
     return out
@@ -185,7 +189,8 @@ def markdown(res: dict) -> str:
         lines += ["", f"## {title}", "", md_table(header, rows)]
     sm = res.get("summary") or {}
     for key, what in (("fp32_over_q4_1_gemv_1row", "float32 F.linear / Q4_1 gemv"),
-                      ("avx2_over_best_q4_1_1row", "Q4_1 gemv, AVX2 path / best path")):  # fmt: skip
+                      ("avx2_over_best_q4_1_1row", "Q4_1 gemv, AVX2 path / best path"),
+                      ("float_over_q8_q4_1_1row", "Q4_1 gemv on float32 activations / on int8 ones (q8)")):  # fmt: skip
         if sm.get(key):
             lines += ["", f"{what}, one row: " + ", ".join(f"{k} {v:.2f}x" for k, v in sm[key].items())]
     return "\n".join(lines) + "\n"

@@ -130,8 +130,8 @@ class LoopKVConfig:
             "help": "What a GGUF block weight multiplies in a decode step or short extend (up to 16 rows): "
             "'float32' (default): the float32 activations against the exactly dequantized weights, bit for bit "
             "the dequantized float32 model; 'q8': the activations rounded to int8 per 32-element block and "
-            "integer block dot products, as llama.cpp does (faster kernels; below the fidelity bar on the "
-            "default model, docs/models.md).",
+            "integer block dot products, as llama.cpp does (less work per weight, little gain from memory; below "
+            "the fidelity bar on the default model, docs/models.md).",
             "choices": ["q8", "float32"],
         },
     )

@@ -1,7 +1,8 @@
 """The default model served from its GGUF blocks next to its converted float32 weights (``float32``, the
 default): ``gguf`` (``--loopkv-weights gguf``: SGLang loads the converted folder, the blocks replace its
 float weights) and ``gguf_file`` (``--model-path`` the GGUF file itself: SGLang's GGUF loader, no
-converted folder). Start-up (spawn to first answer), decode TPOT of one request at a ~2K context, the
+converted folder; ``--kv-cache-dtype auto``: a float32 pool like the others, not the GGUF start's bfloat16
+default). Start-up (spawn to first answer), decode TPOT of one request at a ~2K context, the
 scheduler's memory after warm-up, and whether they serve the same greedy tokens.
 
 The servers run at once (same flags otherwise; started one after another) and the timed requests
@@ -38,7 +39,13 @@ def system_args(name: str) -> list[str]:
     if name == "gguf_file":
         from sgl_loopkv.models import default_model_gguf
 
-        return ["--model-path", str(default_model_gguf()), *ARGS]
+        return [
+            "--model-path",
+            str(default_model_gguf()),
+            *ARGS,
+            "--kv-cache-dtype",
+            "auto",
+        ]  # float32 KV, as the others
     return [*ARGS, "--loopkv-weights", name]
 
 

@@ -9,11 +9,11 @@ By rows of x (thresholds from ``benchmarks/gguf_kernels.py`` on this project's C
   multiplied by torch's GEMM (MKL / oneDNN); the tile is the only float copy and lives for one call.
 
 ``--loopkv-gguf-activations q8`` (opt-in) runs the gemv rows on int8 activations instead (``gguf_q8``:
-x rounded per 32-element block as llama.cpp does, integer block dots): on two cores a decode step's
-weights are bound by the per-weight float decode, not by memory, and the integer dots take ~1.5x the
-weights a second. The price is x's rounding to 8 bits per block: not bitwise the dequantized model, and
-on the default model below the fidelity bar (docs/models.md), so ``float32``, the exact path, is the
-default. Types or machines it does not cover keep the float path.
+x rounded per 32-element block as llama.cpp does, integer block dots): less work per weight, which
+pays where the weights are in cache and little where they stream from memory, as in a served step
+(``benchmarks/results/gguf_kernels.md``). The price is x's rounding to 8 bits per block: not bitwise the
+dequantized model, and on the default model below the fidelity bar (docs/models.md), so ``float32``, the
+exact path, is the default. Types or machines it does not cover keep the float path.
 
 Without the compiled kernel (no compiler, ``LOOPKV_NATIVE_GGUF=0``) the weight is dequantized per call
 with the ``gguf`` package (numpy) and multiplied by ``F.linear``: correct, slow, for a machine that
