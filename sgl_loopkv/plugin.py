@@ -95,6 +95,7 @@ def _register_hooks() -> None:
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import decode_linear, lean_forward
     from sgl_loopkv.models.gguf import serving as gguf_serving
+    from sgl_loopkv.models.gguf.linear import use_activations
     from sgl_loopkv.server import (
         errors,
         forget,
@@ -134,6 +135,7 @@ def _register_hooks() -> None:
             (lean_forward.TARGET, lean_forward.lean_model_forward, HookType.AROUND),
         ]
         if LoopKVConfig.from_env().weights == "gguf":  # linears and embedding from a GGUF file's blocks
+            use_activations(LoopKVConfig.from_env().gguf_activations)
             hooks += [
                 (decode_linear.EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),
                 (decode_linear.GGUF_EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),

@@ -6,9 +6,7 @@ linear() takes it only with ``LOOPKV_GGUF_ACTIVATIONS=q8``."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
-import json
 
 import numpy as np
 import pytest
@@ -185,18 +183,21 @@ def test_default_model_layers_close_to_float(q8):
         assert rel < 0.02, (name, rel)
 
 
-def test_the_launchers_flag_chooses_the_activations(monkeypatch, activations):
-    """``--loopkv-gguf-activations`` reaches the scheduler through the launched config; the variable,
-    when set, wins (tests and kernel benchmarks); float32, the exact path, is the default."""
-    from sgl_loopkv.config import ENV_VAR, LoopKVConfig
+def test_the_servers_flag_chooses_the_activations(activations):
+    """The plugin hands ``--loopkv-gguf-activations`` to the process (``use_activations``); the variable,
+    when set, wins (tests and kernel benchmarks); float32, the exact path, is the config's default."""
+    from sgl_loopkv.config import LoopKVConfig
 
-    activations("")  # unset: the config decides
-    monkeypatch.delenv(ENV_VAR, raising=False)
+    activations("")  # unset: the server's choice decides
     assert LoopKVConfig().gguf_activations == "float32" and linear_module.activations() == "float32"
-    monkeypatch.setenv(ENV_VAR, json.dumps(dataclasses.asdict(LoopKVConfig(gguf_activations="q8"))))
-    linear_module.activations.cache_clear()
-    assert linear_module.activations() == "q8"
-    activations("float32")
-    assert linear_module.activations() == "float32"
+    try:
+        linear_module.use_activations("q8")
+        assert linear_module.activations() == "q8"
+        activations("float32")
+        assert linear_module.activations() == "float32"
+    finally:
+        linear_module.use_activations("float32")
+    with pytest.raises(ValueError, match="activations"):
+        linear_module.use_activations("int4")
     with pytest.raises(ValueError, match="--loopkv-gguf-activations"):
         LoopKVConfig(gguf_activations="int4")

@@ -28,7 +28,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.kernels import gguf_q8
 from sgl_loopkv.kernels.gguf_linear import load
 from sgl_loopkv.models.gguf.reader import BlockWeight, dequantize_rows
@@ -40,14 +39,26 @@ GEMV_MAX_ROWS = 16
 GEMM_TILE = 512
 #: Overrides ``--loopkv-gguf-activations`` in this process (tests, kernel benchmarks).
 ACTIVATIONS_ENV = "LOOPKV_GGUF_ACTIVATIONS"
+ACTIVATIONS = ("float32", "q8")
+_chosen = "float32"  # the server's --loopkv-gguf-activations (use_activations, from the plugin)
+
+
+def use_activations(mode: str) -> None:
+    """This process's ``--loopkv-gguf-activations`` (the plugin passes the launched config's)."""
+    global _chosen
+    if mode not in ACTIVATIONS:
+        raise ValueError(f"GGUF activations {mode!r}: expected one of {ACTIVATIONS}")
+    _chosen = mode
+    activations.cache_clear()
+    _q8_types.cache_clear()
 
 
 @functools.cache
 def activations() -> str:
     """``q8`` or ``float32``: ``LOOPKV_GGUF_ACTIVATIONS`` if set, else the server's
-    ``--loopkv-gguf-activations`` (read once per process)."""
-    value = os.environ.get(ACTIVATIONS_ENV, "").strip().lower() or LoopKVConfig.from_env().gguf_activations
-    if value not in ("q8", "float32"):
+    ``--loopkv-gguf-activations`` (:func:`use_activations`)."""
+    value = os.environ.get(ACTIVATIONS_ENV, "").strip().lower() or _chosen
+    if value not in ACTIVATIONS:
         raise ValueError(f"{ACTIVATIONS_ENV}={value!r}: expected q8 or float32")
     return value
 
