@@ -95,15 +95,6 @@ def _gguf_file(p: SessionPaths) -> ServerProcess:
     return ServerProcess([*args, "--kv-cache-dtype", "auto"], log_path=p.logs / "gguf-file.log")
 
 
-@SERVERS.register("gguf_default_server")
-def _gguf_default(p: SessionPaths) -> ServerProcess:
-    """sgl-loopkv on the default model's GGUF file with the launcher's defaults (a bfloat16 KV pool)."""
-    from sgl_loopkv.models import default_model_gguf
-
-    args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS]
-    return ServerProcess(args, log_path=p.logs / "gguf-default.log")
-
-
 @SERVERS.register("keyed_server")
 def _keyed(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv on the tiny model with ``--api-key``/``--admin-api-key``, ``--enable-metrics``, an
@@ -173,7 +164,6 @@ tiny_server = _shared("tiny_server")
 tiny_native_server = _shared("tiny_native_server")
 smollm2_server = _shared("smollm2_server")
 gguf_file_server = _shared("gguf_file_server")
-gguf_default_server = _shared("gguf_default_server")
 keyed_server = _shared("keyed_server")
 tiny_sparse_server = _shared("tiny_sparse_server")
 capped_server = _shared("capped_server")

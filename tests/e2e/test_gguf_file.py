@@ -10,6 +10,8 @@ import pytest
 import requests
 
 from benchmarks.common import metrics
+from sgl_loopkv.server.process import ServerProcess
+from tests.e2e.conftest import COMMON_SERVER_ARGS
 from tests.e2e.test_gguf_weights import FLOAT_BYTES, PROMPTS, greedy
 
 pytestmark = pytest.mark.server
@@ -36,6 +38,19 @@ def test_a_gguf_file_serves_what_its_float32_conversion_serves(gguf_file_server,
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-3, prompt
     m = metrics(gguf_file_server.url)  # 30 blocks of qkv, o, gate+up, down, and the tied embedding
     assert m.get("loopkv_gguf_layers") == 121 and m.get("loopkv_lean_forward") == 1, m
+
+
+@pytest.fixture(scope="module")
+def gguf_default_server(default_model_dir, server_logs):
+    """The default model's GGUF file with the launcher's defaults (a bfloat16 KV pool). For this module
+    only and with a small pool: one more SmolLM2 server beside the session's shared ones ran a 24 GB
+    machine out of memory."""
+    from sgl_loopkv.models import default_model_gguf
+
+    args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"]
+    srv = ServerProcess(args, log_path=server_logs / "gguf-default.log")
+    with srv.start():
+        yield srv
 
 
 def test_the_default_bf16_pool_keeps_the_float32_models_next_tokens(gguf_default_server, smollm2_server):
