@@ -204,7 +204,6 @@ void decode_split(const float* q, const KV* k_cache, const KV* v_cache, const in
 struct Lanes {
   using V = __m512;
   static constexpr int N = 16;
-  static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static V load(const at::BFloat16* p) {
@@ -233,7 +232,6 @@ struct Lanes {
 struct Lanes {
   using V = __m256;
   static constexpr int N = 8;
-  static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load(const at::BFloat16* p) { return load8(p); }
