@@ -586,6 +586,8 @@ def run(args, env: dict) -> dict:
     worker_flags = ["--max-total-tokens", str(args.max_total_tokens)]
     if args.model_path:
         worker_flags += ["--model-path", str(model_dir)]
+    else:  # the float32 conversion: what the committed results measured (a plain start serves the GGUF file)
+        worker_flags += ["--loopkv-weights", "float32"]
     log_dir = Path(tempfile.mkdtemp(prefix="loopkv-cluster-logs-"))
     results: dict[str, dict] = {shape: {} for shape in SHAPES}
     for shape, cfg in todo:

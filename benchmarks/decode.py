@@ -97,6 +97,7 @@ SYSTEMS = {
     "loopkv-gguf": ("sglang", "float32", ()),
     "loopkv-gguf-fp32kv": ("sglang", "float32", ("--kv-cache-dtype", "auto")),
     "loopkv-gguf-q8": ("sglang", "float32", ("--loopkv-gguf-activations", "q8")),
+    "loopkv-gguf-torchops": ("sglang", "float32", ()),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
     "hf-fp32": ("hf", "float32", ()),
@@ -116,6 +117,7 @@ SYSTEMS = {
 }
 #: Environment of a system's server beyond its flags (kernel and code-path switches are variables).
 SYSTEM_ENV = {
+    "loopkv-gguf-torchops": {"LOOPKV_NATIVE_LAYER_OPS": "0"},
     "loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"},
     "loopkv-fp32-exact": {"LOOPKV_EXACT_LINEAR": "1"},
     "loopkv-bf16-exact": {"LOOPKV_EXACT_LINEAR": "1"},
@@ -132,6 +134,8 @@ WHAT = {
     "dequantized float32 model's)",
     "loopkv-gguf-q8": "`loopkv-gguf` with `--loopkv-gguf-activations q8`: decode rows (up to 16) on int8 activations "
     "and integer block dots, as llama.cpp",
+    "loopkv-gguf-torchops": "`loopkv-gguf` with SGLang's torch norms, rotary embedding and activation "
+    "(`LOOPKV_NATIVE_LAYER_OPS=0`) instead of the compiled layer ops",
     # --loopkv-stock brings SGLang's radix cache and also drops the decode-step hooks (split/gemv
     # linears, lean forward): its ratio is not the tiered cache's cost alone (a radix-only switch is not built)
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
@@ -145,7 +149,7 @@ WHAT = {
     "(`LOOPKV_EXACT_LINEAR=1`: oneDNN, no gemv_bf16)",
 }
 #: systems served from the default model's GGUF file instead of its converted float32 folder
-GGUF_SYSTEMS = ("loopkv-gguf", "loopkv-gguf-fp32kv", "loopkv-gguf-q8")
+GGUF_SYSTEMS = ("loopkv-gguf", "loopkv-gguf-fp32kv", "loopkv-gguf-q8", "loopkv-gguf-torchops")
 #: systems scored against loopkv-fp32's tokens and logprobs (fidelity)
 SCORED = ("loopkv-bf16", *GGUF_SYSTEMS)
 # run at 4K with the smallest and largest batch only
@@ -328,7 +332,8 @@ def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, b
     from benchmarks.decode_gguf import tree_memory_mb
     from sgl_loopkv.models import default_model_gguf
 
-    model = ("--model-path", str(default_model_gguf())) if name in GGUF_SYSTEMS else ()
+    # the others: the default model's float32 conversion (a plain start serves the GGUF file)
+    model = ("--model-path", str(default_model_gguf())) if name in GGUF_SYSTEMS else ("--loopkv-weights", "float32")
     srv = ServerProcess(
         [*model, *flags, "--dtype", dtype, "--max-total-tokens", str(pool)],
         env=SYSTEM_ENV.get(name, {}),
@@ -514,6 +519,8 @@ def run_pressure(name, dtype, flags, convs, mode: str, args, tok, bar) -> dict:
     srv = ServerProcess(
         [
             *flags,
+            "--loopkv-weights",
+            "float32",  # the default model's float32 conversion (a plain start serves the GGUF file)
             "--dtype",
             dtype,
             "--max-total-tokens",

@@ -64,6 +64,10 @@ class System:
         return self.requires is None or self.requires in LoopKVConfig.option_names()
 
 
+# every sglang row's weights: the float32 conversion, what the committed results measured (a plain start serves
+# the GGUF file; --loopkv-stock serves the conversion anyway)
+WEIGHTS = ("--loopkv-weights", "float32")
+
 # name -> flags: a new component is one line. --loopkv-stock = SGLang's own CPU configuration
 # (torch_native attention, stock radix cache); the other rows add components back one at a time.
 SYSTEMS = [
@@ -205,7 +209,8 @@ def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar
         srv = LlamaCppServer(n_ctx=pool, log_path=log)
     else:
         tiers = ["--loopkv-host-bytes", str(host_bytes), "--loopkv-disk-dir", str(disk)]
-        srv = ServerProcess([*sys_.flags, "--max-total-tokens", str(pool), "--enable-metrics", *tiers], log_path=log)
+        args = [*sys_.flags, *WEIGHTS, "--max-total-tokens", str(pool), "--enable-metrics", *tiers]
+        srv = ServerProcess(args, log_path=log)
     turns, stored, t0 = [], {}, time.perf_counter()
     try:
         srv.start()

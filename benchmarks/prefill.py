@@ -75,7 +75,9 @@ GEN_TOKENS = 64
 # headline moved to it before this script's next run; every other system is still reported.
 HEADLINE = "block-a0.9"
 CURVE_POLICY = "loopserve"  # the score-vs-budget curve sweeps this policy's alpha
-SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-total-tokens", "16384"]
+# --loopkv-weights float32: the float32 conversion, what the committed results measured (a plain start serves
+# the GGUF file)
+SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-total-tokens", "16384", "--loopkv-weights", "float32"]
 MIN_LEN = ["--loopkv-sparse-min-len", "1024"]  # every benchmarked length goes sparse, whatever the default
 SYSTEMS: dict[str, list[str]] = {  # name -> sgl-loopkv flags (defaults of every other flag)
     "dense": [],

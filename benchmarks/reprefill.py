@@ -134,7 +134,9 @@ KL_EXACT = 1e-6  # "first-token KL ~0"
 MT_PER_TASK = 3  # multi-turn conversations per task: at 1 a question position had 4-5 turns, too few for a ratio
 MT_TURNS_PER_TASK = 13  # turns per conversation per task (40 at 3 per task): the progress bar's estimate
 PREFIX = PrefixConfig()  # the defaults the servers run: period, gate, local, min tokens
-COMMON = ["--enable-metrics", "--loopkv-restore-planner", "load_all"]
+# --loopkv-weights float32: the float32 conversion, what the committed results measured (a plain start serves
+# the GGUF file); also the servers of studies/chunk_cache.py and studies/freekv_resume.py
+COMMON = ["--enable-metrics", "--loopkv-restore-planner", "load_all", "--loopkv-weights", "float32"]
 P = "loopkv_prefix_bytes_total"
 PARTS = ("loaded", "used", "disk_read", "summary_read", "prefetched", "wasted_prefetch")
 

@@ -98,6 +98,10 @@ SYSTEMS: dict[str, tuple[list[str] | None, tuple[str, ...]]] = {  # name -> (fla
     ),
 }
 
+#: every server's weights: the float32 conversion, what the committed results measured (a plain start serves
+#: the GGUF file); studies/disk_cipher.py's servers too
+WEIGHTS = ["--loopkv-weights", "float32"]
+
 
 def key_file() -> str:
     """A fresh 0600 key file for the encrypted system (the benchmark's, never a real one)."""
@@ -175,7 +179,7 @@ def run_config(name: str, tier: str, tok, L: int, repeats: int, ref: dict | None
     else:
         host = ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk_dir)] if disk_dir else []
         args = [*pool, "--enable-metrics", *host, *flags]
-    srv = ServerProcess(args, log_path=RESULTS / f"restore_{name}_{tier}_{L}.log").start()
+    srv = ServerProcess([*WEIGHTS, *args], log_path=RESULTS / f"restore_{name}_{tier}_{L}.log").start()
     bubble = 'loopkv_restore_seconds_total{part="bubble"}'
     try:
         runs = []

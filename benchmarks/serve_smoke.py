@@ -34,8 +34,9 @@ from sgl_loopkv.server.process import ServerProcess
 
 DECODE_TOKENS = 128
 CHAT_PROMPT = "<|im_start|>user\nTell me a short story about a lighthouse keeper.<|im_end|>\n<|im_start|>assistant\n"
-# name -> launcher flags: sgl-loopkv's defaults vs SGLang's own CPU configuration
-SYSTEMS = {"loopkv": [], "torch_native": ["--loopkv-stock"]}
+# name -> launcher flags: sgl-loopkv's defaults vs SGLang's own CPU configuration. sgl-loopkv on the float32
+# conversion: what the committed results measured (a plain start serves the GGUF file); --loopkv-stock always does
+SYSTEMS = {"loopkv": ["--loopkv-weights", "float32"], "torch_native": ["--loopkv-stock"]}
 
 
 def idle_cpu_fraction(srv: ServerProcess, seconds: float = 5.0) -> float:

@@ -67,7 +67,9 @@ from benchmarks.harness.results import RESULTS, md_table
 from benchmarks.harness.stats import percentile
 from sgl_loopkv.server.process import ServerProcess
 
-SYSTEMS = {"loopkv": (), "stock": ("--loopkv-stock",)}  # name -> launcher flags
+# name -> launcher flags. sgl-loopkv on the float32 conversion: what the committed results measured (a plain
+# start serves the GGUF file); --loopkv-stock always serves it
+SYSTEMS = {"loopkv": ("--loopkv-weights", "float32"), "stock": ("--loopkv-stock",)}
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ Every other ``sglang.launch_server`` flag passes through unchanged. sgl-loopkv a
 flags, the embedded default model when no ``--model-path`` is given, and device defaults that a
 flag on the command line always overrides:
 
+- No ``--model-path``: the embedded default model; on the CPU its GGUF file, served from the blocks
+  like any GGUF ``--model-path`` (over a bfloat16 KV pool); with ``--loopkv-weights float32``,
+  ``--loopkv-stock`` or on a GPU its float32 conversion, what stock SGLang serves.
 - CPU (no GPU visible): SGLang's CPU engine, the ``loopkv`` attention backend, float32
   (``--dtype bfloat16`` is opt-in, see ``platform.default_cpu_dtype``), no overlap schedule /
   CUDA graphs, ``--sleep-on-idle`` (else the idle scheduler busy-polls a core), a 32K-token KV
@@ -111,8 +114,12 @@ def sglang_defaults() -> dict[str, tuple[str | None, str | None, str | None]]:
     """Each SGLang flag the launcher sets when it is not given -> its value on CPU, on CPU with
     ``--loopkv-stock`` and on a GPU (None: not set there; ``""``: a switch that is set)."""
     cpu, stock = cpu_defaults(False), cpu_defaults(True)
-    model = f"the embedded {DEFAULT_MODEL_NAME} (converted into --loopkv-cache-dir)"
-    out = {"--model-path": (model,) * 3, "--served-model-name": (DEFAULT_MODEL_NAME,) * 3}
+    gguf = (
+        f"the embedded {DEFAULT_MODEL_NAME}'s GGUF file, from its blocks over --kv-cache-dtype bf16 "
+        "(--loopkv-weights float32: as with --loopkv-stock)"
+    )
+    converted = f"the embedded {DEFAULT_MODEL_NAME} converted to float32 (into --loopkv-cache-dir)"
+    out = {"--model-path": (gguf, converted, converted), "--served-model-name": (DEFAULT_MODEL_NAME,) * 3}
     for flag in dict.fromkeys([*cpu, *stock, *GPU_DEFAULTS]):
         out[flag] = tuple(d[flag] or "" if flag in d else None for d in (cpu, stock, GPU_DEFAULTS))
     return out
@@ -167,17 +174,15 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     if not config.stock:  # before SGLang is imported here or in a subprocess: see sglang_archs
         os.environ.setdefault(sglang_archs.ENV, sglang_archs.PACKAGE)
     on_gpu = config.device == "cuda" or (config.device == "auto" and has_cuda())
+    if not _given(rest, "--model-path") and not {"-h", "--help"} & set(rest):
+        rest = default_model_start(config, rest, on_gpu)
     if not on_gpu:
         use_cpu_engine()
         rest = gguf_model_start(config, rest, argv)
+    if config.weights == "auto":  # the subprocesses get what was chosen: a folder's float weights
+        config.weights = "float32"
     config.to_env()
     activate_cpu_standin()
-    if not _given(rest, "--model-path") and not {"-h", "--help"} & set(rest):
-        from sgl_loopkv.models import ensure_default_model
-
-        rest = ["--model-path", str(ensure_default_model(config.resolved_cache_dir))] + rest
-        if not _given(rest, "--served-model-name"):
-            rest += ["--served-model-name", DEFAULT_MODEL_NAME]
     if config.weights == "gguf":
         refuse_gguf_weights_without_a_source(_value(rest, "--model-path"), on_gpu)
     if on_gpu:
@@ -188,6 +193,21 @@ def build_sglang_argv(argv: list[str]) -> tuple[LoopKVConfig, list[str], bool]:
     if not config.stock:  # the paged cache's rounding comes on top of the user's token budget
         argv = with_page_headroom(argv)
     return config, argv, on_gpu
+
+
+def default_model_start(config: LoopKVConfig, rest: list[str], on_gpu: bool) -> list[str]:
+    """No ``--model-path``: the embedded default model. On the CPU (``--loopkv-weights`` auto or gguf) its GGUF
+    file, served from the blocks as any GGUF file is (:func:`gguf_model_start`); with ``--loopkv-weights
+    float32``, ``--loopkv-stock`` or on a GPU, its float32 conversion (made once into ``--loopkv-cache-dir``),
+    the weights stock SGLang can serve."""
+    from sgl_loopkv.models import default_model_gguf, ensure_default_model
+
+    if on_gpu or config.stock or config.weights == "float32":
+        path = ensure_default_model(config.resolved_cache_dir)
+    else:
+        path = default_model_gguf()
+    rest = ["--model-path", str(path), *rest]
+    return rest if _given(rest, "--served-model-name") else [*rest, "--served-model-name", DEFAULT_MODEL_NAME]
 
 
 def gguf_model_start(config: LoopKVConfig, rest: list[str], argv: list[str]) -> list[str]:
@@ -206,9 +226,9 @@ def gguf_model_start(config: LoopKVConfig, rest: list[str], argv: list[str]) -> 
                 f"{path}: --loopkv-stock is SGLang as it ships, whose GGUF kernels are CUDA-only: it cannot serve "
                 "a GGUF file on the CPU (sgl-loopkv serves it without --loopkv-stock)"
             )
-        if _given(argv, "--loopkv-weights") and config.weights != "gguf":
-            raise GGUFError(f"{path}: a GGUF file is served from its blocks; --loopkv-weights {config.weights} "
-                            "needs a Hugging Face folder")  # fmt: skip
+        if config.weights == "float32":
+            raise GGUFError(f"{path}: a GGUF file is served from its blocks; --loopkv-weights float32 "
+                            "needs a Hugging Face folder (or no --model-path: the default model's conversion)")  # fmt: skip
         own_tokenizer = _given(rest, "--tokenizer-path")
         check_servable(path, own_tokenizer)
         # a bfloat16 KV pool: half the bytes a decode step's attention reads, within the fidelity bar

@@ -115,13 +115,15 @@ class LoopKVConfig:
         },
     )
     weights: str = field(
-        default="float32",
+        default="auto",
         metadata={
-            "help": "What the linear layers and the embedding of the embedded default model compute from on the CPU: "
-            "'float32' (default): the converted float weights, as stock SGLang; 'gguf': the blocks of its GGUF file "
-            "(Q4_1, Q8_0 embedding), no float copy kept (docs/models.md). 'gguf' needs the CPU; a --model-path "
-            "that is a GGUF file is always served from its blocks.",
-            "choices": ["float32", "gguf"],
+            "help": "What the linear layers and the embedding compute from on the CPU. 'auto' (default): a GGUF "
+            "--model-path, and the embedded default model when no --model-path is given, from the file's blocks "
+            "(no float copy kept, a bfloat16 KV pool; docs/models.md); a Hugging Face folder from its float "
+            "weights. 'float32': the default model converted to float32 weights, as stock SGLang serves it (the "
+            "exact comparison). 'gguf': the blocks, also for the default model's float32 conversion as a "
+            "--model-path. 'gguf' needs the CPU; a GPU start serves float weights.",
+            "choices": ["auto", "float32", "gguf"],
         },
     )
     gguf_activations: str = field(
@@ -156,8 +158,8 @@ class LoopKVConfig:
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"--loopkv-device must be auto, cpu or cuda, not {self.device!r}")
-        if self.weights not in ("float32", "gguf"):
-            raise ValueError(f"--loopkv-weights must be float32 or gguf, not {self.weights!r}")
+        if self.weights not in ("auto", "float32", "gguf"):
+            raise ValueError(f"--loopkv-weights must be auto, float32 or gguf, not {self.weights!r}")
         if self.gguf_activations not in ("q8", "float32"):
             raise ValueError(f"--loopkv-gguf-activations must be q8 or float32, not {self.gguf_activations!r}")
         if self.weights == "gguf" and self.stock:

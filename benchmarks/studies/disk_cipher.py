@@ -78,7 +78,7 @@ def serve(tokens: int, repeats: int) -> dict:
     from transformers import AutoTokenizer
 
     from benchmarks.common import drop_page_cache, synthetic_ids, timed_generate
-    from benchmarks.restore import FILLER, SYSTEMS, key_file, turn_ids
+    from benchmarks.restore import FILLER, SYSTEMS, WEIGHTS, key_file, turn_ids
     from sgl_loopkv.config import LoopKVConfig
     from sgl_loopkv.models import ensure_default_model
     from sgl_loopkv.server.process import ServerProcess
@@ -94,7 +94,7 @@ def serve(tokens: int, repeats: int) -> dict:
             if name == "plain":
                 flags = flags[: flags.index("--loopkv-disk-key-file")]
             args = ["--max-total-tokens", str(tokens + 1024), "--loopkv-host-bytes", "0"]
-            args += ["--loopkv-disk-dir", str(dirs[name]), *flags]
+            args += ["--loopkv-disk-dir", str(dirs[name]), *flags, *WEIGHTS]  # the float32 conversion (restore.py)
             servers[name] = ServerProcess(args).start()
             timed_generate(servers[name].url, hist, 1)  # the earlier turn: now stored
         ttft: dict[str, list[float]] = {n: [] for n in servers}

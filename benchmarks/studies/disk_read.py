@@ -53,6 +53,7 @@ def run(mode: str, tok, idle: bool) -> dict:
     hists = [synthetic_ids(tok, L, seed=70 + i) for i in range(N_HIST)]
     disk = Path(tempfile.mkdtemp(prefix="disk-read-"))
     flags = ["--max-total-tokens", str(L + 1200), "--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk)]
+    flags += ["--loopkv-weights", "float32"]  # the float32 conversion: what the committed results measured
     read, env = ("inline", {}) if mode == "inline" else ("background", MODE_ENV[mode])
     srv = ServerProcess(
         [*flags, "--loopkv-disk-read", read], env=env, log_path=RESULTS / f"disk_read_{mode}.log"

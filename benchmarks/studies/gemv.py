@@ -123,10 +123,11 @@ def fidelity_part(dtype: str) -> dict:
     if dtype != "float32":
         specs["float32"] = ("float32", exact)
         pairs += [("gemv", "float32"), ("exact", "float32")]
+    # --loopkv-weights float32: the float32 conversion, what the committed results measured (a plain start
+    # serves the GGUF file)
+    args = ["--max-total-tokens", "16384", "--loopkv-weights", "float32"]
     servers = {
-        name: ServerProcess(
-            ["--dtype", dt, "--max-total-tokens", "16384"], env=env, log_path=RESULTS / f"gemv_{dtype}_{name}.log"
-        )
+        name: ServerProcess(["--dtype", dt, *args], env=env, log_path=RESULTS / f"gemv_{dtype}_{name}.log")
         for name, (dt, env) in specs.items()
     }
     rows: dict[str, list] = {f"{a}~{b}": [] for a, b in pairs}

@@ -51,6 +51,11 @@ def metric(url: str, name: str) -> float:
     return total
 
 
+#: sgl-loopkv's weights: the float32 conversion, what the committed results measured (a plain start serves the
+#: GGUF file); the stock server (--loopkv-stock) always serves it
+F32 = ["--loopkv-weights", "float32"]
+
+
 def measure_recompute(args: list[str], name: str, tok, lengths, repeats, flush: bool, bar) -> dict:
     srv = ServerProcess([*args, "--max-total-tokens", "16384"], log_path=RESULTS / f"resume_{name}.log").start()
     out = {}
@@ -87,6 +92,7 @@ def measure_tier(tier: str, tok, L: int, repeats: int, disk_root: Path) -> dict:
             host_bytes,
             "--loopkv-disk-dir",
             str(disk_root),
+            *F32,
         ],
         log_path=RESULTS / f"resume_{tier}_{L}.log",
     ).start()
@@ -173,7 +179,7 @@ def main() -> None:
         )
         bar.set_postfix_str("recompute loopkv")
         results["recompute_loopkv"] = measure_recompute(
-            ["--disable-radix-cache"], "loopkv_norc", tok, lengths, repeats, flush=False, bar=bar
+            ["--disable-radix-cache", *F32], "loopkv_norc", tok, lengths, repeats, flush=False, bar=bar
         )
         for tier in ("host", "disk"):
             results[tier] = {}

@@ -44,12 +44,15 @@ from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import ensure_default_model
 from sgl_loopkv.server.process import ServerProcess
 
+# sgl-loopkv on the float32 conversion: what the committed results measured (a plain start serves the GGUF
+# file); --loopkv-stock always serves it
+F32 = ["--loopkv-weights", "float32"]
 SYSTEMS = {
-    "loopkv": [],
+    "loopkv": [*F32],
     "stock": ["--loopkv-stock"],
     "stock_page16": ["--loopkv-stock", "--page-size", "16"],
-    "loopkv_no_tiers": ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", "none"],
-    "loopkv_no_split_linear": [],
+    "loopkv_no_tiers": [*F32, "--loopkv-host-bytes", "0", "--loopkv-disk-dir", "none"],
+    "loopkv_no_split_linear": [*F32],
 }
 ENV = {"loopkv_no_split_linear": {"LOOPKV_NATIVE_LINEAR": "0"}}  # F.linear instead of the split kernel
 WARMUP = 3

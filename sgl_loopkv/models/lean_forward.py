@@ -19,6 +19,11 @@ metrics) sees exactly the calls it sees otherwise. The residual stream is the pl
 holds greedy tokens and every logprob of both paths bitwise equal (tiny model in float32 and bfloat16,
 SmolLM2), and the SGLang sources this mirrors are pinned in :mod:`sgl_loopkv.sglang_privates`. Every
 other batch and model goes to SGLang's forward. ``LOOPKV_LEAN_FORWARD=0`` turns it off.
+
+On the GGUF path (:func:`layer_ops`) the norms, the rotary embedding and the activation are one compiled
+call each (``kernels/layer_ops.cpp``) instead of SGLang's torch composition, which cost about as much per
+decode step as the block matrices: within float32 rounding of SGLang's (the rotary embedding bitwise),
+so the float32 path keeps the torch ops and its bitwise contract.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ TARGET = "sglang.srt.models.llama.LlamaModel.forward"
 ENV = "LOOPKV_LEAN_FORWARD"
 
 _RUNNABLE = "_loopkv_lean_forward"  # attribute caching runnable(model) on the model
+_LAYER_OPS = "_loopkv_layer_ops"  # attribute caching layer_ops(model)
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +138,48 @@ def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def layer_ops(model):
+    """The compiled element-wise layer ops (:mod:`sgl_loopkv.kernels.layer_ops`) where they replace SGLang's
+    torch composition for ``model``, else None (decided once per model; ``loopkv_layer_ops`` on ``/metrics``).
+    Only a GGUF-weight model in float32 takes them: their norm and activation are within float32 rounding
+    of SGLang's, not bitwise, and the float32 path's contract is SGLang's forward bit for bit."""
+    ops = getattr(model, _LAYER_OPS, False)
+    if ops is False:
+        ops = _layer_ops_for(model)
+        setattr(model, _LAYER_OPS, ops)
+        logger.info("layer ops: %s", "compiled" if ops is not None else "SGLang's torch ops")
+        set_gauge(
+            "loopkv_layer_ops", "1: the compiled norm, rotary and activation ops run the GGUF model", int(bool(ops))
+        )
+    return ops
+
+
+def _layer_ops_for(model):
+    layers = [model.layers[i] for i in range(model.start_layer, model.end_layer)]
+    norms = [model.norm] + [n for la in layers for n in (la.input_layernorm, la.post_attention_layernorm)]
+    if not layers or gguf_weights.of(layers[0].self_attn.qkv_proj) is None:
+        return None
+    plain_norms = all(
+        n.weight.dtype == torch.float32 and n.variance_size_override is None and n.override_orig_dtype is None
+        for n in norms
+    )
+    caches = all(la.self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32 for la in layers)
+    if not (plain_norms and caches):
+        return None
+    from sgl_loopkv.kernels import layer_ops as compiled
+
+    return compiled.load()
+
+
+def _norm(ops, norm, x: torch.Tensor, residual: torch.Tensor | None):
+    """``norm(x)`` / ``norm(x, residual)`` as SGLang's RMSNorm returns them."""
+    if ops is None:
+        return norm(x) if residual is None else norm(x, residual)
+    if residual is None:
+        return ops.rms_norm(x, norm.weight, norm.variance_epsilon)
+    return ops.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
+
+
 @torch.no_grad()
 def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
     """``model.forward`` for a decode or extend batch of a :func:`runnable` model: the final-normed hidden
@@ -139,28 +187,37 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
     x = model.embed_tokens(input_ids)
     n = x.shape[0]
     residual = None
+    ops = layer_ops(model)
+    flat_positions = positions.flatten()
+    if ops is not None and (flat_positions.dtype != torch.int64 or x.dtype != torch.float32):
+        ops = None
     rotary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per rotary module (SGLang shares one)
     for i in range(model.start_layer, model.end_layer):
         layer = model.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
         if residual is None:
-            residual, h = x, layer.input_layernorm(x)
+            residual, h = x, _norm(ops, layer.input_layernorm, x, None)
         else:
-            h, residual = layer.input_layernorm(x, residual)
+            h, residual = _norm(ops, layer.input_layernorm, x, residual)
         qkv = project(attn.qkv_proj, h, attn.qkv_proj.bias)
         rope = attn.rotary_emb
-        if (cs := rotary.get(id(rope))) is None:
-            cs = rotary[id(rope)] = _cos_sin(rope, positions, qkv.dtype)
-        qk = _rotate(qkv[:, : attn.q_size + attn.kv_size].view(n, -1, attn.head_dim), *cs)
-        # [n, q_size] and [n, kv_size] as SGLang's rotary embedding returns them (a backend may shape its
-        # output like q: torch_native does)
-        q, k = qk[:, : attn.num_heads].reshape(n, -1), qk[:, attn.num_heads :].reshape(n, -1)
+        if ops is not None:
+            q, k = ops.rope_neox(
+                qkv, flat_positions, rope.cos_sin_cache, attn.num_heads, attn.num_kv_heads, attn.head_dim
+            )
+        else:
+            if (cs := rotary.get(id(rope))) is None:
+                cs = rotary[id(rope)] = _cos_sin(rope, positions, qkv.dtype)
+            qk = _rotate(qkv[:, : attn.q_size + attn.kv_size].view(n, -1, attn.head_dim), *cs)
+            # [n, q_size] and [n, kv_size] as SGLang's rotary embedding returns them (a backend may shape its
+            # output like q: torch_native does)
+            q, k = qk[:, : attn.num_heads].reshape(n, -1), qk[:, attn.num_heads :].reshape(n, -1)
         o = attn.attn.forward(q, k, qkv[:, attn.q_size + attn.kv_size :], forward_batch)
         x = project(attn.o_proj, o, attn.o_proj.bias)
-        h, residual = layer.post_attention_layernorm(x, residual)
+        h, residual = _norm(ops, layer.post_attention_layernorm, x, residual)
         gate_up = project(mlp.gate_up_proj, h, mlp.gate_up_proj.bias)
-        x = project(mlp.down_proj, mlp.act_fn(gate_up), mlp.down_proj.bias)
-    return model.norm(x, residual)[0]
+        x = project(mlp.down_proj, mlp.act_fn(gate_up) if ops is None else ops.silu_mul(gate_up), mlp.down_proj.bias)
+    return _norm(ops, model.norm, x, residual)[0]
 
 
 def _lean_modes() -> tuple:

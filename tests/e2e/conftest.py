@@ -79,8 +79,10 @@ def _tiny_native(p: SessionPaths) -> ServerProcess:
 
 @SERVERS.register("smollm2_server")
 def _smollm2(p: SessionPaths) -> ServerProcess:
-    """sgl-loopkv with no --model-path: the embedded default model."""
-    return ServerProcess([*COMMON_SERVER_ARGS], log_path=p.logs / "smollm2.log")
+    """sgl-loopkv with no --model-path and ``--loopkv-weights float32``: the embedded default model's float32
+    conversion, the weights stock SGLang serves (the exactness tests' reference; a plain start serves the
+    GGUF file's blocks: tests/e2e/test_gguf_file.py)."""
+    return ServerProcess([*COMMON_SERVER_ARGS, "--loopkv-weights", "float32"], log_path=p.logs / "smollm2.log")
 
 
 @SERVERS.register("gguf_file_server")

@@ -1,7 +1,7 @@
 """``--model-path x.gguf`` on the CPU: the default model's GGUF file served through SGLang's GGUF path with
 the block kernels serves what its converted float32 weights serve (the session's ``smollm2_server``):
 greedy tokens identical and logprobs within fp tolerance (the same weights; only the order of float32
-sums differs), the same chat template (from the file's metadata), no float copy of a matrix kept."""
+sums and the element-wise ops' roundings differ), the same chat template (from the file's metadata), no float copy of a matrix kept."""
 
 from __future__ import annotations
 
@@ -38,19 +38,28 @@ def test_a_gguf_file_serves_what_its_float32_conversion_serves(gguf_file_server,
         assert max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) < 2e-3, prompt
     m = metrics(gguf_file_server.url)  # 30 blocks of qkv, o, gate+up, down, and the tied embedding
     assert m.get("loopkv_gguf_layers") == 121 and m.get("loopkv_lean_forward") == 1, m
+    assert m.get("loopkv_layer_ops") == 1, m  # the compiled norm, rotary and activation ops
 
 
 @pytest.fixture(scope="module")
-def gguf_default_server(default_model_dir, server_logs):
-    """The default model's GGUF file with the launcher's defaults (a bfloat16 KV pool). For this module
-    only and with a small pool: one more SmolLM2 server beside the session's shared ones ran a 24 GB
-    machine out of memory."""
-    from sgl_loopkv.models import default_model_gguf
-
-    args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"]
+def gguf_default_server(server_logs):
+    """A plain start (no --model-path, no --loopkv-weights): the default model's GGUF file from its blocks
+    over a bfloat16 KV pool. For this module only and with a small pool: one more SmolLM2 server beside
+    the session's shared ones ran a 24 GB machine out of memory."""
+    args = [*COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048", "--enable-metrics"]
     srv = ServerProcess(args, log_path=server_logs / "gguf-default.log")
     with srv.start():
         yield srv
+
+
+def test_a_plain_start_serves_the_default_models_gguf_blocks(gguf_default_server):
+    info = requests.get(f"{gguf_default_server.url}/get_server_info", timeout=30).json()
+    assert info["model_path"].endswith(".gguf") and info["kv_cache_dtype"] == "bf16", info
+    models = requests.get(f"{gguf_default_server.url}/v1/models", timeout=30).json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"  # the default model's name, not the file's stem
+    greedy(gguf_default_server.url, PROMPTS[0], n=2)  # the layer ops' gauge is set at the first forward
+    m = metrics(gguf_default_server.url)
+    assert m.get("loopkv_gguf_layers") == 121 and m.get("loopkv_layer_ops") == 1, m
 
 
 def test_the_default_bf16_pool_keeps_the_float32_models_next_tokens(gguf_default_server, smollm2_server):

@@ -29,7 +29,7 @@ FLOAT_BYTES = 4 * (30 * (576 * (576 + 2 * 192) + 576 * 576 + 3 * 576 * 1536) + 4
 
 @pytest.fixture(scope="module")
 def gguf_server(default_model_dir, server_logs):
-    args = [*COMMON_SERVER_ARGS, "--loopkv-weights", "gguf", "--enable-metrics"]
+    args = ["--model-path", str(default_model_dir), *COMMON_SERVER_ARGS, "--loopkv-weights", "gguf", "--enable-metrics"]
     srv = ServerProcess(args, log_path=server_logs / "smollm2-gguf.log")
     with srv.start():
         yield srv

@@ -153,3 +153,46 @@ def test_a_section_check_failing_is_a_usage_error_not_a_traceback(capsys):
     with pytest.raises(SystemExit) as e:
         build_sglang_argv(["--model-path", "/m", "--loopkv-disk-bytes", "20 gigs"])
     assert e.value.code == 2 and "argument --loopkv-disk-bytes: '20 gigs' is not a byte size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "flags, gguf",
+    [
+        ([], True),
+        (["--loopkv-weights", "gguf"], True),
+        (["--loopkv-weights", "float32"], False),
+        (["--loopkv-stock"], False),
+    ],
+)
+def test_a_plain_start_serves_the_default_models_gguf_blocks_and_float32_on_request(flags, gguf):
+    """No --model-path on the CPU: the default model's GGUF file from its blocks over a bfloat16 pool; its
+    float32 conversion (what stock SGLang serves) with --loopkv-weights float32 or --loopkv-stock. The
+    subprocesses get the weights chosen, never 'auto'."""
+    out = run_fresh(
+        f"""
+        import json
+        from sgl_loopkv.server.launch import build_sglang_argv
+        from sgl_loopkv.config import LoopKVConfig
+        cfg, argv, _ = build_sglang_argv({flags!r} + ["--loopkv-device", "cpu"])
+        print(json.dumps({{"argv": argv, "weights": LoopKVConfig.from_env().weights}}))
+        """
+    )
+    argv = out["argv"]
+    value = lambda flag: argv[argv.index(flag) + 1] if flag in argv else None  # noqa: E731
+    assert value("--served-model-name") == "SmolLM2-135M-Instruct"
+    assert value("--model-path").endswith(".gguf") is gguf
+    assert value("--kv-cache-dtype") == ("bf16" if gguf else None)
+    assert out["weights"] == ("gguf" if gguf else "float32")
+
+
+def test_a_folders_start_resolves_auto_weights_to_float32():
+    out = run_fresh(
+        """
+        import json
+        from sgl_loopkv.server.launch import build_sglang_argv
+        from sgl_loopkv.config import LoopKVConfig
+        build_sglang_argv(["--model-path", "/m", "--loopkv-device", "cpu"])
+        print(json.dumps(LoopKVConfig.from_env().weights))
+        """
+    )
+    assert out == "float32"
