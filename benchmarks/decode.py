@@ -326,14 +326,17 @@ def stream_chat(url: str, messages: list[dict], n: int) -> dict:
 
 
 # --- grid: SGLang ------------------------------------------------------------------------------------
-def run_sglang(name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, bar, fid, on_cell=None) -> dict:
+def run_sglang(
+    name, dtype, flags, contexts, batch_sizes, ctx_ids, args, pool, bar, fid, on_cell=None, gguf: bool = False
+) -> dict:
     """One server: per context, prefill then the timed batches; ``on_cell(url, cell)`` after each
-    cell may add to its dict (benchmarks.decode_sparse reads /metrics there)."""
+    cell may add to its dict (benchmarks.decode_sparse reads /metrics there). The default model's GGUF
+    file for the GGUF systems (or ``gguf``), else its float32 conversion (a plain start serves the file)."""
     from benchmarks.decode_gguf import tree_memory_mb
     from sgl_loopkv.models import default_model_gguf
 
-    # the others: the default model's float32 conversion (a plain start serves the GGUF file)
-    model = ("--model-path", str(default_model_gguf())) if name in GGUF_SYSTEMS else ("--loopkv-weights", "float32")
+    gguf = gguf or name in GGUF_SYSTEMS
+    model = ("--model-path", str(default_model_gguf())) if gguf else ("--loopkv-weights", "float32")
     srv = ServerProcess(
         [*model, *flags, "--dtype", dtype, "--max-total-tokens", str(pool)],
         env=SYSTEM_ENV.get(name, {}),

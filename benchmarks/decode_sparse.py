@@ -196,7 +196,7 @@ def run_grid(contexts, batch_sizes, args, tok, bar) -> dict:
             flags = ("--enable-metrics", *shared) + (() if name == "dense" else ("--loopkv-decode-policy", name))
             out[name] = dec.run_sglang(
                 f"sparse_{name}", "float32", flags, contexts, batch_sizes, ctx_ids, args, pool, bar, None,
-                metric_reader(),
+                metric_reader(), gguf=args.weights == "gguf",
             )  # fmt: skip
     finally:
         if shared:
@@ -393,6 +393,9 @@ def main() -> None:
     ap.add_argument("--mt-convs", type=int, default=1,
                     help="multiturn: conversations per task (1: the quick suite's 5 conversations, 14 turns)")  # fmt: skip
     ap.add_argument("--add", action="store_true", help="keep the parts already in <name>.json, run --parts")
+    ap.add_argument("--weights", choices=["float32", "gguf"], default="float32",
+                    help="grid: the default model's float32 conversion or its GGUF file (the plain start's path: "
+                    "blocks, bfloat16 KV)")  # fmt: skip
     cli.main(BENCH, ap)
 
 

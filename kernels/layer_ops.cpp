@@ -10,8 +10,8 @@
 // Numbers: float32 in and out. The rotary embedding is the same products and sums as SGLang's
 // forward_native, each rounded once (compiled with -ffp-contract=off: no fused multiply-add), so its
 // results are bitwise torch's. The norm's sum of squares runs in 16 float lanes summed in double, not
-// torch's reduction order, and SiLU takes std::exp, not torch's vectorised exp: both within float32
-// rounding of torch (tests/unit/test_layer_ops.py), which is why the float32 path, whose contract is
+// torch's reduction order, and SiLU takes a polynomial exp (exp_poly), not torch's vectorised one: both
+// within float32 rounding of torch (tests/unit/test_layer_ops.py), which is why the float32 path, whose contract is
 // bitwise SGLang's forward, keeps torch's ops and only the GGUF path calls these.
 //
 // Rows are independent and split over torch's threads from a size on; a row's result does not depend
@@ -22,6 +22,9 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
 
 namespace {
 
@@ -128,6 +131,27 @@ std::tuple<torch::Tensor, torch::Tensor> rope_neox(const torch::Tensor& qkv, con
   return {q, k};
 }
 
+// e^x in float32 without a library call, so that the loop below vectorises: Cephes' expf (a degree-6
+// polynomial on x - n ln 2 with n = round(x / ln 2), ln 2 split in two, times 2^n built in the exponent
+// bits), about one unit in the last place. Branch-free: past the float range the result is inf or 0.
+inline float exp_poly(float x) {
+  const float xc = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
+  const float r = (xc - n * 0.693359375f) - n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * (r * r) + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  const float e = y * scale;
+  return x > 88.72f ? std::numeric_limits<float>::infinity() : (x < -87.0f ? 0.0f : e);
+}
+
 // silu(gate) * up for gate_up = [gate | up] per row; returns [n, columns / 2].
 torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   check_matrix(gate_up, "gate_up");
@@ -141,7 +165,7 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
     for (int64_t row = b; row < e; ++row) {
       const float *g = src + row * stride, *u = g + width;
       float* y = dst + row * width;
-      for (int64_t i = 0; i < width; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      for (int64_t i = 0; i < width; ++i) y[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
     }
   });
   return out;

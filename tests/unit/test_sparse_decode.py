@@ -102,11 +102,12 @@ def test_top_pages_keeps_sink_and_local_and_the_budget():
 
 
 # --- the selector: exactness at full budget, the contract below it ---------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: the GGUF path's pool, float32 q
 @pytest.mark.parametrize("native", NATIVE)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_full_budget_equals_dense_attention(policy, native):
+def test_full_budget_equals_dense_attention(policy, native, dtype):
     lens = [2100, 3000, 700]  # the last one below min_context: dense in the same call
-    k, v, slots = pool(0, lens)
+    k, v, slots = pool(0, lens, dtype=dtype)
     dec = decoder(policy, native, budget=4096, min_context=1024, tau=0.5)
     for s in range(3):
         q = torch.randn(3, 9, 32, generator=torch.Generator().manual_seed(s))
