@@ -551,7 +551,7 @@ def report_md(p: dict) -> str:
         f"best of {attn_repeats} passes over the {model['num_layers']} layers of one captured prompt, CPU seconds of one torch thread "
         "(wall-clock speedup of the same passes next to it). End to end: median server TTFT (2 threads, wall clock) "
         f"of {repeats} fresh prompts per length, each sent to the dense server and the policy's back to back "
-        f"(paired ratio); servers with `{' '.join(SERVER_ARGS)}` (one extend per prompt; see the script's "
+        f"(paired ratio); servers with `{' '.join(p.get('server_args', SERVER_ARGS))}` (one extend per prompt; see the script's "
         f"docstring). Fidelity vs the dense server on a document + question prompt; greedy agreement = fraction "
         f"of {GEN_TOKENS} greedy tokens before the first divergence, teacher-forced agreement = fraction of the dense "
         f"server's {GEN_TOKENS} greedy tokens that are the system's top-1 given the ones before (dense scores itself "
