@@ -163,7 +163,12 @@ def _layer_ops_for(model):
         n.weight.dtype == torch.float32 and n.variance_size_override is None and n.override_orig_dtype is None
         for n in norms
     )
-    caches = all(la.self_attn.rotary_emb.cos_sin_cache.dtype == torch.float32 for la in layers)
+    caches = all(
+        (c := la.self_attn.rotary_emb.cos_sin_cache).dtype == torch.float32
+        and c.is_contiguous()
+        and c.shape[-1] == la.self_attn.head_dim
+        for la in layers
+    )
     if not (plain_norms and caches):
         return None
     from sgl_loopkv.kernels import layer_ops as compiled
