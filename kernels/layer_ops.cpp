@@ -134,6 +134,8 @@ std::tuple<torch::Tensor, torch::Tensor> rope_neox(const torch::Tensor& qkv, con
 // e^x in float32 without a library call, so that the loop below vectorises: Cephes' expf (a degree-6
 // polynomial on x - n ln 2 with n = round(x / ln 2), ln 2 split in two, times 2^n built in the exponent
 // bits), about one unit in the last place. Branch-free: past the float range the result is inf or 0.
+// paged_decode.cpp's exp_nonpositive is the same polynomial for x <= 0: each extension is built from one
+// .cpp (no shared header is packaged or tracked by the build key), so the few lines stand in both.
 inline float exp_poly(float x) {
   const float xc = std::min(std::max(x, -87.0f), 88.0f);
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
