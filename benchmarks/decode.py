@@ -98,6 +98,7 @@ SYSTEMS = {
     "loopkv-gguf-fp32kv": ("sglang", "float32", ("--kv-cache-dtype", "auto")),
     "loopkv-gguf-q8": ("sglang", "float32", ("--loopkv-gguf-activations", "q8")),
     "loopkv-gguf-torchops": ("sglang", "float32", ()),
+    "loopkv-gguf-fp32prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "float32")),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
     "hf-fp32": ("hf", "float32", ()),
@@ -138,6 +139,8 @@ WHAT = {
     "(`LOOPKV_NATIVE_LAYER_OPS=0`) instead of the compiled layer ops",
     # --loopkv-stock brings SGLang's radix cache and also drops the decode-step hooks (split/gemv
     # linears, lean forward): its ratio is not the tiered cache's cost alone (a radix-only switch is not built)
+    "loopkv-gguf-fp32prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype float32`: prefills in float32 (the "
+    "default on a CPU without AMX-BF16; with it, `auto` runs their GEMMs and attention in bfloat16)",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
     "decode-step hooks (split/gemv linears, lean forward) too",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
@@ -149,7 +152,13 @@ WHAT = {
     "(`LOOPKV_EXACT_LINEAR=1`: oneDNN, no gemv_bf16)",
 }
 #: systems served from the default model's GGUF file instead of its converted float32 folder
-GGUF_SYSTEMS = ("loopkv-gguf", "loopkv-gguf-fp32kv", "loopkv-gguf-q8", "loopkv-gguf-torchops")
+GGUF_SYSTEMS = (
+    "loopkv-gguf",
+    "loopkv-gguf-fp32kv",
+    "loopkv-gguf-q8",
+    "loopkv-gguf-torchops",
+    "loopkv-gguf-fp32prefill",
+)
 #: systems scored against loopkv-fp32's tokens and logprobs (fidelity)
 SCORED = ("loopkv-bf16", *GGUF_SYSTEMS)
 # run at 4K with the smallest and largest batch only

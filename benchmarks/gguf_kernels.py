@@ -112,7 +112,7 @@ def systems(module):
         "Q8_0 gemv q8": (lambda out, inp: random_blocks(T.Q8_0, out, inp), gemv_q8(T.Q8_0), 34 / 32),
         "Q4_1 tiles": (
             lambda out, inp: random_blocks(T.Q4_1, out, inp),
-            lambda x, w: module.gemm_dequant(x, w, int(T.Q4_1), None, 512),
+            lambda x, w: module.gemm_dequant(x, w, int(T.Q4_1), None, 512, False),
             20 / 32,
         ),
     }

@@ -24,7 +24,8 @@
 //    into registers and FMA'd into every row of x (the memory-bound decode step);
 //  - gemv, more rows: each weight row decoded once into a thread's row buffer, then dotted with every
 //    row of x (the decode is paid once per weight row, not once per row of x);
-//  - gemm (prefill): tiles of weight rows dequantized to float32 and multiplied by torch's GEMM.
+//  - gemm (prefill): tiles of weight rows dequantized to float32 and multiplied by torch's GEMM, in
+//    float32 or, where the caller asks (AMX-BF16 CPUs), with x and the tile rounded to bfloat16.
 // Work is split over torch's threads by output feature (at::parallel_for).
 
 #include <ATen/Parallel.h>
@@ -718,18 +719,27 @@ torch::Tensor gemv(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional
 // Prefill: tiles of `tile` weight rows dequantized to float32 (in parallel), each multiplied by
 // torch's GEMM (MKL / oneDNN, threaded by itself); the transient tile is the only float copy.
 torch::Tensor gemm_dequant(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias,
-                           int64_t tile) {
+                           int64_t tile, bool bf16) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gguf gemm: x is float32 [M, K]");
   const auto [N, K] = check_weight(w, type, x.size(1));
   TORCH_CHECK(tile > 0, "gguf gemm: tile > 0");
   x = x.contiguous();
   torch::Tensor out = at::empty({x.size(0), N}, x.options());
   const bool has_bias = bias.has_value() && bias->defined();
+  // bf16: x and each tile rounded to bfloat16 (one rounding each) and multiplied by oneDNN's bfloat16 GEMM,
+  // float32 accumulation inside, the result rounded to bfloat16 once; the bias is added in float32.
+  const torch::Tensor xin = bf16 ? x.to(at::kBFloat16) : x;
   for (int64_t n0 = 0; n0 < N; n0 += tile) {
     const int64_t tn = std::min(tile, N - n0);
     torch::Tensor wt = dequantize(w.narrow(0, n0, tn), type, K, -1);
-    torch::Tensor y = has_bias ? at::addmm(bias->to(at::kFloat).narrow(0, n0, tn), x, wt.t()) : at::mm(x, wt.t());
-    out.narrow(1, n0, tn).copy_(y);
+    if (bf16) wt = wt.to(at::kBFloat16);
+    torch::Tensor dst = out.narrow(1, n0, tn);
+    if (bf16 || !has_bias) {
+      dst.copy_(at::mm(xin, wt.t()));
+      if (has_bias) dst.add_(bias->to(at::kFloat).narrow(0, n0, tn));
+    } else {
+      dst.copy_(at::addmm(bias->to(at::kFloat).narrow(0, n0, tn), x, wt.t()));
+    }
   }
   return out;
 }
@@ -738,5 +748,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paths", &paths, "the instruction-set paths compiled here, indexed by the path argument: portable, avx2, avx512");
   m.def("dequantize", &dequantize, "GGUF blocks [N, row bytes] -> float32 [N, K] (bitwise gguf.quants.dequantize)");
   m.def("gemv", &gemv, "x [M, K] @ dequant(w).T (+ bias), streamed from the blocks, one fixed order per output");
-  m.def("gemm_dequant", &gemm_dequant, "x @ dequant(w).T (+ bias): float32 tiles of the weight through torch's GEMM");
+  m.def("gemm_dequant", &gemm_dequant,
+        "x @ dequant(w).T (+ bias): tiles of the weight through torch's GEMM, float32 or (bf16) bfloat16");
 }

@@ -137,6 +137,18 @@ class LoopKVConfig:
             "choices": ["q8", "float32"],
         },
     )
+    prefill_dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "The arithmetic of a prefill or long extend (17 new rows or more) on GGUF weights: 'auto' "
+            "(default): bfloat16 on a CPU with AMX-BF16, float32 elsewhere; 'bfloat16': the linear layers' "
+            "dequantized tiles and inputs rounded to bfloat16 (float32 sums) and, over a bfloat16 KV pool, "
+            "the attention's queries too, several times float32's speed with AMX; 'float32': the dequantized "
+            "model's arithmetic. Decode steps and short extends are float32 either way; the float32 path "
+            "ignores this flag (docs/models.md).",
+            "choices": ["auto", "float32", "bfloat16"],
+        },
+    )
     stock: bool = field(
         default=False,
         metadata={
@@ -162,6 +174,8 @@ class LoopKVConfig:
             raise ValueError(f"--loopkv-weights must be auto, float32 or gguf, not {self.weights!r}")
         if self.gguf_activations not in ("q8", "float32"):
             raise ValueError(f"--loopkv-gguf-activations must be q8 or float32, not {self.gguf_activations!r}")
+        if self.prefill_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"--loopkv-prefill-dtype must be auto, float32 or bfloat16, not {self.prefill_dtype!r}")
         if self.weights == "gguf" and self.stock:
             raise ValueError("--loopkv-weights gguf is not stock SGLang: it cannot go with --loopkv-stock")
         if self.tiers.disk_dir == "auto":  # resolved here, so the subprocesses get the launcher's path

@@ -93,7 +93,7 @@ def _register_hooks() -> None:
     from sgl_loopkv.cache import awaited
     from sgl_loopkv.cache import backend as cache_backend
     from sgl_loopkv.config import LoopKVConfig
-    from sgl_loopkv.models import decode_linear, lean_forward
+    from sgl_loopkv.models import decode_linear, lean_forward, precision
     from sgl_loopkv.models.gguf import serving as gguf_serving
     from sgl_loopkv.models.gguf.linear import use_activations
     from sgl_loopkv.server import (
@@ -136,6 +136,7 @@ def _register_hooks() -> None:
         ]
         if LoopKVConfig.from_env().weights == "gguf":  # linears and embedding from a GGUF file's blocks
             use_activations(LoopKVConfig.from_env().gguf_activations)
+            precision.use(LoopKVConfig.from_env().prefill_dtype)
             hooks += [
                 (decode_linear.EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),
                 (decode_linear.GGUF_EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),

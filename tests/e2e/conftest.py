@@ -89,12 +89,14 @@ def _smollm2(p: SessionPaths) -> ServerProcess:
 def _gguf_file(p: SessionPaths) -> ServerProcess:
     """sgl-loopkv on the default model's GGUF file itself (``--model-path x.gguf``): SGLang's GGUF loader,
     the tokenizer and chat template from the file's metadata, the block kernels, over a float32 KV pool
-    (``--kv-cache-dtype auto``: the exact path, whose tokens are the float32 conversion's); with
+    (``--kv-cache-dtype auto``) with float32 prefills (``--loopkv-prefill-dtype float32``): the exact path,
+    whose tokens are the float32 conversion's; with
     ``--enable-metrics`` (``loopkv_gguf_layers``, ``loopkv_lean_forward``)."""
     from sgl_loopkv.models import default_model_gguf
 
     args = ["--model-path", str(default_model_gguf()), *COMMON_SERVER_ARGS, "--enable-metrics"]
-    return ServerProcess([*args, "--kv-cache-dtype", "auto"], log_path=p.logs / "gguf-file.log")
+    exact = ["--kv-cache-dtype", "auto", "--loopkv-prefill-dtype", "float32"]
+    return ServerProcess([*args, *exact], log_path=p.logs / "gguf-file.log")
 
 
 @SERVERS.register("keyed_server")

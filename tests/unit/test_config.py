@@ -22,7 +22,7 @@ from sgl_loopkv.restore.config import RestoreConfig
 
 #: Every flag users and scripts may already pass (removing or renaming one breaks them).
 FLAGS = """
-cache-dir device attention-executor weights gguf-activations stock host-bytes disk-dir disk-bytes disk-free-share disk-read value-policy store-dtype
+cache-dir device attention-executor weights gguf-activations prefill-dtype stock host-bytes disk-dir disk-bytes disk-free-share disk-read value-policy store-dtype
 restore-planner restore-ratio share-layers share-gamma share-ratio share-pairing share-stride
 prefill-policy alpha block-size sparse-min-len sparse-dense-tail sparse-tail-samples sparse-full-density
 streaming-fraction streaming-sink streaming-local streaming-calibration sparse-executor

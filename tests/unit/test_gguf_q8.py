@@ -162,7 +162,9 @@ def test_linear_routes_by_activations(q8, activations):
     activations("q8")
     assert torch.equal(linear_module.linear(x, w), q8.gemv_q8(x, w.blocks, int(T.Q4_1)))
     assert torch.equal(linear_module.linear(x, f16), g.gemv(x, f16.blocks, int(T.F16), None, -1))  # no q8 kernel
-    assert torch.equal(linear_module.linear(big, w), g.gemm_dequant(big, w.blocks, int(T.Q4_1), None, 512))  # prefill
+    assert torch.equal(
+        linear_module.linear(big, w), g.gemm_dequant(big, w.blocks, int(T.Q4_1), None, 512, False)
+    )  # prefill
     activations("int4")
     with pytest.raises(ValueError, match="LOOPKV_GGUF_ACTIVATIONS"):
         linear_module.activations()

@@ -7,6 +7,8 @@ By rows of x (thresholds from ``benchmarks/gguf_kernels.py`` on this project's C
   output one fixed-order float32 sum, so a row's result does not depend on the batch around it;
 - more rows (prefill): ``gemm_dequant``, tiles of ``GEMM_TILE`` weight rows decoded to float32 and
   multiplied by torch's GEMM (MKL / oneDNN); the tile is the only float copy and lives for one call.
+  In bfloat16 where :mod:`sgl_loopkv.models.precision` says so (``--loopkv-prefill-dtype``; by default
+  on CPUs with AMX-BF16).
 
 ``--loopkv-gguf-activations q8`` (opt-in) runs the gemv rows on int8 activations instead (``gguf_q8``:
 x rounded per 32-element block as llama.cpp does, integer block dots): less work per weight, which
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from sgl_loopkv.kernels import gguf_q8
 from sgl_loopkv.kernels.gguf_linear import load
+from sgl_loopkv.models import precision
 from sgl_loopkv.models.gguf.reader import BlockWeight, dequantize_rows
 
 #: Rows up to which ``gemv`` is at least at par with dequantized tiles + torch's GEMM (the fastest calls of
@@ -83,5 +86,5 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
     elif x2.shape[0] <= GEMV_MAX_ROWS:
         y = module.gemv(x2, weight.blocks, int(weight.qtype), bias, -1)  # -1: the best instruction set built
     else:
-        y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE)
+        y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE, precision.bf16_rows(x2.shape[0]))
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)

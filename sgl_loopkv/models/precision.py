@@ -1,0 +1,53 @@
+"""The arithmetic of a prefill on GGUF weights: float32, or bfloat16 where the CPU multiplies it natively.
+
+A prefill or long extend (``MIN_ROWS`` new rows or more) is compute-bound: its linear layers are GEMMs on
+dequantized tiles and its attention a flash kernel. With AMX-BF16, oneDNN runs both several times faster
+in bfloat16 than in float32 (``benchmarks/results/decode_gguf_run.md``'s prefill column). In bfloat16
+mode the GEMMs take x and the weight tile rounded to bfloat16 (float32 sums inside, the result rounded to
+bfloat16 once; the bias added in float32), and the attention over a bfloat16 KV pool takes the queries
+rounded to bfloat16 (the keys and values are bfloat16 already). Decode steps and short extends never
+change: they stay float32, so a decode is still the dequantized model's arithmetic.
+
+``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only): ``auto`` is bfloat16
+where the CPU reports ``amx_bf16`` (read at run time), float32 elsewhere, where bfloat16 is emulated or
+only AVX512-BF16's dot products and not measured to pay. Fidelity against the dequantized model is
+measured by ``benchmarks/decode.py`` (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from sgl_loopkv.platform import cpu_flags
+
+MODES = ("auto", "float32", "bfloat16")
+#: Overrides the server's choice in this process (tests, A/B timings).
+ENV = "LOOPKV_PREFILL_DTYPE"
+#: New rows from which a forward counts as a prefill here: above the GGUF gemv path's 16 rows, so a
+#: decode step or short extend keeps the float32 arithmetic whatever the mode.
+MIN_ROWS = 17
+_chosen = "float32"  # until the plugin passes the launched config's (the float32 path never opts in)
+
+
+def use(mode: str) -> None:
+    """This process's ``--loopkv-prefill-dtype``."""
+    global _chosen
+    if mode not in MODES:
+        raise ValueError(f"prefill dtype {mode!r}: expected one of {MODES}")
+    _chosen = mode
+    prefill_bf16.cache_clear()
+
+
+@functools.cache
+def prefill_bf16() -> bool:
+    """Whether prefills run in bfloat16 in this process (``LOOPKV_PREFILL_DTYPE`` if set, else :func:`use`'s)."""
+    value = os.environ.get(ENV, "").strip().lower() or _chosen
+    if value not in MODES:
+        raise ValueError(f"{ENV}={value!r}: expected one of {MODES}")
+    return "amx_bf16" in cpu_flags() if value == "auto" else value == "bfloat16"
+
+
+def bf16_rows(rows: int) -> bool:
+    """Whether a forward of ``rows`` new rows runs in bfloat16."""
+    return rows >= MIN_ROWS and prefill_bf16()
