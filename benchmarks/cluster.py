@@ -268,7 +268,7 @@ def mark_failover(turns: list[dict], victim: str | None, at_turn: int) -> None:
 
 def run_config(cfg: Config, convs, clients: int, worker_flags: list[str], log_dir: Path, tok) -> dict:
     disk = Path(tempfile.mkdtemp(prefix="loopkv-cluster-"))
-    flags = [*worker_flags, "--loopkv-disk-dir", str(disk) if cfg.shared else "none"]
+    flags = [*worker_flags, "--loopkv-tier-disk-dir", str(disk) if cfg.shared else "none"]
     (log_dir / cfg.name).mkdir(parents=True, exist_ok=True)
     cluster = Cluster(flags, workers=cfg.workers, policy=cfg.policy, log_dir=log_dir / cfg.name)
     t_start = time.perf_counter()

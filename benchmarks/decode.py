@@ -111,7 +111,7 @@ SYSTEMS = {
         ("--loopkv-stock", "--attention-backend", "loopkv", "--page-size", "16"),
     ),
     "loopkv-fp32-krul": ("sglang", "float32", ("--loopkv-share-layers", "minicache")),
-    "loopkv-fp32-nodisk": ("sglang", "float32", ("--loopkv-disk-dir", "none")),
+    "loopkv-fp32-nodisk": ("sglang", "float32", ("--loopkv-tier-disk-dir", "none")),
     "loopkv-fp32-nolean": ("sglang", "float32", ()),
     "loopkv-fp32-exact": ("sglang", "float32", ()),
     "loopkv-bf16-exact": ("sglang", "bfloat16", ()),
@@ -144,6 +144,7 @@ WHAT = {
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
     "decode-step hooks (split/gemv linears, lean forward) too",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
+    # the old flag name (still accepted) while benchmarks/results/decode.md, rendered from this text, says it
     "loopkv-fp32-nodisk": "sgl-loopkv defaults without the disk tier (`--loopkv-disk-dir none`): the disk writer's cost",
     "loopkv-fp32-nolean": "sgl-loopkv defaults with forwards through SGLang's layer modules (`LOOPKV_LEAN_FORWARD=0`)",
     "loopkv-fp32-exact": "sgl-loopkv defaults with F.linear's bits in every linear layer (`LOOPKV_EXACT_LINEAR=1`: "
@@ -537,9 +538,9 @@ def run_pressure(name, dtype, flags, convs, mode: str, args, tok, bar) -> dict:
             dtype,
             "--max-total-tokens",
             str(PRESSURE_POOL),
-            "--loopkv-disk-dir",
+            "--loopkv-tier-disk-dir",
             str(disk),
-            "--loopkv-host-bytes",
+            "--loopkv-tier-host-bytes",
             str(PRESSURE_HOST_BYTES),
         ],  # fmt: skip
         log_path=RESULTS / f"decode_pressure_{name}_{mode}.log",
@@ -921,7 +922,7 @@ def report_md(p: dict) -> str:
             for n, modes in pr.items()
             for m, r in modes.items()
         ]  # fmt: skip
-        md += (
+        md += (  # old flag names (still accepted), as the committed report renders them
             f"Pressure scenario: `--max-total-tokens {PRESSURE_POOL} --loopkv-disk-dir <tmp> --loopkv-host-bytes "
             f"{PRESSURE_HOST_BYTES}`, {c['convs']} conversations x {c['turns']} turns (~{c['mean_new_tokens_per_turn']} new tokens a "
             f"turn, prompts up to {c['max_prompt_tokens']} tokens), {c['gen']} tokens per answer, OpenAI chat API "

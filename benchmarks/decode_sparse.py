@@ -189,7 +189,7 @@ def run_grid(contexts, batch_sizes, args, tok, bar) -> dict:
     if args.distinct_contexts:
         # one disk tier for every system's server: the first prefills the contexts (~30 s each at 8K on
         # 2 cores) and stores them, the next ones load them from disk (untimed either way)
-        shared = ["--loopkv-disk-dir", tempfile.mkdtemp(prefix="decode-sparse-kv-")]
+        shared = ["--loopkv-tier-disk-dir", tempfile.mkdtemp(prefix="decode-sparse-kv-")]
     out = {}
     try:
         for name in ["dense", *args.policies]:

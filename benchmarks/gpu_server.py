@@ -198,7 +198,7 @@ def phase_greedy_dense(run: Run, tok, model: Path, phases: set[str]) -> dict:
 
 def phase_resume(run: Run, tok, model: Path) -> dict:
     L = run.history
-    extra = ["--max-total-tokens", str(L + L // 4), "--loopkv-host-bytes", str(8 << 30)]
+    extra = ["--max-total-tokens", str(L + L // 4), "--loopkv-tier-host-bytes", str(8 << 30)]
     srv = run.server(model, "loopkv-resume", "bfloat16", extra, loopkv=True).start()
     try:
         hist, other = synthetic_ids(tok, L, seed=L), synthetic_ids(tok, L, seed=L + 1)

@@ -5,7 +5,7 @@ SmolLM2-like geometry: 9 query heads, 3 KV heads, head dim 64, one sequence of `
 (no cached prefix), fp16 and bf16. Plans come from the ``loopserve`` policy at the server's
 defaults (dense tail 64, 16 tail samples, full-head density 0.6), run on synthetic *structured* q/k
 (a drifting per-head content direction, so nearby tokens attend to each other: slash lines; a
-few sink and scattered keys every query leans towards: vertical lines); ``--loopkv-alpha`` is
+few sink and scattered keys every query leans towards: vertical lines); ``--loopkv-prefill-alpha`` is
 bisected per length until the plan's density is near each target. Selection runs on the CPU (fp32)
 and is not timed.
 

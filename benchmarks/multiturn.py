@@ -40,10 +40,10 @@ from sgl_loopkv.server.process import ServerProcess, free_port
 
 LLAMACPP_VENV = Path(os.environ.get("LOOPKV_LLAMACPP_VENV", Path.home() / ".cache/sgl-loopkv/llamacpp-venv"))
 # min-len 512: the per-turn extends here are 0.3-3K tokens; the default (2048) would leave most dense
-SPARSE = ("--loopkv-prefill-policy", "loopserve", "--loopkv-sparse-min-len", "512")
+SPARSE = ("--loopkv-prefill-policy", "loopserve", "--loopkv-prefill-min-len", "512")
 # compressed tiers as benchmarks/restore.py runs them: int8 ("loopkv"), plus Krul's minicache layer
 # sharing ("loopkv_share")
-INT8 = ("--loopkv-store-dtype", "int8")
+INT8 = ("--loopkv-tier-store-dtype", "int8")
 KRUL = (*INT8, "--loopkv-share-layers", "minicache")
 
 
@@ -106,8 +106,8 @@ SYSTEMS = [
         budget=0.95,
     ),
     # score vs budget (full mode)
-    System("all-a0.9", (*SPARSE, *KRUL, "--loopkv-alpha", "0.9"), "all, alpha 0.9", budget=0.9, quick=False),
-    System("all-a0.8", (*SPARSE, *KRUL, "--loopkv-alpha", "0.8"), "all, alpha 0.8", budget=0.8, quick=False),
+    System("all-a0.9", (*SPARSE, *KRUL, "--loopkv-prefill-alpha", "0.9"), "all, alpha 0.9", budget=0.9, quick=False),
+    System("all-a0.8", (*SPARSE, *KRUL, "--loopkv-prefill-alpha", "0.8"), "all, alpha 0.8", budget=0.8, quick=False),
     System("llamacpp", (), "llama.cpp server (llama-cpp-python), same GGUF, prompt cache on", kind="llamacpp"),
 ]
 
@@ -208,7 +208,7 @@ def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar
     if sys_.kind == "llamacpp":
         srv = LlamaCppServer(n_ctx=pool, log_path=log)
     else:
-        tiers = ["--loopkv-host-bytes", str(host_bytes), "--loopkv-disk-dir", str(disk)]
+        tiers = ["--loopkv-tier-host-bytes", str(host_bytes), "--loopkv-tier-disk-dir", str(disk)]
         args = [*sys_.flags, *WEIGHTS, "--max-total-tokens", str(pool), "--enable-metrics", *tiers]
         srv = ServerProcess(args, log_path=log)
     turns, stored, t0 = [], {}, time.perf_counter()

@@ -78,20 +78,20 @@ CURVE_POLICY = "loopserve"  # the score-vs-budget curve sweeps this policy's alp
 # --loopkv-weights float32: the float32 conversion, what the committed results measured (a plain start serves
 # the GGUF file)
 SERVER_ARGS = ["--chunked-prefill-size", "8192", "--max-total-tokens", "16384", "--loopkv-weights", "float32"]
-MIN_LEN = ["--loopkv-sparse-min-len", "1024"]  # every benchmarked length goes sparse, whatever the default
+MIN_LEN = ["--loopkv-prefill-min-len", "1024"]  # every benchmarked length goes sparse, whatever the default
 SYSTEMS: dict[str, list[str]] = {  # name -> sgl-loopkv flags (defaults of every other flag)
     "dense": [],
     "loopserve": ["--loopkv-prefill-policy", "loopserve", *MIN_LEN],
-    "loopserve-a0.92": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "0.92", *MIN_LEN],
-    "loopserve-a0.8": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "0.8", *MIN_LEN],
+    "loopserve-a0.92": ["--loopkv-prefill-policy", "loopserve", "--loopkv-prefill-alpha", "0.92", *MIN_LEN],
+    "loopserve-a0.8": ["--loopkv-prefill-policy", "loopserve", "--loopkv-prefill-alpha", "0.8", *MIN_LEN],
     "block": ["--loopkv-prefill-policy", "block", *MIN_LEN],
-    "block-a0.9": ["--loopkv-prefill-policy", "block", "--loopkv-alpha", "0.9", *MIN_LEN],
+    "block-a0.9": ["--loopkv-prefill-policy", "block", "--loopkv-prefill-alpha", "0.9", *MIN_LEN],
     "lserve": ["--loopkv-prefill-policy", "lserve", *MIN_LEN],
 }
 FULL_BUDGET: dict[str, list[str]] = {
-    "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1"],
-    "block": ["--loopkv-prefill-policy", "block", "--loopkv-alpha", "1"],
-    "lserve": ["--loopkv-prefill-policy", "lserve", "--loopkv-streaming-local", "8192"],
+    "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-prefill-alpha", "1"],
+    "block": ["--loopkv-prefill-policy", "block", "--loopkv-prefill-alpha", "1"],
+    "lserve": ["--loopkv-prefill-policy", "lserve", "--loopkv-prefill-streaming-local", "8192"],
 }
 
 
@@ -112,7 +112,7 @@ for _a in SWEEP_ALPHAS:
     _same = [n for n, f in SYSTEMS.items() if n.startswith(CURVE_POLICY) and config_of(f).sparse.alpha == _a]
     CURVE[_a] = _same[0] if _same else f"{CURVE_POLICY}@{_a}"
     if not _same:
-        SWEEP[CURVE[_a]] = ["--loopkv-prefill-policy", CURVE_POLICY, "--loopkv-alpha", str(_a), *MIN_LEN]
+        SWEEP[CURVE[_a]] = ["--loopkv-prefill-policy", CURVE_POLICY, "--loopkv-prefill-alpha", str(_a), *MIN_LEN]
 
 
 # --- attention only ---------------------------------------------------------------------------
@@ -400,7 +400,7 @@ def run(args) -> dict:
     cfg = model.config
     shape = ModelShape(model_dir.name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
     configs = {name: config_of(flags) for name, flags in {**SYSTEMS, **SWEEP}.items() if name != "dense"}
-    timed = {name: POLICIES.create(c.sparse.prefill_policy, c.sparse, shape) for name, c in configs.items()}
+    timed = {name: POLICIES.create(c.sparse.policy, c.sparse, shape) for name, c in configs.items()}
     policies = {name: timed[name] for name in SYSTEMS if name != "dense"}
     for L in tqdm(lengths, desc="attention only"):
         layers, _ = capture_qkv(model, synthetic_ids(tokenizer, L, seed=5 + L))
@@ -459,13 +459,13 @@ def run(args) -> dict:
             "config": {
                 k: getattr(config_of(flags).sparse, k)
                 for k in (
-                    "prefill_policy",
+                    "policy",
                     "alpha",
                     "block_size",
-                    "sparse_min_len",
-                    "sparse_dense_tail",
-                    "sparse_tail_samples",
-                    "sparse_full_density",
+                    "min_len",
+                    "dense_tail",
+                    "tail_samples",
+                    "full_density",
                     "streaming_fraction",
                     "streaming_sink",
                     "streaming_local",
@@ -576,6 +576,7 @@ def report_md(p: dict) -> str:
             ],
             rows,
         )
+        # the old name of --loopkv-prefill-alpha (still accepted), as the committed report renders it
         + f"\nScore vs budget, attention only: `{CURVE_POLICY}` across `--loopkv-alpha` (other flags at their defaults):\n\n"
         + md_table(
             ["tokens", "alpha", "density", "attn recall", "attn speedup", "select CPU s"],
@@ -606,7 +607,7 @@ def report_md(p: dict) -> str:
                 for n, b in by_policy.items()
             ],
         )
-        + f"\nSummary (headline system `{HEADLINE}`: `{' '.join(SYSTEMS[HEADLINE])}`): attention speedup at 8K {summary['attention_speedup_8k']:.2f}x, "
+        + f"\nSummary (headline system `{HEADLINE}`: `{' '.join(summary['headline_flags'])}`): attention speedup at 8K {summary['attention_speedup_8k']:.2f}x, "
         f"end-to-end {summary['e2e_speedup_8k']:.2f}x (targets: 3x and 1.5x); greedy agreement "
         f"{summary['greedy_agreement']:.2f}; exact at full budget: {summary['exact_at_full_budget']}.\n"
     )

@@ -279,7 +279,7 @@ class Bench:
         if tier == "host":
             return [], None  # the default host arena (2 GiB), a private disk dir (ServerProcess)
         d = clone_dir(self.seeds[layout], self.root / name)
-        return ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(d)], d
+        return ["--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", str(d)], d
 
     def write_seed(self, lengths: list[int], layout: str = "grouped") -> None:
         """The history stored on disk once (a full prefill): every disk server resumes a copy of it.
@@ -289,7 +289,7 @@ class Bench:
         group = ["--loopkv-prefix-layer-group", "1"] if layout == "layer" else []
         srv = self.server(
             f"seed_{layout}",
-            ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(seed), *group],
+            ["--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", str(seed), *group],
             max(lengths) + 1024,
         )
         try:

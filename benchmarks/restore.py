@@ -87,13 +87,14 @@ SYSTEMS: dict[str, tuple[list[str] | None, tuple[str, ...]]] = {  # name -> (fla
     "full_load": (["--loopkv-restore-planner", "load_all"], ("host", "disk")),
     "fixed": (["--loopkv-restore-planner", "fixed", "--loopkv-restore-ratio", "0.4"], ("host",)),
     "loopkv_planner": (["--loopkv-restore-planner", "krul"], ("host", "disk")),
-    "loopkv": (["--loopkv-restore-planner", "krul", "--loopkv-store-dtype", "int8"], ("host", "disk")),
+    "loopkv": (["--loopkv-restore-planner", "krul", "--loopkv-tier-store-dtype", "int8"], ("host", "disk")),
     "loopkv_share": (
-        ["--loopkv-restore-planner", "krul", "--loopkv-store-dtype", "int8", "--loopkv-share-layers", "minicache"],
+        ["--loopkv-restore-planner", "krul", "--loopkv-tier-store-dtype", "int8", "--loopkv-share-layers", "minicache"],
         ("host", "disk"),
     ),
     "loopkv_encrypted": (
-        ["--loopkv-restore-planner", "krul", "--loopkv-store-dtype", "int8", "--loopkv-disk-key-file", "{key}"],
+        ["--loopkv-restore-planner", "krul", "--loopkv-tier-store-dtype", "int8"]
+        + ["--loopkv-lifecycle-disk-key-file", "{key}"],
         ("disk",),
     ),
 }
@@ -177,7 +178,7 @@ def run_config(name: str, tier: str, tok, L: int, repeats: int, ref: dict | None
     if flags is None:
         args = ["--disable-radix-cache", *pool]
     else:
-        host = ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk_dir)] if disk_dir else []
+        host = ["--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", str(disk_dir)] if disk_dir else []
         args = [*pool, "--enable-metrics", *host, *flags]
     srv = ServerProcess([*WEIGHTS, *args], log_path=RESULTS / f"restore_{name}_{tier}_{L}.log").start()
     bubble = 'loopkv_restore_seconds_total{part="bubble"}'

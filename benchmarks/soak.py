@@ -333,10 +333,12 @@ def run_system(
     disk_quota = tiers.disk_tokens * kv_bytes_per_token if tiered else 0
     pool_bytes = tiers.pool * kv_bytes_per_token
     disk = Path(tempfile.mkdtemp(prefix=f"loopkv-soak-{name}-"))
-    tier_flags = ["--loopkv-host-bytes", str(host_bytes), "--loopkv-disk-bytes", str(disk_quota)] if tiered else []
+    tier_flags = (
+        ["--loopkv-tier-host-bytes", str(host_bytes), "--loopkv-tier-disk-bytes", str(disk_quota)] if tiered else []
+    )
     # ``flags`` last: a flag given twice takes its last value, so an A/B flag overrides the tiers' own
     args = ["--max-total-tokens", str(tiers.pool), "--enable-metrics", *tier_flags]
-    srv = ServerProcess([*args, "--loopkv-disk-dir", str(disk), *flags], log_path=log_path)
+    srv = ServerProcess([*args, "--loopkv-tier-disk-dir", str(disk), *flags], log_path=log_path)
     turns, errors = [], []
     out = {"name": name, "flags": [*args, *flags]}
     try:

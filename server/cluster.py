@@ -11,10 +11,10 @@ cluster adds:
 - CPU: the machine's cores split between the workers (``--threads-per-worker``, default cores /
   workers): each worker is pinned to its own cores (``sched_setaffinity``, inherited by SGLang's
   subprocesses) and sizes OpenMP to them, so N workers do not fight over every core.
-- One disk tier: every worker gets the same ``--loopkv-disk-dir`` (the flag's own default,
+- One disk tier: every worker gets the same ``--loopkv-tier-disk-dir`` (the flag's own default,
   ``<cache-dir>/kv``, unless given), which the workers share safely (:mod:`sgl_loopkv.cache.disk`):
   a conversation the router sends to another worker resumes from what the first one stored.
-- The per-client request limit of the workers is off (``--loopkv-max-client-requests 0``): behind
+- The per-client request limit of the workers is off (``--loopkv-limit-max-client-requests 0``): behind
   the router every request comes from the router's address; limit clients at the router
   (``--router-args "--max-concurrent-requests N"``).
 - Failures: the router's circuit breaker (3 failed attempts) and its health checks (every
@@ -100,7 +100,7 @@ class Cluster:
     def start(self, timeout_s: float = 600) -> Cluster:
         if not router_available():
             raise RuntimeError(INSTALL_HINT)
-        args = with_defaults(self.worker_args, {"--loopkv-max-client-requests": "0"})
+        args = with_defaults(self.worker_args, {"--loopkv-limit-max-client-requests": "0"})
         for i, cpus in enumerate(cpu_split(self.workers, self.threads_per_worker)):
             env = {**self.env, "OMP_NUM_THREADS": str(len(cpus))}
             # private_disk_dir=False: the workers share the tier the flags name (the launcher's default).

@@ -3,7 +3,8 @@
 ``python -m sgl_loopkv.server.config_docs`` prints the page; ``--write`` replaces the file (atomically).
 ``tests/unit/test_config_docs.py`` fails while the committed page differs from what this prints.
 The page is MyST Markdown: one table per argument group under a label other pages link to
-(``[](#configuration-sparse-decode)``, :func:`target`), every character Markdown would read as
+(``[](#configuration-sparse-decode)``, :func:`target`), then the renamed flags' old names
+(:data:`~sgl_loopkv.config.RENAMED`); every character Markdown would read as
 syntax escaped, and no raw HTML.
 """
 
@@ -17,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import sgl_loopkv
-from sgl_loopkv.config import LoopKVConfig
+from sgl_loopkv.config import RENAMED, LoopKVConfig
 from sgl_loopkv.flags import BYTES_HELP, Option
 from sgl_loopkv.server.launch import loopkv_parser, sglang_defaults
 
@@ -55,7 +56,8 @@ def groups(parser: argparse.ArgumentParser) -> list[tuple[str, str, list[Option]
     by_dest = {o.dest: o for o in LoopKVConfig.options()}
     out = []
     for group in parser._action_groups:  # argparse keeps its groups only here
-        options = [by_dest[a.dest] for a in group._group_actions if a.dest in by_dest]
+        shown = [a for a in group._group_actions if a.help is not argparse.SUPPRESS]  # not the old names
+        options = [by_dest[a.dest] for a in shown if a.dest in by_dest]
         if options:
             title = group.title.removeprefix("sgl-loopkv ")
             out.append((title[0].upper() + title[1:], group.description or "", options))
@@ -92,6 +94,18 @@ def render() -> str:
     for flag, values in sglang_defaults().items():
         cells = ["-" if v is None else text(v) if " " in v else code(v or "on") for v in values]
         lines.append(f"| {code(flag)} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"({target('Renamed flags')})=",
+        "## Renamed flags",
+        "",
+        "Every group's flags share one prefix; these had other names before. The old names still work (each sets "
+        "the same value as its new name) but `--help` no longer lists them.",
+        "",
+        "| Old flag | New flag |",
+        "| --- | --- |",
+        *(f"| {code(LoopKVConfig.flag(old))} | {code(LoopKVConfig.flag(new))} |" for old, new in RENAMED.items()),
+    ]
     return "\n".join(lines) + "\n"
 
 

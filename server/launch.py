@@ -62,7 +62,8 @@ GPU_DEFAULTS: dict[str, str | None] = {
 
 
 def _given(argv: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in argv)
+    """``flag`` is in ``argv``, under any of its names (a renamed ``--loopkv-*`` flag's old one too)."""
+    return any(a == f or a.startswith(f + "=") for f in LoopKVConfig.spellings(flag) for a in argv)
 
 
 def _value(argv: list[str], flag: str) -> str:

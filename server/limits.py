@@ -52,7 +52,7 @@ class LimitsConfig:
 
     A plain ``sglang.launch_server`` stays as SGLang made it (the module doc says how)."""
 
-    flag_prefix: ClassVar[str] = ""
+    flag_prefix: ClassVar[str] = "limit_"
     title: ClassVar[str] = "request limits"
 
     max_n: int = field(
@@ -85,8 +85,8 @@ class LimitsConfig:
     def __post_init__(self):
         if self.max_n < 1 or self.default_max_tokens < 1 or self.shutdown_grace_s < 0 or self.max_client_requests < 0:
             raise ValueError(
-                "--loopkv-max-n and --loopkv-default-max-tokens must be >= 1, --loopkv-shutdown-grace-s and "
-                "--loopkv-max-client-requests >= 0"
+                "--loopkv-limit-max-n and --loopkv-limit-default-max-tokens must be >= 1, "
+                "--loopkv-limit-shutdown-grace-s and --loopkv-limit-max-client-requests >= 0"
             )
 
 
@@ -104,7 +104,7 @@ def apply_limits(obj, limits: LimitsConfig) -> None:
     for p in params if isinstance(params, list) else [params] if params is not None else []:
         n = p.get("n")
         if isinstance(n, int) and n > limits.max_n:  # other values are SGLang's to reject
-            raise ValueError(f"n={n!r} is over this server's limit of {limits.max_n} (--loopkv-max-n)")
+            raise ValueError(f"n={n!r} is over this server's limit of {limits.max_n} (--loopkv-limit-max-n)")
         if "max_new_tokens" in p and p["max_new_tokens"] is None:
             p["max_new_tokens"] = limits.default_max_tokens
 
@@ -147,7 +147,7 @@ async def _abort_when_stopping(tokenizer_manager, grace_s: float) -> None:
         await asyncio.sleep(0.25)
     if tokenizer_manager.rid_to_state:
         logger.warning(
-            "stopping: aborting %d request(s) still running %.0f s after SIGTERM (--loopkv-shutdown-grace-s)",
+            "stopping: aborting %d request(s) still running %.0f s after SIGTERM (--loopkv-limit-shutdown-grace-s)",
             len(tokenizer_manager.rid_to_state),
             grace_s,
         )
@@ -224,7 +224,7 @@ def _from_this_process(peer: tuple[str, int]) -> bool:
 async def _too_many(send, limit: int) -> None:
     message = (
         f"this client already has {limit} requests in flight, the server's limit "
-        "(--loopkv-max-client-requests); retry when one has finished"
+        "(--loopkv-limit-max-client-requests); retry when one has finished"
     )
     body = json.dumps({"object": "error", "message": message, "type": "TooManyRequests", "code": 429}).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]

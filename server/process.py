@@ -20,6 +20,8 @@ from pathlib import Path
 
 import requests
 
+from sgl_loopkv.config import LoopKVConfig
+
 #: Where :func:`free_port` picks. Not the kernel's ephemeral range (32768+ by default): a port picked
 #: there is free only until the server binds it, and meanwhile any socket bound to port 0 can take it
 #: (an outgoing connection, or gloo's listeners in another worker's scheduler: a cluster benchmark's
@@ -51,7 +53,7 @@ def free_port() -> int:
 class ServerProcess:
     """A server on 127.0.0.1:<port>. ``module`` is what ``python -m`` runs.
 
-    With ``private_disk_dir``, an sgl-loopkv server whose args name no ``--loopkv-disk-dir`` gets a
+    With ``private_disk_dir``, an sgl-loopkv server whose args name no ``--loopkv-tier-disk-dir`` gets a
     fresh temporary one (removed at :meth:`stop`) instead of the launcher's default in the user cache:
     tests and benchmarks run with the disk tier on, as users do, but never resume one another's
     stored KV, and two servers of one model never meet on one directory lock."""
@@ -84,10 +86,10 @@ class ServerProcess:
         """Start the process without waiting for it (:meth:`wait_ready` waits)."""
         env = {**(os.environ if self.base_env is None else self.base_env), **self.env}
         args = list(self.args)
-        named = any(a.startswith("--loopkv-disk-dir") for a in args)
+        named = any(a.startswith(f) for f in LoopKVConfig.spellings("--loopkv-tier-disk-dir") for a in args)
         if self.private_disk_dir and self.module == "sgl_loopkv.launch_server" and not named:
             self.disk_dir = self.disk_dir or Path(tempfile.mkdtemp(prefix="loopkv-disk-"))  # kept over a restart
-            args += ["--loopkv-disk-dir", str(self.disk_dir)]
+            args += ["--loopkv-tier-disk-dir", str(self.disk_dir)]
         cmd = [sys.executable, "-m", self.module, *args, "--host", "127.0.0.1", "--port", str(self.port)]
         mode = "a" if self.proc else "w"  # a restart appends to the log
         log = open(self.log_path, mode) if self.log_path else subprocess.DEVNULL

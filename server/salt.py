@@ -1,4 +1,4 @@
-"""``--loopkv-require-salt``: a request without a ``cache_salt`` shares nothing.
+"""``--loopkv-lifecycle-require-salt``: a request without a ``cache_salt`` shares nothing.
 
 Such a request gets a salt of its own, unique to it (:data:`UNSALTED` + a random id), before SGLang
 builds its tokenized form: its radix key and every chain hash of its history are then in a namespace

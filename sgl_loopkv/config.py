@@ -4,13 +4,14 @@
 family; a component gets its own section, never the whole config (the restore planner gets
 :class:`~sgl_loopkv.restore.config.RestoreConfig`, a prefill selection policy
 :class:`~sgl_loopkv.attention.policies.config.SparsePrefillConfig`). Every field of every section is a
-flag: ``--loopkv-`` + the section's ``flag_prefix`` + the field name (``RestoreConfig.planner`` ->
-``--loopkv-restore-planner``). Its argparse type comes from the annotation (``Bytes`` for a byte quota:
-it takes units), its help from the ``help`` metadata (one or two sentences: what it does, units, when
-to use it; the why goes on the mechanism's docs page), and :mod:`sgl_loopkv.flags` says what else a
-field may declare (``metavar``, ``default_text``, ``baseline`` for a flag only benchmarks use). Each
-section is one group of ``--help`` and of ``docs/configuration.md`` (generated:
-``python -m sgl_loopkv.server.config_docs --write``).
+flag: ``--loopkv-`` + the section's ``flag_prefix`` (one per section) + the field name
+(``RestoreConfig.planner`` -> ``--loopkv-restore-planner``). Its argparse type comes from the annotation
+(``Bytes`` for a byte quota: it takes units), its help from the ``help`` metadata (one or two sentences:
+what it does, units, when to use it; the why goes on the mechanism's docs page), and
+:mod:`sgl_loopkv.flags` says what else a field may declare (``metavar``, ``default_text``, ``baseline`` for
+a flag only benchmarks use). Each section is one group of ``--help`` and of ``docs/configuration.md`` (generated:
+``python -m sgl_loopkv.server.config_docs --write``). A renamed flag keeps its old name as a hidden alias
+(:data:`RENAMED`).
 
 A section lives in the package of the feature that reads it: :data:`SECTIONS` names it as
 ``"module:Class"`` and :func:`sections` imports it when a config is first built, as a flag that picks a
@@ -64,6 +65,41 @@ SECTIONS: dict[str, str] = {
 }
 
 
+#: old option name -> its name since each section got one flag prefix (issue 54): the old flags still parse
+#: (hidden from ``--help`` and the docs) and :meth:`LoopKVConfig.from_flat` takes the old names, so scripts
+#: written before keep working.
+RENAMED: dict[str, str] = {
+    "host_bytes": "tier_host_bytes",
+    "disk_dir": "tier_disk_dir",
+    "disk_bytes": "tier_disk_bytes",
+    "disk_free_share": "tier_disk_free_share",
+    "disk_read": "tier_disk_read",
+    "value_policy": "tier_value_policy",
+    "store_dtype": "tier_store_dtype",
+    "alpha": "prefill_alpha",
+    "block_size": "prefill_block_size",
+    "streaming_fraction": "prefill_streaming_fraction",
+    "streaming_sink": "prefill_streaming_sink",
+    "streaming_local": "prefill_streaming_local",
+    "streaming_calibration": "prefill_streaming_calibration",
+    "sparse_min_len": "prefill_min_len",
+    "sparse_dense_tail": "prefill_dense_tail",
+    "sparse_tail_samples": "prefill_tail_samples",
+    "sparse_full_density": "prefill_full_density",
+    "sparse_executor": "prefill_executor",
+    "max_n": "limit_max_n",
+    "default_max_tokens": "limit_default_max_tokens",
+    "max_client_requests": "limit_max_client_requests",
+    "shutdown_grace_s": "limit_shutdown_grace_s",
+    "disk_ttl": "lifecycle_disk_ttl",
+    "require_salt": "lifecycle_require_salt",
+    "pin_bytes": "lifecycle_pin_bytes",
+    "tenant_host_share": "lifecycle_tenant_host_share",
+    "tenant_disk_share": "lifecycle_tenant_disk_share",
+    "disk_key_file": "lifecycle_disk_key_file",
+}
+
+
 @functools.cache
 def sections() -> dict[str, type]:
     """Section field -> its dataclass (imports the sections' modules: call it where a config is built)."""
@@ -95,7 +131,7 @@ class LoopKVConfig:
         default=None,
         metadata={
             "help": "Directory of sgl-loopkv's own files: the converted default model and, with "
-            "--loopkv-disk-dir auto, the disk tier.",
+            "--loopkv-tier-disk-dir auto, the disk tier.",
             "metavar": "DIR",
             "default_text": "$XDG_CACHE_HOME/sgl-loopkv, else ~/.cache/sgl-loopkv",
         },
@@ -206,8 +242,16 @@ class LoopKVConfig:
         return "--loopkv-" + name.replace("_", "-")
 
     @classmethod
-    def from_flat(cls, **values: Any) -> LoopKVConfig:
-        """A config from option names (``restore_planner=...``, as the flags spell them)."""
+    def spellings(cls, flag: str) -> list[str]:
+        """``flag`` and its old names (:data:`RENAMED`): what to look for in an argv that may predate it."""
+        return [flag, *(cls.flag(old) for old, new in RENAMED.items() if cls.flag(new) == flag)]
+
+    @classmethod
+    def from_flat(cls, **given: Any) -> LoopKVConfig:
+        """A config from option names (``restore_planner=...``, as the flags spell them; old names too)."""
+        values = {RENAMED.get(k, k): v for k, v in given.items()}
+        if len(values) < len(given):
+            raise TypeError(f"an sgl-loopkv option given under its old and new name: {sorted(given)}")
         unknown = set(values) - cls.option_names()
         if unknown:
             raise TypeError(f"unknown sgl-loopkv options {sorted(unknown)}")
@@ -228,7 +272,10 @@ class LoopKVConfig:
                 owner = sections().get(o.section, cls)
                 title, doc = ("benchmark baselines", cls.baselines) if o.baseline else (owner.title, owner.__doc__)
                 groups[key] = parser.add_argument_group(f"sgl-loopkv {title}", " ".join(doc.split("\n\n")[0].split()))
-            groups[key].add_argument(o.flag, **o.argparse_kwargs())
+            kwargs = o.argparse_kwargs()
+            groups[key].add_argument(o.flag, **kwargs)
+            for old in cls.spellings(o.flag)[1:]:  # hidden; SUPPRESS: the new flag's default stands
+                groups[key].add_argument(old, **kwargs | {"help": argparse.SUPPRESS, "default": argparse.SUPPRESS})
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> LoopKVConfig:

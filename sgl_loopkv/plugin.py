@@ -17,7 +17,7 @@ What it registers today:
 - bad input answered with a readable 4xx, never a 5xx or a server path (:mod:`sgl_loopkv.server.errors`,
   :mod:`sgl_loopkv.server.request_checks`), in servers of sgl-loopkv's launcher;
 - ``POST /loopkv/forget`` answered on the scheduler (:mod:`sgl_loopkv.server.forget`), and requests
-  without a ``cache_salt`` isolated under ``--loopkv-require-salt`` (:mod:`sgl_loopkv.server.salt`);
+  without a ``cache_salt`` isolated under ``--loopkv-lifecycle-require-salt`` (:mod:`sgl_loopkv.server.salt`);
 - per-tier ``cached_tokens_details`` in ``meta_info`` (:mod:`sgl_loopkv.cache.backend`);
 - requests whose history another worker is writing, or that the disk tier is reading ahead, held back
   in the queue, not waited for on the scheduler thread (:mod:`sgl_loopkv.cache.awaited`);

@@ -55,7 +55,7 @@ def start(name: str, flags: list[str]) -> ServerProcess:
 
 def seed(hists: list[list[int]], root: Path) -> Path:
     d = root / "seed"
-    srv = start("seed", ["--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(d)])
+    srv = start("seed", ["--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", str(d)])
     try:
         for hist in hists:
             timed_generate(srv.url, hist, 1)
@@ -181,7 +181,7 @@ def main() -> None:
             disk = clone_dir(seed_dir, root / name) if on_disk else None
             flags = [*extra]
             if on_disk:
-                flags += ["--loopkv-host-bytes", str(host_mb * MB), "--loopkv-disk-dir", str(disk)]
+                flags += ["--loopkv-tier-host-bytes", str(host_mb * MB), "--loopkv-tier-disk-dir", str(disk)]
             res[name] = run_system(name, flags, disk, tok, hist, other, args.resumes, bar) | {"host_mb": host_mb}
     ratio = lambda a, b: a / b if b else None  # noqa: E731
     summary = {

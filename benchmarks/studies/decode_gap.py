@@ -56,8 +56,8 @@ def kv_heavy_model(out: Path, tokenizer_dir: Path) -> Path:
 def disk_only_args(model: Path, disk: Path, read: str) -> list[str]:
     """A pool of ~2 histories, no host arena: an evicted history lives on disk only."""
     return ["--model-path", str(model), "--max-total-tokens", "4096", "--mem-fraction-static", "0.5", "--dtype",
-            "float32", "--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk), "--loopkv-disk-read", read,
-            "--enable-metrics"]  # fmt: skip
+            "float32", "--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", str(disk),
+            "--loopkv-tier-disk-read", read, "--enable-metrics"]  # fmt: skip
 
 
 @dataclass

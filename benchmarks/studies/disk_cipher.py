@@ -1,4 +1,4 @@
-"""What encryption at rest (``--loopkv-disk-key-file``) costs a disk read, without a server.
+"""What encryption at rest (``--loopkv-lifecycle-disk-key-file``) costs a disk read, without a server.
 
 SmolLM2-135M's KV geometry (30 layers, 3 KV heads x 64), one 4K-token segment per store dtype
 (float32, int8), written plain and sealed; each timed read drops the file from the page cache
@@ -6,7 +6,7 @@ first (``POSIX_FADV_DONTNEED``) and reads the whole segment verified (a full-his
 the most bytes a resume decrypts). Plain and sealed reads alternate, so drift hits both; medians.
 ``--server``: the same at server level, two SmolLM2 servers up together (the restore benchmark's
 headline config, int8 tiers and the krul planner, disk tier only), one plain and one with
-``--loopkv-disk-key-file``, their 4K disk resumes alternated (TTFT of a 1-token answer, the page cache
+``--loopkv-lifecycle-disk-key-file``, their 4K disk resumes alternated (TTFT of a 1-token answer, the page cache
 dropped first), so load on a shared machine hits both alike. ``benchmarks.restore`` reports the same
 ratio as ``summary.encrypted_over_plain_disk_resume_4k`` (one server after the other).
 
@@ -92,9 +92,9 @@ def serve(tokens: int, repeats: int) -> dict:
             dirs[name] = Path(tempfile.mkdtemp(prefix=f"loopkv-cipher-{name}-"))
             flags = [key_file() if f == "{key}" else f for f in SYSTEMS["loopkv_encrypted"][0]]
             if name == "plain":
-                flags = flags[: flags.index("--loopkv-disk-key-file")]
-            args = ["--max-total-tokens", str(tokens + 1024), "--loopkv-host-bytes", "0"]
-            args += ["--loopkv-disk-dir", str(dirs[name]), *flags, *WEIGHTS]  # the float32 conversion (restore.py)
+                flags = flags[: flags.index("--loopkv-lifecycle-disk-key-file")]
+            args = ["--max-total-tokens", str(tokens + 1024), "--loopkv-tier-host-bytes", "0"]
+            args += ["--loopkv-tier-disk-dir", str(dirs[name]), *flags, *WEIGHTS]  # the float32 conversion (restore.py)
             servers[name] = ServerProcess(args).start()
             timed_generate(servers[name].url, hist, 1)  # the earlier turn: now stored
         ttft: dict[str, list[float]] = {n: [] for n in servers}

@@ -1,9 +1,9 @@
-"""Disk resumes read inline vs read ahead (``--loopkv-disk-read inline|background``), side by side;
+"""Disk resumes read inline vs read ahead (``--loopkv-tier-disk-read inline|background``), side by side;
 the read-ahead thread as it runs by default (nice 10, paced: it naps between pieces of the read while
 other requests run, :mod:`sgl_loopkv.cache.read_pacing`), niced but not paced (``background-unpaced``:
 ``LOOPKV_READ_AHEAD_PACED=0``) and at normal priority, not paced (``background-normal``: both off).
 
-SmolLM2, three 3K-token histories on the disk tier only (``--loopkv-host-bytes 0``, a device pool
+SmolLM2, three 3K-token histories on the disk tier only (``--loopkv-tier-host-bytes 0``, a device pool
 that holds one), the page cache dropped before each resume. Under load: client A resumes them back
 to back while client B streams three 150-token answers; B's inter-token gaps and A's TTFT. Idle:
 A alone, 15 resumes. The modes alternate (inline, background, inline, ...) so drift hits both.
@@ -52,11 +52,11 @@ def quantile(xs: list[float], p: float) -> float:
 def run(mode: str, tok, idle: bool) -> dict:
     hists = [synthetic_ids(tok, L, seed=70 + i) for i in range(N_HIST)]
     disk = Path(tempfile.mkdtemp(prefix="disk-read-"))
-    flags = ["--max-total-tokens", str(L + 1200), "--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk)]
+    flags = ["--max-total-tokens", str(L + 1200), "--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", str(disk)]
     flags += ["--loopkv-weights", "float32"]  # the float32 conversion: what the committed results measured
     read, env = ("inline", {}) if mode == "inline" else ("background", MODE_ENV[mode])
     srv = ServerProcess(
-        [*flags, "--loopkv-disk-read", read], env=env, log_path=RESULTS / f"disk_read_{mode}.log"
+        [*flags, "--loopkv-tier-disk-read", read], env=env, log_path=RESULTS / f"disk_read_{mode}.log"
     ).start()
     try:
         for h in hists:

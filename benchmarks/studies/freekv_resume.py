@@ -232,7 +232,7 @@ class ResumeBench(Bench):
         """One server for every length; the history stored once, then evicted to the host arena."""
         self.bar.set_postfix_str(name)
         if seed:  # also written through to a disk directory the small-pool servers clone
-            flags = [*flags, "--loopkv-disk-dir", str(self.seed)]
+            flags = [*flags, "--loopkv-tier-disk-dir", str(self.seed)]
         srv = self.server(name, flags, max(lengths) + 1024)
         full = "--loopkv-prefix-stream" in flags
         try:

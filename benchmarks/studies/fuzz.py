@@ -93,7 +93,7 @@ CORE_OPERATIONS = [
     ("GET", "/v1/models/{model}"),
 ]
 #: Caps the server is started with: generated requests stay cheap, and over-limit ones must get a 4xx.
-SERVER_ARGS = ["--max-total-tokens", "2048", "--context-length", "1024", "--loopkv-max-n", "2"]
+SERVER_ARGS = ["--max-total-tokens", "2048", "--context-length", "1024", "--loopkv-limit-max-n", "2"]
 #: Generation lengths a generated body may ask for are clamped to this; asking for 10**12 tokens is
 #: a hand-written case of its own.
 MAX_GEN = 4

@@ -51,7 +51,7 @@ SYSTEMS = {
     "loopkv": [*F32],
     "stock": ["--loopkv-stock"],
     "stock_page16": ["--loopkv-stock", "--page-size", "16"],
-    "loopkv_no_tiers": [*F32, "--loopkv-host-bytes", "0", "--loopkv-disk-dir", "none"],
+    "loopkv_no_tiers": [*F32, "--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", "none"],
     "loopkv_no_split_linear": [*F32],
 }
 ENV = {"loopkv_no_split_linear": {"LOOPKV_NATIVE_LINEAR": "0"}}  # F.linear instead of the split kernel

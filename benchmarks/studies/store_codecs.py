@@ -1,5 +1,5 @@
 """Fidelity of the tiers' stored dtypes on SmolLM2, offline in HF transformers: the history KV of
-every layer is round-tripped through a codec (bf16, fp16, int8 as ``--loopkv-store-dtype int8``
+every layer is round-tripped through a codec (bf16, fp16, int8 as ``--loopkv-tier-store-dtype int8``
 stores it, and int4 for scale), then the new turn and the reference's 128 greedy tokens are fed.
 
 Reported per history length: first-token KL(fp32 || codec), teacher-forced top-1 agreement over the

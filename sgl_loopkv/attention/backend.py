@@ -3,7 +3,7 @@
 Converts SGLang's ForwardBatch into an :class:`AttentionPlan` once per batch
 (``init_forward_metadata``) and lets the chosen executor compute every layer from it.
 
-Sparse prefill (``--loopkv-prefill-policy``): for extends with more than ``sparse_min_len`` new
+Sparse prefill (``--loopkv-prefill-policy``): for extends with more than ``--loopkv-prefill-min-len`` new
 tokens, each layer asks the selection policy for a mask per sequence and the sparse executor runs
 the resulting :class:`SparsePlan`; every other forward (decode, short extends, no policy) takes the
 dense path unchanged.
@@ -380,7 +380,7 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
             num_q_heads=mc.get_max_num_attention_heads() // tp,
             num_kv_heads=mc.get_num_kv_heads(tp),
         )
-        policy = POLICIES.create(config.sparse.prefill_policy, config.sparse, shape)
+        policy = POLICIES.create(config.sparse.policy, config.sparse, shape)
     ctx.observer.configure(config.sharing.enabled, model_runner.model_config.num_hidden_layers, config.sharing.stride)
     decode_policy = None
     if config.decode.enabled:
@@ -391,8 +391,8 @@ def create_loopkv_backend(model_runner: ModelRunner) -> LoopKVAttnBackend:
         model_runner,
         executor=config.attention_executor,
         prefill_policy=policy,
-        sparse_executor=config.sparse.sparse_executor,
-        sparse_min_len=config.sparse.sparse_min_len,
+        sparse_executor=config.sparse.executor,
+        sparse_min_len=config.sparse.min_len,
         context=ctx,
         decode_policy=decode_policy,
         decode_executor=config.decode.executor,

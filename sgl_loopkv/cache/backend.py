@@ -71,7 +71,8 @@ def create_loopkv_radix_cache(ctx):
             quota = bounded_quota(disk_dir, tiers.disk_bytes, tiers.disk_free_share)
             if quota < tiers.disk_bytes:
                 logger.warning(
-                    "loopkv: disk tier quota %.2f GB (--loopkv-disk-bytes %.2f GB is over %.0f%% of the free space)",
+                    "loopkv: disk tier quota %.2f GB (--loopkv-tier-disk-bytes %.2f GB is over %.0f%% of the free "
+                    "space)",
                     quota / 1e9,
                     tiers.disk_bytes / 1e9,
                     100 * tiers.disk_free_share,

@@ -1,4 +1,4 @@
-"""Encryption at rest of segment files (``--loopkv-disk-key-file``): AES-256-GCM from ``cryptography``.
+"""Encryption at rest of segment files (``--loopkv-lifecycle-disk-key-file``): AES-256-GCM from ``cryptography``.
 
 A sealed file keeps the plain layout (:mod:`sgl_loopkv.cache.layout`), so chunk-aligned reads stay
 chunk-aligned: every *unit* is sealed on its own and its ciphertext fills the unit's place byte for
@@ -33,14 +33,14 @@ SALT_BYTES = 8
 
 
 class KeyFileError(ValueError):
-    """``--loopkv-disk-key-file`` names no usable key: stops the server at start-up."""
+    """``--loopkv-lifecycle-disk-key-file`` names no usable key: stops the server at start-up."""
 
 
 def load_key(path: str | Path) -> bytes:
     """The 32-byte key in ``path``: 32 raw bytes, or 64 hex digits (one trailing newline allowed).
     Refuses a file that others than its owner may read. The key itself never appears in an error."""
     p = Path(path).expanduser()
-    flag = "--loopkv-disk-key-file"
+    flag = "--loopkv-lifecycle-disk-key-file"
     try:
         st = p.stat()
         if not stat.S_ISREG(st.st_mode):

@@ -66,7 +66,7 @@ def pinned_host(device: torch.device | str, env: dict | None = None) -> bool:
     """Whether the host tier's buffers for a pool on ``device`` are page-locked: on CUDA unless
     ``LOOPKV_HOST_PINNED=0`` (pinned host-to-device copies are several times faster than pageable
     ones, benchmarks/results/gpu_copy_overlap.md, and only they overlap compute); never on CPU.
-    They count against ``--loopkv-host-bytes`` like any host-tier bytes. Segments read back from
+    They count against ``--loopkv-tier-host-bytes`` like any host-tier bytes. Segments read back from
     disk stay pageable (not built yet)."""
     if torch.device(device).type != "cuda":
         return False

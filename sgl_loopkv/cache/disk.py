@@ -39,7 +39,7 @@ Every extent (one chunk of one layer) and the header carry a crc32; a read that 
 A write that fails (a full disk: ``OSError``) leaves nothing behind. Layout of one file:
 :mod:`sgl_loopkv.cache.layout`.
 
-With ``--loopkv-disk-key-file`` every file is sealed (AES-256-GCM per extent, summary layer and
+With ``--loopkv-lifecycle-disk-key-file`` every file is sealed (AES-256-GCM per extent, summary layer and
 header: :mod:`sgl_loopkv.cache.cipher`), in a directory of its own per key (``cache.backend``); a
 unit that does not decrypt is a :class:`CorruptSegment` like a failed crc32.
 

@@ -59,7 +59,7 @@ class DirectoryLock:
             raise DirectoryInUse(
                 f"the disk tier directory {root} is in use by a single-server sgl-loopkv of an older version "
                 f"({holder}), which cannot share it; stop that server, or give this one its own "
-                "--loopkv-disk-dir (or --loopkv-disk-dir none)"
+                "--loopkv-tier-disk-dir (or --loopkv-tier-disk-dir none)"
             ) from None
         self._fd: int | None = fd
 

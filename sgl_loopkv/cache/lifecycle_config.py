@@ -34,7 +34,7 @@ class LifecycleConfig:
     """How long the tiers keep a conversation (docs/operating/data-protection.md)."""
 
     title: ClassVar[str] = "retention and isolation"
-    flag_prefix: ClassVar[str] = ""
+    flag_prefix: ClassVar[str] = "lifecycle_"
 
     disk_ttl: str = field(
         default="off",
@@ -96,13 +96,15 @@ class LifecycleConfig:
 
     @property
     def disk_ttl_s(self) -> float | None:
-        return parse_duration(self.disk_ttl, "--loopkv-disk-ttl")
+        return parse_duration(self.disk_ttl, "--loopkv-lifecycle-disk-ttl")
 
     def __post_init__(self):
-        parse_duration(self.disk_ttl, "--loopkv-disk-ttl")  # a clear error at start-up, not a silent default
+        parse_duration(self.disk_ttl, "--loopkv-lifecycle-disk-ttl")  # a clear error at start-up, not a silent default
         if self.pin_bytes < 0:
-            raise ValueError(f"--loopkv-pin-bytes must be >= 0, got {self.pin_bytes}")
+            raise ValueError(f"--loopkv-lifecycle-pin-bytes must be >= 0, got {self.pin_bytes}")
         for name in ("tenant_host_share", "tenant_disk_share"):
             value = getattr(self, name)
             if not 0 < value <= 1:
-                raise ValueError(f"--loopkv-{name.replace('_', '-')} must be in (0, 1], got {value}")
+                raise ValueError(
+                    f"--loopkv-{(self.flag_prefix + name).replace('_', '-')} must be in (0, 1], got {value}"
+                )

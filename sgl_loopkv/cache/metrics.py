@@ -41,7 +41,7 @@ class TierMetrics:
             "loopkv_gone_segments", "Disk segments found evicted (by any worker of the shared tier) when read"
         )
         self.expired = Counter(
-            "loopkv_disk_expired_segments", "Disk segments deleted by --loopkv-disk-ttl (this worker)"
+            "loopkv_disk_expired_segments", "Disk segments deleted by --loopkv-lifecycle-disk-ttl (this worker)"
         )
         self.forgets = Counter("loopkv_forgets", "Forgets (POST /loopkv/forget) that removed stored KV")
         self.tenant_bytes = Gauge(
@@ -53,7 +53,7 @@ class TierMetrics:
             multiprocess_mode="mostrecent",
         )  # fmt: skip
         self.pinned = Gauge("loopkv_pinned_bytes", "Host bytes pinned by retain: pin", multiprocess_mode="mostrecent")
-        self.pins_refused = Counter("loopkv_pins_refused", "Pins over --loopkv-pin-bytes, stored unpinned")
+        self.pins_refused = Counter("loopkv_pins_refused", "Pins over --loopkv-lifecycle-pin-bytes, stored unpinned")
         self._tenant_labels: set[tuple[str, str]] = set()
         self.restores = Counter("loopkv_restores", "Histories restored from the host/disk tiers")
         self.restore_recompute = Gauge(
@@ -75,9 +75,11 @@ class TierMetrics:
         )
         self.disk_seconds = Counter(
             "loopkv_disk_seconds",
-            "Disk tier reads by part: read (preads, summed over threads), verify (crc32 or decryption), total (whole segment reads)",
+            "Disk tier reads by part: read (preads, summed over threads), verify (crc32 or decryption), total (whole "
+            "segment reads), nap (read-aheads giving way to running requests)",
             ["part"],
         )
+        self.read_naps = Counter("loopkv_read_ahead_naps", "Naps a disk read-ahead took while other requests ran")
         self._last_restore = None
         self.pruned = Counter(
             "loopkv_prefix_bytes",
@@ -169,6 +171,8 @@ class TierMetrics:
         self.disk_seconds.labels(part="read").inc(max(stats.disk_read_seconds - last.disk_read_seconds, 0.0))
         self.disk_seconds.labels(part="verify").inc(max(stats.disk_verify_seconds - last.disk_verify_seconds, 0.0))
         self.disk_seconds.labels(part="total").inc(max(stats.disk_read_wall_seconds - last.disk_read_wall_seconds, 0.0))
+        self.disk_seconds.labels(part="nap").inc(max(stats.read_nap_seconds - last.read_nap_seconds, 0.0))
+        self.read_naps.inc(max(stats.read_naps - last.read_naps, 0))
         self.corrupt.inc(stats.corrupt_segments - last.corrupt_segments)
         self.write_errors.inc(stats.disk_write_errors - last.disk_write_errors)
         self.disk_full.inc(stats.disk_full_writes - last.disk_full_writes)

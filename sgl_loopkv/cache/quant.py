@@ -1,4 +1,4 @@
-"""Int8 stored KV (``--loopkv-store-dtype int8``): 8-bit values with one symmetric scale per
+"""Int8 stored KV (``--loopkv-tier-store-dtype int8``): 8-bit values with one symmetric scale per
 (token, KV head) for K and one for V.
 
 Why per token and head: a chunk, a token range or one layer can then be sliced, read and decoded

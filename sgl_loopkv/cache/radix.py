@@ -96,7 +96,7 @@ class LoopKVRadixCache(RadixCache):
         )
         self.seg_nodes = SegmentNodes(self)
         self.requests = RequestStates()  # per request: its loads, lookups, hold-backs, pin, pruned restore
-        # The tiers may keep KV in a narrower dtype than the pool (--loopkv-store-dtype): their geometry
+        # The tiers may keep KV in a narrower dtype than the pool (--loopkv-tier-store-dtype): their geometry
         # (disk layout, directory key) is the stored one; loads cast back to the pool's dtype.
         self.store_geometry = replace(self.geometry, dtype=store_dtype or self.geometry.dtype)
         self.store: TieredKVStore = store_factory(self.store_geometry, self.seg_nodes.lost)

@@ -6,7 +6,7 @@ the HTTP layer, :mod:`sgl_loopkv.server.retention`, and carried to the scheduler
 
 - ``none``: the turn's KV is not stored in the host or disk tier (device tree only, evicted as usual).
 - ``pin``: the segments of the turn's history are pinned in the host arena: its eviction skips them
-  until the pin's ``ttl`` ends (no ttl: until a forget or a restart), within ``--loopkv-pin-bytes``
+  until the pin's ``ttl`` ends (no ttl: until a forget or a restart), within ``--loopkv-lifecycle-pin-bytes``
   of pinned host bytes in all. A pin that does not fit is *degraded*, not failed: the segment is
   stored unpinned (``default``) and counted (``loopkv_pins_refused``).
 

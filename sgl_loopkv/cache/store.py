@@ -81,7 +81,7 @@ class TieredKVStore:
                 disk_dir, disk_quota_bytes, geometry, layer_group, disk_cipher, readers=self.io.make_preads()
             )
             self.stats.disk_bytes = self.disk.used_bytes
-            # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-disk-read background)
+            # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-tier-disk-read background)
             self.prefetch = self.io.make_prefetch() if read_ahead else None
             self.writers = self.io.make_writers(self, disk_ttl_s)  # and the TTL sweep (cache.disk_writer)
         self.reads, self.room = TierReads(self), TierRoom(self)
@@ -258,6 +258,9 @@ class TieredKVStore:
         self.stats.tenants = self.tenant_usage()
         if self.disk is not None:
             self.stats.disk_read_seconds, self.stats.disk_verify_seconds = self.disk.read_seconds
+        if self.prefetch is not None:
+            pacing = self.prefetch.pacing
+            self.stats.read_naps, self.stats.read_nap_seconds = pacing.naps, pacing.nap_seconds
         return self.stats
 
     # --- out -----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ class TierConfig:
     """The loopkv radix cache's host and disk tiers: where conversations evicted from the KV pool are
     kept, and what survives a restart."""
 
-    flag_prefix: ClassVar[str] = ""
+    flag_prefix: ClassVar[str] = "tier_"
     title: ClassVar[str] = "host and disk tiers"
 
     host_bytes: Bytes = field(
@@ -80,6 +80,6 @@ class TierConfig:
 
     def __post_init__(self):
         if self.host_bytes < 0 or self.disk_bytes < 0:
-            raise ValueError("--loopkv-host-bytes and --loopkv-disk-bytes must be >= 0")
+            raise ValueError("--loopkv-tier-host-bytes and --loopkv-tier-disk-bytes must be >= 0")
         if not 0 < self.disk_free_share <= 1:
-            raise ValueError("--loopkv-disk-free-share must be in (0, 1]")
+            raise ValueError("--loopkv-tier-disk-free-share must be in (0, 1]")

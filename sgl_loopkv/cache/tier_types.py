@@ -53,6 +53,8 @@ class TierStats:
     disk_read_seconds: float = 0.0  # the disk codec's preads (summed over threads) and checksums
     disk_verify_seconds: float = 0.0
     disk_read_wall_seconds: float = 0.0  # whole reads of segments (read, verify, the tensors built from them)
+    read_naps: int = 0  # naps a read-ahead took to give way to running requests (read_pacing)
+    read_nap_seconds: float = 0.0
     corrupt_segments: int = 0
     lost_segments: int = 0
     gone_segments: int = 0  # disk segments found evicted by another worker when read (recomputed)
@@ -62,8 +64,8 @@ class TierStats:
     host_tokens: int = 0  # tokens held per tier (bytes / tokens = stored bytes per token)
     disk_tokens: int = 0
     host_chunk_bytes: int = 0  # the host chunk cache's (chunks of disk-only segments, in the arena's free room)
-    disk_expired: int = 0  # segments the disk TTL (--loopkv-disk-ttl) deleted, by this worker
+    disk_expired: int = 0  # segments the disk TTL (--loopkv-lifecycle-disk-ttl) deleted, by this worker
     forgets: int = 0  # forgets (POST /loopkv/forget) that removed something here
     pinned_bytes: int = 0  # host bytes pinned by "retain": "pin" requests
-    pins_refused: int = 0  # pins over --loopkv-pin-bytes: stored unpinned
+    pins_refused: int = 0  # pins over --loopkv-lifecycle-pin-bytes: stored unpinned
     tenants: dict = field(default_factory=dict)  # (tier, tenant metrics label) -> (tokens, bytes)

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from sgl_loopkv.cache.radix import LoopKVRadixCache
 
 TRIM_EVERY_S = 5.0  # the C heap's free pages go back to the OS at most this often (at a turn's end)
-UNSALTED = "loopkv-unsalted-"  # the salt prefix --loopkv-require-salt gives requests that bring none (server/salt.py)
+#: the salt prefix --loopkv-lifecycle-require-salt gives requests that bring none (server/salt.py)
+UNSALTED = "loopkv-unsalted-"
 
 
 class Backup(NamedTuple):
@@ -171,7 +172,7 @@ class WriteThrough:
     def store_node(self, node: TreeNode, pairs: list[tuple[int, int]]) -> bool:
         tree = self.tree
         if (node.key.cache_salt or "").startswith(UNSALTED):
-            return False  # --loopkv-require-salt: a request of its own namespace, which nothing could resume
+            return False  # --loopkv-lifecycle-require-salt: a request of its own namespace, which nothing could resume
         parent_ref = ref_of(node.parent) if node.parent is not tree.root_node else None
         if node.parent is not tree.root_node and parent_ref is None:
             return False  # its prefix is not stored: it could never be matched from the tiers

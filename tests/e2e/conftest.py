@@ -106,9 +106,9 @@ def _keyed(p: SessionPaths) -> ServerProcess:
     ~4, so host and disk hits happen (the sizes of tests/e2e/test_tiered_cache.py), and 1 MB of pins."""
     args = [
         *("--model-path", str(p.tiny_model_dir), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"),
-        *("--loopkv-host-bytes", "2200000", "--loopkv-disk-dir", str(p.keyed_disk_dir)),
+        *("--loopkv-tier-host-bytes", "2200000", "--loopkv-tier-disk-dir", str(p.keyed_disk_dir)),
         *("--api-key", API_KEY, "--admin-api-key", ADMIN_KEY, "--enable-metrics"),
-        *("--loopkv-pin-bytes", "1MB"),  # only requests with a pin hint use it (tests/e2e/test_retention.py)
+        *("--loopkv-lifecycle-pin-bytes", "1MB"),  # only requests with a pin hint use it (tests/e2e/test_retention.py)
     ]
     auth = {"Authorization": f"Bearer {API_KEY}"}  # a keyless readiness probe would get 401 forever
     return ServerProcess(args, headers=auth, log_path=p.logs / "keyed.log")
@@ -120,7 +120,7 @@ def _tiny_sparse(p: SessionPaths) -> ServerProcess:
     LoopServe prefill selection at alpha = 1 from 64 new tokens, 1024-token prefill chunks (long
     prompts arrive as extends at an offset), and LServe decode selection over a budget covering any
     context from 256 tokens (tests/e2e/test_sparse_server.py, tests/e2e/test_sparse_decode_server.py)."""
-    prefill = ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1", "--loopkv-sparse-min-len", "64"]
+    prefill = ["--loopkv-prefill-policy", "loopserve", "--loopkv-prefill-alpha", "1", "--loopkv-prefill-min-len", "64"]
     decode = [
         "--loopkv-decode-policy",
         "lserve",
@@ -137,14 +137,14 @@ def _tiny_sparse(p: SessionPaths) -> ServerProcess:
 def _capped(p: SessionPaths) -> ServerProcess:
     """test_limits.py's: limits on answers, n and requests per client (its last test stops it)."""
     limits = [
-        "--loopkv-default-max-tokens",
+        "--loopkv-limit-default-max-tokens",
         str(CAP),
-        "--loopkv-max-n",
+        "--loopkv-limit-max-n",
         str(MAX_N),
-        "--loopkv-max-client-requests",
+        "--loopkv-limit-max-client-requests",
         "1",
     ]
-    return _server(p.tiny_model_dir, p.logs, "tiny-capped", [*limits, "--loopkv-shutdown-grace-s", str(GRACE_S)])
+    return _server(p.tiny_model_dir, p.logs, "tiny-capped", [*limits, "--loopkv-limit-shutdown-grace-s", str(GRACE_S)])
 
 
 @SERVERS.register("fuzz_server")

@@ -39,7 +39,7 @@ def sglang_app() -> dict:
         import json
         from sgl_loopkv.server.launch import build_sglang_argv
         from sgl_loopkv.plugin import register
-        _, argv, _ = build_sglang_argv(["--model-path", "/no/such/model", "--loopkv-disk-dir", "none"])
+        _, argv, _ = build_sglang_argv(["--model-path", "/no/such/model", "--loopkv-tier-disk-dir", "none"])
         register()
         from sglang.srt.server_args import prepare_server_args
         from sglang.srt.entrypoints.http_server import app

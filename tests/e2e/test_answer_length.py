@@ -81,8 +81,8 @@ def test_stock_answers_each_second_turn_in_full(tiny_model_dir, server_logs):
 @pytest.mark.parametrize(
     "tier, flags",
     [
-        ("host", ["--loopkv-disk-dir", "none"]),
-        pytest.param("storage", ["--loopkv-host-bytes", "0"], marks=pytest.mark.slow),  # the same path from disk
+        ("host", ["--loopkv-tier-disk-dir", "none"]),
+        pytest.param("storage", ["--loopkv-tier-host-bytes", "0"], marks=pytest.mark.slow),  # the same path from disk
     ],
     ids=["host", "disk"],
 )

@@ -65,7 +65,7 @@ def wait_segments(disk_dir, n: int, timeout_s: float = 30) -> None:
 def start_cluster(model_dir, disk, log_dir, policy: str = "round_robin", **kw) -> Cluster:
     args = [
         *("--model-path", str(model_dir), *COMMON_SERVER_ARGS),
-        *("--loopkv-disk-dir", str(disk), "--enable-metrics"),
+        *("--loopkv-tier-disk-dir", str(disk), "--enable-metrics"),
     ]
     log_dir.mkdir(exist_ok=True)
     kw = {"health_interval_s": 2, **kw}
@@ -186,7 +186,7 @@ def test_the_launch_cluster_command_serves_chat_through_the_router_and_stops_cle
     cmd = [
         *(sys.executable, "-m", "sgl_loopkv.launch_cluster", "--workers", "2", "--router-policy", "round_robin"),
         *("--port", str(port), "--router-health-interval-s", "2", "--log-dir", str(tmp_path / "logs")),
-        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--loopkv-disk-dir", str(tmp_path / "kv")),
+        *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--loopkv-tier-disk-dir", str(tmp_path / "kv")),
         "--enable-metrics",
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

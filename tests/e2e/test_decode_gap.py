@@ -1,7 +1,7 @@
 """A disk resume does not hold up the requests that are running (issue 54, point 3).
 
 One conversation decodes while another, whose history only the disk tier holds (no host arena, the
-segment files dropped from the page cache), comes back. With ``--loopkv-disk-read background`` (the
+segment files dropped from the page cache), comes back. With ``--loopkv-tier-disk-read background`` (the
 default) the history is read and verified on the read-ahead thread while its request sits out the
 scheduler's rounds (the server's ``held`` stage says it was), at background priority and paced
 (:mod:`sgl_loopkv.cache.read_pacing`: it naps between pieces while others run), and every decode step
@@ -74,7 +74,7 @@ def test_a_disk_resume_does_not_hold_up_a_running_decode(disk_only_server, sessi
 
 @pytest.mark.slow
 def test_control_an_inline_disk_read_holds_up_the_decode(disk_only_server, session_paths):
-    """The same with ``--loopkv-disk-read inline``: the read runs inside the scheduler's prefix match,
+    """The same with ``--loopkv-tier-disk-read inline``: the read runs inside the scheduler's prefix match,
     in the returning turn's prefill step, which the running stream waits for (the measurement can fail)."""
     if not _BACKGROUND:
         _BACKGROUND.append(decode_beside_disk_resume(disk_only_server.url, _disk_dir(session_paths, "background"), 0))

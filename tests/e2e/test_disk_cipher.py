@@ -1,4 +1,4 @@
-"""Encryption at rest in a real server (issue 55, part 4): with ``--loopkv-disk-key-file`` a disk
+"""Encryption at rest in a real server (issue 55, part 4): with ``--loopkv-lifecycle-disk-key-file`` a disk
 resume gives the same greedy output as a server that never evicted, no segment file holds the
 conversation's token ids, and a flipped byte in every file gives a recompute with the right answer."""
 
@@ -37,7 +37,8 @@ def test_encrypted_disk_resume_matches_and_hides_token_ids(tiny_server, tiny_mod
     reference = {i: ask(tiny_server.url, i)["output_ids"] for i in range(4)}
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:], "--max-total-tokens", "2048"),
-        *("--loopkv-host-bytes", "0", "--loopkv-disk-dir", str(disk), "--loopkv-disk-key-file", str(key)),
+        *("--loopkv-tier-host-bytes", "0", "--loopkv-tier-disk-dir", str(disk)),
+        *("--loopkv-lifecycle-disk-key-file", str(key)),
     ]
     with ServerProcess(args, log_path=server_logs / "encrypted.log").start(600) as srv:
         for i in range(4):  # the device pool holds ~2: conversation 0 is evicted to disk (no host arena)

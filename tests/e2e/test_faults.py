@@ -68,8 +68,8 @@ def tokenizer(tiny_model_dir):
 
 
 def start(model: Path, disk: Path, log: Path, *extra: str) -> ServerProcess:
-    args = ["--model-path", str(model), *COMMON_SERVER_ARGS, "--loopkv-disk-dir", str(disk)]
-    args += ["--loopkv-shutdown-grace-s", str(GRACE_S), "--enable-metrics", *extra]
+    args = ["--model-path", str(model), *COMMON_SERVER_ARGS, "--loopkv-tier-disk-dir", str(disk)]
+    args += ["--loopkv-limit-shutdown-grace-s", str(GRACE_S), "--enable-metrics", *extra]
     return ServerProcess(args, log_path=log).start()
 
 
@@ -309,7 +309,7 @@ def test_a_disk_that_fills_up_keeps_the_server_serving_and_says_so(
     disk = small_filesystem / "kv"
     log = server_logs / "faults-disk-full.log"
     # free share 1: the quota may claim the whole filesystem; then something else fills it up
-    srv = start(model_dir, disk, log, "--loopkv-disk-free-share", "1", "--loopkv-host-bytes", "0")
+    srv = start(model_dir, disk, log, "--loopkv-tier-disk-free-share", "1", "--loopkv-tier-host-bytes", "0")
     try:
         first = [ask(srv.url, conversation(0))]
         sub = model_subdir(disk)

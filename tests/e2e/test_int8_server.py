@@ -1,4 +1,4 @@
-"""int8 tiers in a real server (``--loopkv-store-dtype int8``)."""
+"""int8 tiers in a real server (``--loopkv-tier-store-dtype int8``)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def test_server_resumes_int8_histories_from_host_and_disk(tiny_server, tiny_mode
     reference = {i: ask(tiny_server.url, i)["output_ids"] for i in (0, N_CONV - 3)}
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
-        *("--max-total-tokens", "2048", "--enable-metrics", "--loopkv-store-dtype", "int8"),
-        *("--loopkv-disk-dir", str(tmp_path)),
+        *("--max-total-tokens", "2048", "--enable-metrics", "--loopkv-tier-store-dtype", "int8"),
+        *("--loopkv-tier-disk-dir", str(tmp_path)),
     ]
     with ServerProcess(args, log_path=server_logs / "int8-1.log").start() as srv:
         for i in range(N_CONV):

@@ -114,7 +114,7 @@ def test_forget_at_one_worker_reaches_the_other_and_survives_a_restart(
     worker 2 resumed from worker 1's files is forgotten at worker 1; worker 2's own copies go at its next
     request, and a restarted worker finds nothing either."""
     disk = tmp_path / "kv"
-    args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--loopkv-disk-dir", str(disk)]
+    args = ["--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS, "--loopkv-tier-disk-dir", str(disk)]
     conv = messages(story("cluster-sys", 3), story("cluster-own"))
     runs = own_runs(tokenizer, conv)
     one = ServerProcess(args, log_path=server_logs / "forget-1.log").start()

@@ -1,5 +1,5 @@
-"""What one request may ask (``--loopkv-max-n``, ``--loopkv-default-max-tokens``), the bounded stop
-after SIGTERM (``--loopkv-shutdown-grace-s``), and a plain ``sglang.launch_server`` in the same
+"""What one request may ask (``--loopkv-limit-max-n``, ``--loopkv-limit-default-max-tokens``), the bounded stop
+after SIGTERM (``--loopkv-limit-shutdown-grace-s``), and a plain ``sglang.launch_server`` in the same
 environment left as SGLang made it (server/limits.py, issue 16)."""
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ def chat(url: str, **body) -> requests.Response:
 
 def test_n_over_the_limit_gets_a_400_with_the_flag_named(capped_server):
     r = chat(capped_server.url, n=MAX_N + 1, max_tokens=1)
-    assert r.status_code == 400 and "--loopkv-max-n" in r.text, r.text
+    assert r.status_code == 400 and "--loopkv-limit-max-n" in r.text, r.text
     r = requests.post(
         f"{capped_server.url}/generate",
         json={"text": "hi", "sampling_params": {"n": 1000, "max_new_tokens": 1}},
         timeout=120,
     )
-    assert r.status_code == 400 and "--loopkv-max-n" in r.text, r.text
+    assert r.status_code == 400 and "--loopkv-limit-max-n" in r.text, r.text
     r = chat(capped_server.url, n=MAX_N, max_tokens=1)
     assert r.status_code == 200 and len(r.json()["choices"]) == MAX_N
 
@@ -47,7 +47,7 @@ def test_a_client_over_its_concurrency_limit_gets_a_429_until_its_stream_ends(ca
     with requests.post(f"{capped_server.url}/generate", json=body, stream=True, timeout=120) as streaming:
         next(line for line in streaming.iter_lines() if line.startswith(b"data: {"))  # it is generating
         r = chat(capped_server.url, max_tokens=1)
-        assert r.status_code == 429 and "--loopkv-max-client-requests" in r.json()["message"], r.text
+        assert r.status_code == 429 and "--loopkv-limit-max-client-requests" in r.json()["message"], r.text
         assert requests.get(f"{capped_server.url}/health", timeout=30).status_code == 200
     # the client hung up mid-stream: SGLang aborts the request and the slot is free again
     deadline = time.monotonic() + 60

@@ -29,7 +29,8 @@ def server(tiny_model_dir, disk_dir, log, *flags) -> ServerProcess:
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
         *("--max-total-tokens", "2048", "--enable-metrics"),
-        *("--loopkv-host-bytes", "2200000", "--loopkv-disk-dir", str(disk_dir), "--loopkv-disk-bytes", "8000000"),
+        *("--loopkv-tier-host-bytes", "2200000", "--loopkv-tier-disk-dir", str(disk_dir)),
+        *("--loopkv-tier-disk-bytes", "8000000"),
         *("--loopkv-prefix-min-tokens", "256", *flags),
     ]
     return ServerProcess(args, log_path=log)

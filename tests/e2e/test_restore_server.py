@@ -26,7 +26,8 @@ def test_server_restores_with_a_split_plan(planner, tiny_server, tiny_model_dir,
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
         *("--max-total-tokens", "2048", "--enable-metrics"),
-        *("--loopkv-disk-dir", str(tmp_path), "--loopkv-disk-bytes", "8000000", "--loopkv-host-bytes", "2200000"),
+        *("--loopkv-tier-disk-dir", str(tmp_path), "--loopkv-tier-disk-bytes", "8000000"),
+        *("--loopkv-tier-host-bytes", "2200000"),
         *("--loopkv-restore-planner", *planner),
     ]
     min_front = 800 if planner[0] == "recompute_all" else 400
@@ -79,7 +80,7 @@ def test_server_shares_layers_of_stored_turns(ratio, tiny_server, tiny_model_dir
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
         *("--max-total-tokens", "2048", "--enable-metrics"),
         *("--loopkv-share-layers", "reuse", "--loopkv-share-ratio", ratio, "--loopkv-share-gamma", "0"),
-        *(["--loopkv-store-dtype", "bfloat16"] if ratio == "1" else []),
+        *(["--loopkv-tier-store-dtype", "bfloat16"] if ratio == "1" else []),
     ]
     with ServerProcess(args, log_path=log).start() as srv:
         for i in range(N_CONV):

@@ -1,5 +1,5 @@
 """Retention hints in a real server (the session's ``keyed_server``: a small device pool, a host tier of
-~4 conversations, a disk tier, ``--loopkv-pin-bytes``): malformed hints are 400s, ``retain: none`` reaches
+~4 conversations, a disk tier, ``--loopkv-lifecycle-pin-bytes``): malformed hints are 400s, ``retain: none`` reaches
 neither the host nor the disk tier, a pinned conversation keeps its host copy under pressure that moves an
 unpinned one of the same size out of it, and the answer reports a pin's outcome. Each test uses salts of its own and forgets them at the end."""
 

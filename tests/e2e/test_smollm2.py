@@ -131,9 +131,9 @@ def test_history_resumed_from_host_and_disk_is_token_identical(smollm2_server, t
             "float32",  # the quotas below are sized for fp32 KV; the reference server is fp32 too
             "--loopkv-weights",
             "float32",  # the default model's float32 conversion, as the reference server
-            "--loopkv-host-bytes",
+            "--loopkv-tier-host-bytes",
             "330000000",
-            "--loopkv-disk-dir",
+            "--loopkv-tier-disk-dir",
             str(tmp_path),
             *restore,
         ],

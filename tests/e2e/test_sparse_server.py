@@ -22,11 +22,11 @@ def sparse_batches(url: str) -> float:
 
 
 # Full budget: every line (alpha = 1), every block, or a window longer than any prompt.
-MIN_LEN = ["--loopkv-sparse-min-len", "512", "--enable-metrics"]
+MIN_LEN = ["--loopkv-prefill-min-len", "512", "--enable-metrics"]
 FULL_BUDGET = {
-    "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-alpha", "1", *MIN_LEN],
-    "block": ["--loopkv-prefill-policy", "block", "--loopkv-alpha", "1", *MIN_LEN],
-    "lserve": ["--loopkv-prefill-policy", "lserve", "--loopkv-streaming-local", "8192", *MIN_LEN],
+    "loopserve": ["--loopkv-prefill-policy", "loopserve", "--loopkv-prefill-alpha", "1", *MIN_LEN],
+    "block": ["--loopkv-prefill-policy", "block", "--loopkv-prefill-alpha", "1", *MIN_LEN],
+    "lserve": ["--loopkv-prefill-policy", "lserve", "--loopkv-prefill-streaming-local", "8192", *MIN_LEN],
 }
 
 
@@ -38,7 +38,7 @@ def test_full_budget_sparse_prefill_is_greedy_identical_to_dense(tiny_sparse_ser
         ours = generate(tiny_sparse_server.url, prompt, max_new_tokens=24, ignore_eos=True)
         ref = generate(tiny_server.url, prompt, max_new_tokens=24, ignore_eos=True)
         assert ours["output_ids"] == ref["output_ids"], prompt[:40]
-        if prompt == prompts[0]:  # below --loopkv-sparse-min-len: dense, not counted
+        if prompt == prompts[0]:  # below --loopkv-prefill-min-len: dense, not counted
             assert sparse_batches(tiny_sparse_server.url) == before
     # a later turn: a long new extend after the radix-cached conversation
     turn = tag + LONG_PROMPT * 2 + " Now a new question follows. " + LONG_PROMPT[:2500]

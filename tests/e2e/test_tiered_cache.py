@@ -102,8 +102,8 @@ def tiered(tiny_model_dir, disk_dir, log, timeout_s: float = 600) -> ServerProce
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
         *("--max-total-tokens", "2048"),  # the device pool holds ~2 conversations
-        *("--loopkv-host-bytes", str(HOST_QUOTA)),  # the host arena ~4
-        *("--loopkv-disk-dir", str(disk_dir), "--loopkv-disk-bytes", str(DISK_QUOTA)),
+        *("--loopkv-tier-host-bytes", str(HOST_QUOTA)),  # the host arena ~4
+        *("--loopkv-tier-disk-dir", str(disk_dir), "--loopkv-tier-disk-bytes", str(DISK_QUOTA)),
         "--enable-metrics",
     ]
     return ServerProcess(args, log_path=log).start(timeout_s)
@@ -198,7 +198,7 @@ def test_resume_under_torch_native_attention_loads_layer_by_layer(tiny_native_se
     log = server_logs / "tiered-torch-native.log"
     args = [
         *("--model-path", str(tiny_model_dir), *COMMON_SERVER_ARGS[2:]),
-        *("--max-total-tokens", "2048", "--loopkv-host-bytes", str(HOST_QUOTA)),
+        *("--max-total-tokens", "2048", "--loopkv-tier-host-bytes", str(HOST_QUOTA)),
         *("--attention-backend", "torch_native", "--enable-metrics"),
     ]
     # on a CPU pool loads run before the forward; this keeps the loader thread, as on a GPU

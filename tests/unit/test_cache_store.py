@@ -304,7 +304,7 @@ def test_fetch_from_disk_promotes_and_corruption_forgets(tmp_path):
 
 
 def test_a_read_ahead_reads_on_its_thread_once_and_fails_like_an_inline_read(tmp_path):
-    """--loopkv-disk-read background (cache/prefetch.py): the whole segment is read and verified on
+    """--loopkv-tier-disk-read background (cache/prefetch.py): the whole segment is read and verified on
     the prefetch thread; fetch then takes that read (no second one) and promotes it as before; a
     damaged file raises in fetch and is forgotten exactly as an inline read's."""
     one = GEO.segment_host_bytes(4)

@@ -32,12 +32,12 @@ def test_worker_flags_pass_through_and_the_cluster_keeps_its_own():
             "31000",
             "--model-path",
             "/m",
-            "--loopkv-disk-dir",
+            "--loopkv-tier-disk-dir",
             "/kv",
         ]
     )
     assert (ns.workers, ns.router_policy, ns.port) == (3, "round_robin", 31000)
-    assert rest == ["--model-path", "/m", "--loopkv-disk-dir", "/kv"]  # every worker gets these unchanged
+    assert rest == ["--model-path", "/m", "--loopkv-tier-disk-dir", "/kv"]  # every worker gets these unchanged
 
 
 @pytest.mark.parametrize(("kw", "match"), [({"workers": 0}, "--workers"), ({"policy": "fastest"}, "--router-policy")])

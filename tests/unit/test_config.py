@@ -15,23 +15,39 @@ import pytest
 import sgl_loopkv
 from sgl_loopkv.attention.policies.config import SparsePrefillConfig
 from sgl_loopkv.cache.tier_config import TierConfig
-from sgl_loopkv.config import LoopKVConfig, sections
+from sgl_loopkv.config import RENAMED, LoopKVConfig, sections
 from sgl_loopkv.flags import Bytes, Option, format_bytes, parse_bytes
 from sgl_loopkv.krul.config import SharingConfig
 from sgl_loopkv.restore.config import RestoreConfig
 
-#: Every flag users and scripts may already pass (removing or renaming one breaks them).
+#: Every flag users and scripts may already pass, as --help names it (removing or renaming one breaks them).
 FLAGS = """
-cache-dir device attention-executor weights gguf-activations prefill-dtype stock host-bytes disk-dir disk-bytes disk-free-share disk-read value-policy store-dtype
+cache-dir device attention-executor weights gguf-activations prefill-dtype stock
+tier-host-bytes tier-disk-dir tier-disk-bytes tier-disk-free-share tier-disk-read tier-value-policy tier-store-dtype
 restore-planner restore-ratio share-layers share-gamma share-ratio share-pairing share-stride
-prefill-policy alpha block-size sparse-min-len sparse-dense-tail sparse-tail-samples sparse-full-density
-streaming-fraction streaming-sink streaming-local streaming-calibration sparse-executor
+prefill-policy prefill-alpha prefill-block-size prefill-min-len prefill-dense-tail prefill-tail-samples
+prefill-full-density prefill-streaming-fraction prefill-streaming-sink prefill-streaming-local
+prefill-streaming-calibration prefill-executor
 decode-policy decode-budget decode-page-size decode-logical-page decode-sink decode-local decode-reuse decode-tau
 decode-n-d decode-dense-steps decode-min-context decode-executor
 prefix-budget prefix-period prefix-gate prefix-local prefix-prefetch prefix-min-tokens prefix-stream prefix-selection prefix-layer-group prefix-no-host-cache
-max-n default-max-tokens max-client-requests shutdown-grace-s
-disk-ttl require-salt pin-bytes tenant-host-share tenant-disk-share disk-key-file
+limit-max-n limit-default-max-tokens limit-max-client-requests limit-shutdown-grace-s
+lifecycle-disk-ttl lifecycle-require-salt lifecycle-pin-bytes lifecycle-tenant-host-share lifecycle-tenant-disk-share
+lifecycle-disk-key-file
 """.split()
+
+#: The names those flags had before each section got one prefix, each with a value other than its default
+#: (none: a switch): scripts still pass them, so each must keep setting what its new name sets.
+OLD_FLAGS = dict(
+    pair.split("=")
+    for pair in """
+host-bytes=1GiB disk-dir=none disk-bytes=1GiB disk-free-share=0.25 disk-read=inline value-policy=lru store-dtype=int8
+alpha=0.9 block-size=32 sparse-min-len=100 sparse-dense-tail=8 sparse-tail-samples=4 sparse-full-density=0.5
+streaming-fraction=0.25 streaming-sink=128 streaming-local=512 streaming-calibration=c.json sparse-executor=triton
+max-n=2 default-max-tokens=16 max-client-requests=0 shutdown-grace-s=1.5
+disk-ttl=12h require-salt= pin-bytes=1MiB tenant-host-share=0.5 tenant-disk-share=0.5 disk-key-file=k.key
+""".split()
+)
 
 
 def registries() -> set[str]:
@@ -58,6 +74,36 @@ def test_flag_names_are_stable():
     assert [o.flag for o in LoopKVConfig.options()] == ["--loopkv-" + f for f in FLAGS]
 
 
+@pytest.mark.parametrize("old", OLD_FLAGS)
+def test_an_old_flag_name_sets_what_its_new_name_sets(old):
+    new = LoopKVConfig.flag(RENAMED[old.replace("-", "_")])
+    value = [OLD_FLAGS[old]] if OLD_FLAGS[old] else []
+    assert parse("--loopkv-" + old, *value) == parse(new, *value) != parse()
+    assert new.removeprefix("--loopkv-") in FLAGS
+
+
+def test_old_flag_names_are_hidden_and_never_clash():
+    from sgl_loopkv.server.launch import loopkv_parser
+
+    assert {o.replace("_", "-") for o in RENAMED} == set(OLD_FLAGS)
+    assert not set(RENAMED) & LoopKVConfig.option_names() and set(RENAMED.values()) <= LoopKVConfig.option_names()
+    help_text = loopkv_parser(add_help=True).format_help()
+    shown = set(re.findall(r"--loopkv-[a-z0-9-]*[a-z0-9]", help_text))
+    assert shown == {"--loopkv-" + f for f in FLAGS}, shown ^ {"--loopkv-" + f for f in FLAGS}
+    assert LoopKVConfig.from_flat(alpha=0.9, max_n=2) == LoopKVConfig.from_flat(prefill_alpha=0.9, limit_max_n=2)
+    with pytest.raises(TypeError, match="old and new name"):
+        LoopKVConfig.from_flat(alpha=0.9, prefill_alpha=0.8)
+
+
+def test_each_section_has_one_flag_prefix():
+    prefixes = {name: cls.flag_prefix for name, cls in sections().items()}
+    assert all(p.endswith("_") for p in prefixes.values()) and len(set(prefixes.values())) == len(prefixes)
+    for o in LoopKVConfig.options():
+        assert o.section is None or o.name.startswith(prefixes[o.section]), o.flag
+    names = [o.name for o in LoopKVConfig.options()]
+    assert len(names) == len(set(names))  # e.g. no prefill section field 'dtype' beside --loopkv-prefill-dtype
+
+
 def test_every_registry_has_a_flag_whose_choices_are_its_names():
     by_registry = {o.field.metadata["registry"]: o for o in LoopKVConfig.options() if "registry" in o.field.metadata}
     assert set(by_registry) == registries()
@@ -75,7 +121,7 @@ def test_parser_lists_the_registry_names():
 
     assert parse("--loopkv-restore-planner", "fixed").restore.planner == "fixed"
     for name in POLICIES.names():
-        assert parse("--loopkv-prefill-policy", name).sparse.prefill_policy == name
+        assert parse("--loopkv-prefill-policy", name).sparse.policy == name
     with pytest.raises(SystemExit):
         parse("--loopkv-restore-planner", "nope")
     assert "fixed" in PLANNERS.names()
@@ -84,7 +130,7 @@ def test_parser_lists_the_registry_names():
 def test_sections_from_flags_and_back_through_the_environment(monkeypatch):
     cfg = parse(
         *("--loopkv-restore-planner", "fixed", "--loopkv-restore-ratio", "0.5", "--loopkv-share-layers", "reuse"),
-        *("--loopkv-alpha", "0.9", "--loopkv-host-bytes", "123", "--loopkv-device", "cpu"),
+        *("--loopkv-prefill-alpha", "0.9", "--loopkv-tier-host-bytes", "123", "--loopkv-device", "cpu"),
     )
     assert cfg.restore == RestoreConfig(planner="fixed", ratio=0.5)
     assert cfg.sharing == SharingConfig(layers="reuse") and cfg.sharing.enabled
@@ -94,7 +140,7 @@ def test_sections_from_flags_and_back_through_the_environment(monkeypatch):
     assert LoopKVConfig.from_env() == LoopKVConfig()
     cfg.to_env()
     assert LoopKVConfig.from_env() == cfg
-    assert LoopKVConfig.from_flat(restore_ratio=0.5, alpha=0.9).restore.ratio == 0.5
+    assert LoopKVConfig.from_flat(restore_ratio=0.5, prefill_alpha=0.9).restore.ratio == 0.5
 
 
 def test_sections_validate_their_fields():
@@ -121,8 +167,8 @@ def test_disk_tier_is_on_by_default_under_the_cache_dir_and_none_turns_it_off(tm
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert parse().tiers.disk_path == tmp_path / "sgl-loopkv" / "kv"
     assert parse("--loopkv-cache-dir", str(tmp_path / "c")).tiers.disk_path == tmp_path / "c" / "kv"
-    assert parse("--loopkv-disk-dir", "none").tiers.disk_path is None
-    assert parse("--loopkv-disk-dir", str(tmp_path / "d")).tiers.disk_path == tmp_path / "d"
+    assert parse("--loopkv-tier-disk-dir", "none").tiers.disk_path is None
+    assert parse("--loopkv-tier-disk-dir", str(tmp_path / "d")).tiers.disk_path == tmp_path / "d"
 
 
 def test_every_flag_shows_its_type_default_and_help():
@@ -139,7 +185,7 @@ def test_every_flag_shows_its_type_default_and_help():
         assert action.choices or action.metavar or o.switch, o.flag  # the type, as --help shows it
     help_text = " ".join(parser.format_help().split())
     assert help_text.count("(default: ") == len(list(LoopKVConfig.options()))
-    assert "--loopkv-host-bytes BYTES Byte quota" in help_text and "(default: 2GiB)" in help_text
+    assert "--loopkv-tier-host-bytes BYTES Byte quota" in help_text and "(default: 2GiB)" in help_text
 
 
 def test_the_self_documentation_check_names_what_a_new_flag_lacks():
@@ -227,13 +273,13 @@ def test_nonsense_byte_sizes_are_refused(text):
 
 
 def test_byte_flags_take_units_and_refuse_nonsense_with_a_clear_error(capsys):
-    cfg = parse("--loopkv-host-bytes", "512MiB", "--loopkv-disk-bytes=1.5GB")
+    cfg = parse("--loopkv-tier-host-bytes", "512MiB", "--loopkv-tier-disk-bytes=1.5GB")
     assert cfg.tiers.host_bytes == 512 << 20 and cfg.tiers.disk_bytes == 1_500_000_000
-    assert parse("--loopkv-host-bytes", "123").tiers.host_bytes == 123
+    assert parse("--loopkv-tier-host-bytes", "123").tiers.host_bytes == 123
     with pytest.raises(SystemExit) as e:
-        parse("--loopkv-host-bytes", "lots")
+        parse("--loopkv-tier-host-bytes", "lots")
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "error: argument --loopkv-host-bytes: 'lots' is not a byte size" in err
+    assert e.value.code == 2 and "error: argument --loopkv-tier-host-bytes: 'lots' is not a byte size" in err
     assert [format_bytes(n) for n in (2 << 30, 20 << 30, 3072, 1536, 1000, 0)] == [
         *("2GiB", "20GiB", "3KiB", "1536", "1000", "0")
     ]

@@ -255,10 +255,10 @@ def test_the_launcher_stops_on_a_bad_key_file(tmp_path, capsys, data, mode, says
     from sgl_loopkv.server.launch import build_sglang_argv
 
     with pytest.raises(SystemExit) as e:
-        build_sglang_argv(["--loopkv-disk-key-file", str(key_file(tmp_path, data, mode))])
+        build_sglang_argv(["--loopkv-lifecycle-disk-key-file", str(key_file(tmp_path, data, mode))])
     assert e.value.code == 2 and says in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        build_sglang_argv(["--loopkv-disk-key-file", str(tmp_path / "missing")])
+        build_sglang_argv(["--loopkv-lifecycle-disk-key-file", str(tmp_path / "missing")])
     assert "cannot read the key file" in capsys.readouterr().err
 
 

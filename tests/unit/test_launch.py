@@ -18,6 +18,13 @@ def test_defaults_never_override_user_flags():
     assert "--sleep-on-idle" in argv and argv[argv.index("--device") + 1] == "cpu"
 
 
+def test_a_default_for_a_renamed_flag_never_overrides_its_old_name():
+    """The cluster's worker default: a later ``--loopkv-limit-max-client-requests 0`` would win over the
+    user's old spelling."""
+    given = ["--loopkv-max-client-requests=5"]
+    assert with_defaults(given, {"--loopkv-limit-max-client-requests": "0"}) == given
+
+
 def test_loopkv_flags_are_split_off_and_handed_to_subprocesses(tmp_path):
     out = run_fresh(
         f"""
@@ -148,11 +155,12 @@ def test_a_section_check_failing_is_a_usage_error_not_a_traceback(capsys):
     from sgl_loopkv.server.launch import build_sglang_argv
 
     with pytest.raises(SystemExit) as e:
-        build_sglang_argv(["--model-path", "/m", "--loopkv-alpha", "2"])
-    assert e.value.code == 2 and "error: --loopkv-alpha must be in (0, 1]" in capsys.readouterr().err
+        build_sglang_argv(["--model-path", "/m", "--loopkv-prefill-alpha", "2"])
+    assert e.value.code == 2 and "error: --loopkv-prefill-alpha must be in (0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
-        build_sglang_argv(["--model-path", "/m", "--loopkv-disk-bytes", "20 gigs"])
-    assert e.value.code == 2 and "argument --loopkv-disk-bytes: '20 gigs' is not a byte size" in capsys.readouterr().err
+        build_sglang_argv(["--model-path", "/m", "--loopkv-tier-disk-bytes", "20 gigs"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --loopkv-tier-disk-bytes: '20 gigs' is not a byte size" in err
 
 
 @pytest.mark.parametrize(

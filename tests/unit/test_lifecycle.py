@@ -1,4 +1,4 @@
-"""Retention of the disk tier (``--loopkv-disk-ttl``): the duration flag's parsing, expiry at start-up
+"""Retention of the disk tier (``--loopkv-lifecycle-disk-ttl``): the duration flag's parsing, expiry at start-up
 and while the store runs (a used segment is kept: every use renews its mtime)."""
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def test_no_ttl(text):
 
 @pytest.mark.parametrize("text", ["soon", "-3h", "12w", "1e999", "h", "nan"])
 def test_nonsense_durations_are_a_clear_error(text):
-    with pytest.raises(ValueError, match="--loopkv-disk-ttl must be a duration"):
-        LoopKVConfig.from_flat(disk_ttl=text)
+    with pytest.raises(ValueError, match="--loopkv-lifecycle-disk-ttl must be a duration"):
+        LoopKVConfig.from_flat(lifecycle_disk_ttl=text)
 
 
 def two_stored(tmp_path) -> tuple[str, str]:

@@ -20,7 +20,7 @@ def request(sampling_params):
 
 @pytest.mark.parametrize("params", [{"n": 3}, [{"n": 3}, {"n": 3}], {"n": 1000, "max_new_tokens": 1}])
 def test_n_over_the_limit_is_refused_with_the_flag_named(params):
-    with pytest.raises(ValueError, match="--loopkv-max-n"):
+    with pytest.raises(ValueError, match="--loopkv-limit-max-n"):
         limits.apply_limits(request(params), LIMITS)
 
 
@@ -75,7 +75,7 @@ def test_client_concurrency_limit_refuses_one_more_per_client_until_one_ends():
         health = asyncio.create_task(call("10.0.0.1", "/health"))  # monitors never counted
         await asyncio.sleep(0.05)
         status, body = await asyncio.wait_for(call("10.0.0.1"), 5)  # refused at once, not queued
-        assert status == 429 and b"--loopkv-max-client-requests" in body
+        assert status == 429 and b"--loopkv-limit-max-client-requests" in body
         release.set()
         assert [(await t)[0] for t in (*running, other, health)] == [200] * 4
         assert (await call("10.0.0.1"))[0] == 200 and not guard.in_flight

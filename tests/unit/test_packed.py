@@ -54,7 +54,7 @@ def test_pack_unpack_matches_the_codec_and_keeps_unpaired_layers(codec):
     assert torch.equal(packed.slice_tokens(16, 48).unpack(), got[:, :, 16:48])
 
 
-@pytest.mark.parametrize("sealed", [False, True])  # with --loopkv-disk-key-file: the side data sealed too
+@pytest.mark.parametrize("sealed", [False, True])  # with --loopkv-lifecycle-disk-key-file: the side data sealed too
 @pytest.mark.parametrize("codec", ["reuse", "minicache"])
 def test_disk_roundtrip_of_a_packed_segment(tmp_path, codec, sealed):
     disk = DiskSegmentStore(tmp_path, 1 << 30, GEO, cipher=SegmentCipher(b"k" * 32) if sealed else None)

@@ -1,4 +1,4 @@
-"""int8 tiers (``--loopkv-store-dtype int8``): the quantizer's error bound, and int8 segments in the
+"""int8 tiers (``--loopkv-tier-store-dtype int8``): the quantizer's error bound, and int8 segments in the
 host and disk tiers: bit-identical round trips (whole, cut, partial), checksummed, under a third of
 the fp32 bytes, packed layer pairs included."""
 

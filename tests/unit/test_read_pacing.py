@@ -80,6 +80,8 @@ def test_a_paced_read_ahead_returns_what_an_inline_read_does(tmp_path):
     finally:
         read_pacing.PIECE_BYTES = old
     assert tier == "disk" and torch.equal(kv, segs[0][1]) and store.prefetch.pacing.naps > 0
+    stats = store.count_tokens()  # what /metrics publishes (loopkv_read_ahead_naps, loopkv_disk_seconds{part="nap"})
+    assert stats.read_naps == store.prefetch.pacing.naps and stats.read_nap_seconds > 0
     store.close()
 
 

@@ -183,9 +183,9 @@ def test_policies_are_created_by_name_from_the_config():
     shape = ModelShape("SmolLM2-135M-Instruct", 30, 9, 3)
     cfg = SparsePrefillConfig(alpha=0.9, block_size=32, streaming_sink=64, streaming_local=256, streaming_fraction=0.25)
     assert POLICIES.names() == ["block", "loopserve", "lserve"]
-    tail = dict(dense_tail=cfg.sparse_dense_tail, full_density=cfg.sparse_full_density)
+    tail = dict(dense_tail=cfg.dense_tail, full_density=cfg.full_density)
     assert POLICIES.create("loopserve", cfg, shape) == VerticalSlashPolicy(
-        alpha=0.9, block_size=32, tail_samples=cfg.sparse_tail_samples, **tail
+        alpha=0.9, block_size=32, tail_samples=cfg.tail_samples, **tail
     )
     assert POLICIES.create("block", cfg, shape) == BlockTopPolicy(alpha=0.9, block_size=32, **tail)
     lserve = POLICIES.create("lserve", cfg, shape)

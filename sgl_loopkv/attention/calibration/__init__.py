@@ -1,9 +1,9 @@
 """Per-model calibration files for static sparsity (LServe's streaming heads).
 
 One small JSON file per model, ``<model folder name>.json`` in this directory (or a path given
-with ``--loopkv-streaming-calibration``), written by :mod:`.streaming` (``python -m
+with ``--loopkv-prefill-streaming-calibration``), written by :mod:`.streaming` (``python -m
 sgl_loopkv.attention.calibration --model-path DIR``): a retrieval score per (layer, KV head),
-high = the head needs far context. The serving flag ``--loopkv-streaming-fraction`` picks how many
+high = the head needs far context. The serving flag ``--loopkv-prefill-streaming-fraction`` picks how many
 of the lowest-scoring heads stream, so one file serves every fraction.
 """
 
@@ -29,7 +29,7 @@ def load_head_scores(model_name: str, num_layers: int, num_kv_heads: int, path: 
         raise FileNotFoundError(
             f"no streaming-head calibration for model {model_name!r} ({file}); create it with "
             f"`python -m sgl_loopkv.attention.calibration --model-path <model dir>` "
-            "or pass --loopkv-streaming-calibration FILE"
+            "or pass --loopkv-prefill-streaming-calibration FILE"
         )
     data = json.loads(file.read_text())
     scores = torch.tensor(data["retrieval_scores"], dtype=torch.float64)

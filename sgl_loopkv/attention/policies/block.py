@@ -52,8 +52,8 @@ def _create(config, model) -> BlockTopPolicy:
     return BlockTopPolicy(
         alpha=config.alpha,
         block_size=config.block_size,
-        dense_tail=config.sparse_dense_tail,
-        full_density=config.sparse_full_density,
+        dense_tail=config.dense_tail,
+        full_density=config.full_density,
     )
 
 

@@ -12,13 +12,13 @@ from typing import ClassVar
 class SparsePrefillConfig:
     """Sparse prefill: which keys each query block of a long extend attends to, and what computes it."""
 
-    flag_prefix: ClassVar[str] = ""
+    flag_prefix: ClassVar[str] = "prefill_"
     title: ClassVar[str] = "sparse prefill"
 
-    prefill_policy: str = field(
+    policy: str = field(
         default="dense",
         metadata={
-            "help": "Sparse prefill policy for extends of more than --loopkv-sparse-min-len new tokens: 'dense' "
+            "help": "Sparse prefill policy for extends of more than --loopkv-prefill-min-len new tokens: 'dense' "
             "(off), 'loopserve' (online vertical and slash lines), 'lserve' (streaming heads) or 'block' (block "
             "top-mass).",
             "registry": "sgl_loopkv.attention.policies:POLICIES",
@@ -33,22 +33,22 @@ class SparsePrefillConfig:
         default=64,
         metadata={"help": "Block size of sparse prefill plans, in tokens."},
     )
-    sparse_min_len: int = field(
+    min_len: int = field(
         default=2048,
         metadata={"help": "Extends of at most this many new tokens stay dense (decode always does)."},
     )
-    sparse_dense_tail: int = field(
+    dense_tail: int = field(
         default=64,
         metadata={
             "help": "loopserve and block: the query blocks holding the last this many new tokens attend to every "
             "key (they produce the first output token)."
         },
     )
-    sparse_tail_samples: int = field(
+    tail_samples: int = field(
         default=16,
         metadata={"help": "loopserve: how many of the 48 sampled query rows are the extend's last rows."},
     )
-    sparse_full_density: float = field(
+    full_density: float = field(
         default=0.6,
         metadata={"help": "loopserve and block: a KV head whose plan reaches this density runs dense (1: never)."},
     )
@@ -58,13 +58,15 @@ class SparsePrefillConfig:
     )
     streaming_sink: int = field(
         default=64,
-        metadata={"help": "lserve: first tokens a streaming head attends to; a multiple of --loopkv-block-size."},
+        metadata={
+            "help": "lserve: first tokens a streaming head attends to; a multiple of --loopkv-prefill-block-size."
+        },
     )
     streaming_local: int = field(
         default=1024,
         metadata={
             "help": "lserve: tokens before the diagonal block a streaming head attends to; a multiple of "
-            "--loopkv-block-size."
+            "--loopkv-prefill-block-size."
         },
     )
     streaming_calibration: str | None = field(
@@ -76,7 +78,7 @@ class SparsePrefillConfig:
             "default_text": "the bundled file named after the model folder",
         },
     )
-    sparse_executor: str = field(
+    executor: str = field(
         default="torch",
         metadata={
             "help": "Executor of sparse prefill plans: 'torch' (any device); 'flashinfer' and 'triton' need CUDA.",
@@ -86,12 +88,12 @@ class SparsePrefillConfig:
 
     @property
     def enabled(self) -> bool:
-        return self.prefill_policy != "dense"
+        return self.policy != "dense"
 
     def __post_init__(self):
         if not 0 < self.alpha <= 1 or not 0 <= self.streaming_fraction <= 1:
-            raise ValueError("--loopkv-alpha must be in (0, 1] and --loopkv-streaming-fraction in [0, 1]")
+            raise ValueError("--loopkv-prefill-alpha must be in (0, 1], --loopkv-prefill-streaming-fraction in [0, 1]")
         if self.block_size < 1 or self.streaming_sink % self.block_size or self.streaming_local % self.block_size:
-            raise ValueError("--loopkv-streaming-sink/-local must be multiples of --loopkv-block-size")
-        if self.sparse_dense_tail < 0 or self.sparse_tail_samples < 0 or not 0 < self.sparse_full_density <= 1:
-            raise ValueError("--loopkv-sparse-dense-tail/-tail-samples must be >= 0, -full-density in (0, 1]")
+            raise ValueError("--loopkv-prefill-streaming-sink/-local must be multiples of --loopkv-prefill-block-size")
+        if self.dense_tail < 0 or self.tail_samples < 0 or not 0 < self.full_density <= 1:
+            raise ValueError("--loopkv-prefill-dense-tail/-tail-samples must be >= 0, -full-density in (0, 1]")

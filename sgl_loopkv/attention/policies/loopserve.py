@@ -72,9 +72,9 @@ def _create(config, model) -> VerticalSlashPolicy:
     return VerticalSlashPolicy(
         alpha=config.alpha,
         block_size=config.block_size,
-        dense_tail=config.sparse_dense_tail,
-        tail_samples=config.sparse_tail_samples,
-        full_density=config.sparse_full_density,
+        dense_tail=config.dense_tail,
+        tail_samples=config.tail_samples,
+        full_density=config.full_density,
     )
 
 

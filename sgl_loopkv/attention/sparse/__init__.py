@@ -1,5 +1,5 @@
 """Sparse executors: run a :class:`~sgl_loopkv.attention.sparse_plan.SparsePlan` exactly, chosen
-by name (``--loopkv-sparse-executor``).
+by name (``--loopkv-prefill-executor``).
 
 The registry and its deferred factories live here, the contract and the shared per-sequence loop
 in ``base.py``; each backend file imports only the base (and its own kernel library, on first use):
