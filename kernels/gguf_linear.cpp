@@ -29,6 +29,7 @@
 // Work is split over torch's threads by output feature (at::parallel_for).
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -744,10 +745,64 @@ torch::Tensor gemm_dequant(torch::Tensor x, torch::Tensor w, int64_t type, c10::
   return out;
 }
 
+// Prefill in bfloat16 with float32 results: x and the dequantized weight rounded to bfloat16 once each
+// (round to nearest even), their products summed in float32 by oneDNN's batch-reduce GEMM (AMX where
+// present, the kernel torch's CPU flash attention calls) and the float32 sums kept: no rounding of the
+// result, unlike a bfloat16 torch GEMM. The weight is decoded and packed into oneDNN's layout once per
+// call, in tiles of PACK_N rows (a leading dimension oneDNN packs), then dropped.
+constexpr int64_t PACK_N = 64;
+constexpr int64_t BLOCK_M = 64;
+
+bool gemm_bf16_fits(int64_t N, int64_t K) {
+  return N % PACK_N == 0 && K % 2 == 0 && at::native::cpublas::could_pack(at::kBFloat16);
+}
+
+torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "gguf gemm: x is float32 [M, K]");
+  const auto [N, K] = check_weight(w, type, x.size(1));
+  TORCH_CHECK(gemm_bf16_fits(N, K), "gguf gemm_bf16: needs N % 64 == 0, even K and oneDNN's bfloat16 packing");
+  const int64_t M = x.size(0), tiles = N / PACK_N, rb = w.size(1);
+  const torch::Tensor xb = x.contiguous().to(at::kBFloat16);
+  torch::Tensor packed = at::empty({tiles, K * PACK_N}, xb.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::BFloat16* pp = packed.data_ptr<at::BFloat16>();
+  const int64_t path = resolve(-1);
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> rows(PACK_N * K);
+    std::vector<at::BFloat16> kn(K * PACK_N);  // the tile transposed: B [K, PACK_N]
+    for (int64_t t = begin; t < end; ++t) {
+      dispatch(type, [&](auto q) {
+        using Q = decltype(q);
+        for (int64_t r = 0; r < PACK_N; ++r) dequant_row<Q>(wp + (t * PACK_N + r) * rb, K, rows.data() + r * K, path);
+        return 0;
+      });
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t r = 0; r < PACK_N; ++r) kn[k * PACK_N + r] = at::BFloat16(rows[r * K + k]);
+      at::native::cpublas::pack(K, PACK_N, PACK_N, PACK_N, at::kBFloat16, at::kBFloat16, kn.data(), pp + t * K * PACK_N);
+    }
+  });
+  torch::Tensor out = at::empty({M, N}, x.options());
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (M + BLOCK_M - 1) / BLOCK_M, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t m0 = b * BLOCK_M, mm = std::min(BLOCK_M, M - m0);
+      for (int64_t t = 0; t < tiles; ++t)
+        at::native::cpublas::brgemm(mm, PACK_N, K, K, PACK_N, N, false, xp + m0 * K, pp + t * K * PACK_N,
+                                    op + m0 * N + t * PACK_N, true);
+    }
+    at::native::cpublas::brgemm_release(true);
+  });
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paths", &paths, "the instruction-set paths compiled here, indexed by the path argument: portable, avx2, avx512");
   m.def("dequantize", &dequantize, "GGUF blocks [N, row bytes] -> float32 [N, K] (bitwise gguf.quants.dequantize)");
   m.def("gemv", &gemv, "x [M, K] @ dequant(w).T (+ bias), streamed from the blocks, one fixed order per output");
+  m.def("gemm_bf16", &gemm_bf16, "x @ dequant(w).T (+ bias): bfloat16 operands, float32 sums and result (oneDNN)");
+  m.def("gemm_bf16_fits", &gemm_bf16_fits, "whether gemm_bf16 takes a weight of N rows of K (and oneDNN packs bf16)");
   m.def("gemm_dequant", &gemm_dequant,
         "x @ dequant(w).T (+ bias): tiles of the weight through torch's GEMM, float32 or (bf16) bfloat16");
 }

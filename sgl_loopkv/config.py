@@ -176,12 +176,11 @@ class LoopKVConfig:
     prefill_dtype: str = field(
         default="auto",
         metadata={
-            "help": "The arithmetic of a prefill or long extend (17 new rows or more) on GGUF weights: 'auto' "
-            "(default): bfloat16 on a CPU with AMX-BF16, float32 elsewhere; 'bfloat16': the linear layers' "
-            "dequantized tiles and inputs rounded to bfloat16 (float32 sums) and, over a bfloat16 KV pool, "
-            "the attention's queries too, several times float32's speed with AMX; 'float32': the dequantized "
-            "model's arithmetic. Decode steps and short extends are float32 either way; the float32 path "
-            "ignores this flag (docs/models.md).",
+            "help": "The linear layers of a prefill or long extend (17 new rows or more) on GGUF weights: 'auto' "
+            "(default): bfloat16 on a CPU with AMX-BF16, float32 elsewhere; 'bfloat16': x and the weights rounded "
+            "to bfloat16, float32 sums (oneDNN, several times float32's speed with AMX); 'float32': the "
+            "dequantized model's arithmetic. Attention, decode steps and short extends are float32 either way; "
+            "the float32 path ignores this flag (docs/models.md).",
             "choices": ["auto", "float32", "bfloat16"],
         },
     )

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from sgl_loopkv.attention.plan import AttentionPlan
-from sgl_loopkv.models import precision
 from sgl_loopkv.registry import Registry
 
 
@@ -50,12 +49,8 @@ def dense_attention(
     q: [n, Hq, D]; k, v: [L, Hkv, D] -> [n, Hq, D]. With ``causal`` row ``r`` sees keys
     ``0 .. L - n + r``: only the new rows are computed, the cached prefix costs O(n * L), not
     O(L^2) (SGLang's torch_native pads q to L rows and runs a full causal square instead).
-    Float32 rows over bfloat16 keys run in bfloat16 where :mod:`sgl_loopkv.models.precision` says so.
     """
     n, L = q.shape[0], k.shape[0]
-    if q.dtype == torch.float32 and k.dtype == torch.bfloat16 and q.device.type == "cpu" and precision.bf16_rows(n):
-        # a prefill over a bfloat16 pool in bfloat16 mode: the queries rounded, not the keys widened
-        return dense_attention(q.to(torch.bfloat16), k, v, scale, causal).to(q.dtype)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
     if kh.dtype != qh.dtype:
         kh, vh = kh.to(qh.dtype), vh.to(qh.dtype)

@@ -1,17 +1,16 @@
-"""The arithmetic of a prefill on GGUF weights: float32, or bfloat16 where the CPU multiplies it natively.
+"""The arithmetic of a prefill's linear layers on GGUF weights: float32, or bfloat16 operands with float32 sums.
 
 A prefill or long extend (``MIN_ROWS`` new rows or more) is compute-bound: its linear layers are GEMMs on
-dequantized tiles and its attention a flash kernel. With AMX-BF16, oneDNN runs both several times faster
-in bfloat16 than in float32 (``benchmarks/results/decode_gguf_run.md``'s prefill column). In bfloat16
-mode the GEMMs take x and the weight tile rounded to bfloat16 (float32 sums inside, the result rounded to
-bfloat16 once; the bias added in float32), and the attention over a bfloat16 KV pool takes the queries
-rounded to bfloat16 (the keys and values are bfloat16 already). Decode steps and short extends never
-change: they stay float32, so a decode is still the dequantized model's arithmetic.
+dequantized weights. With AMX-BF16, oneDNN's batch-reduce GEMM multiplies bfloat16 operands several times
+faster than float32 ones. In bfloat16 mode x and the weight are rounded to bfloat16 once each, the products
+are summed in float32 and the float32 sums are the result (``gemm_bf16`` in ``kernels/gguf_linear.cpp``).
+Attention stays float32: with its queries rounded to bfloat16 too, the prefill path's teacher-forced agreement
+with the float32 model fell below the fidelity bar (docs/decisions/2026-12-06-bf16-prefill-gemms.md). Decode
+steps and short extends never change: they stay float32, so a decode is the dequantized model's arithmetic.
 
-``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only): ``auto`` is bfloat16
-where the CPU reports ``amx_bf16`` (read at run time), float32 elsewhere, where bfloat16 is emulated or
-only AVX512-BF16's dot products and not measured to pay. Fidelity against the dequantized model is
-measured by ``benchmarks/decode.py`` (docs/models.md).
+``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only): ``auto`` is bfloat16 where
+the CPU reports ``amx_bf16`` (read at run time), float32 elsewhere, where bfloat16 is emulated or only
+AVX512-BF16's dot products and not measured to pay.
 """
 
 from __future__ import annotations

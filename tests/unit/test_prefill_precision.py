@@ -1,8 +1,10 @@
 """Prefills in bfloat16 on the GGUF path (``sgl_loopkv.models.precision``, ``--loopkv-prefill-dtype``):
 ``auto`` follows the CPU's AMX-BF16 flag; in bfloat16 mode a GEMM of 17 rows or more multiplies x and the
-dequantized tile rounded to bfloat16 (within bfloat16 rounding of a float64 product, bias added in float32)
-and a dense extend over a bfloat16 pool rounds its queries; 16 rows or fewer (decode steps, short extends)
-keep the float32 bits whatever the mode."""
+dequantized weight rounded to bfloat16: ``gemm_bf16`` (oneDNN, a weight of a multiple of 64 rows) keeps
+float32 sums and results (within float32 rounding of a float64 product of the rounded operands), other
+weights go through torch's bfloat16 GEMM (within one bfloat16 rounding), the bias added in float32; attention
+stays float32; 16 rows or fewer (decode steps, short extends) keep the
+float32 bits whatever the mode."""
 
 from __future__ import annotations
 
@@ -94,7 +96,28 @@ def test_bf16_gemm_is_the_rounded_operands_product(native, mode):
     )
 
 
-def test_a_long_extend_over_a_bf16_pool_rounds_its_queries(mode):
+def test_oneDNN_bf16_gemm_keeps_float32_sums(native, mode):
+    if not native.gemm_bf16_fits(128, 544):
+        pytest.skip("oneDNN cannot pack bfloat16 on this CPU")
+    w = weight(rows=128)
+    deq = native.dequantize(w.blocks, int(T.Q4_1), w.in_features, -1)
+    x = torch.randn(precision.MIN_ROWS + 100, w.in_features, generator=torch.Generator().manual_seed(6))
+    bias = torch.randn(w.out_features, generator=torch.Generator().manual_seed(8))
+    y = native.gemm_bf16(x, w.blocks, int(T.Q4_1), bias)
+    ref = (x.bfloat16().double() @ deq.bfloat16().double().T) + bias.double()
+    mags = x.bfloat16().double().abs() @ deq.bfloat16().double().abs().T + bias.double().abs()
+    assert ((y.double() - ref).abs() <= w.in_features * 2.0**-23 * mags).all()  # float32 sums, no bf16 result
+    tiles = native.gemm_dequant(x, w.blocks, int(T.Q4_1), bias, 512, True)  # torch's bf16 GEMM: rounded result
+    assert (tiles.double() - ref).abs().max() > 10 * (y.double() - ref).abs().max()
+    mode("bfloat16")
+    assert torch.equal(linear_module.linear(x, w, bias), y)
+    assert not native.gemm_bf16_fits(70, 544)  # rows not a multiple of 64: the torch path (test above)
+    with pytest.raises(RuntimeError, match="N % 64"):
+        native.gemm_bf16(x, weight().blocks, int(T.Q4_1), None)
+
+
+def test_attention_stays_float32_in_bfloat16_mode(mode):
+    """Queries rounded to bfloat16 cost the prefill path its fidelity bar: only the linear layers change."""
     g = torch.Generator().manual_seed(5)
     n, cached = precision.MIN_ROWS + 47, 100
     q = torch.randn(n, 9, 64, generator=g)
@@ -102,22 +125,5 @@ def test_a_long_extend_over_a_bf16_pool_rounds_its_queries(mode):
     v = torch.randn(cached + n, 3, 64, generator=g).bfloat16()
     mode("float32")
     fp32 = dense_attention(q, k, v, 0.125)
-    assert fp32.dtype == torch.float32
     mode("bfloat16")
-    bf16 = dense_attention(q, k, v, 0.125)
-    assert bf16.dtype == torch.float32
-    assert torch.equal(bf16, dense_attention(q.bfloat16(), k, v, 0.125).float())
-    assert not torch.equal(bf16, fp32) and (bf16 - fp32).abs().max() < 0.05
-    short = q[: precision.MIN_ROWS - 1]  # keys: the cached part and the short extend's own rows
-    ks, vs = k[: cached + short.shape[0]], v[: cached + short.shape[0]]
-    assert torch.equal(dense_attention(short, ks, vs, 0.125), fp32_of(short, ks, vs, mode))
-    mode("bfloat16")
-    assert torch.equal(dense_attention(q, k.float(), v.float(), 0.125), fp32_of(q, k.float(), v.float(), mode))
-
-
-def fp32_of(q, k, v, mode) -> torch.Tensor:
-    """``dense_attention`` in float32 mode, then back to bfloat16 mode."""
-    mode("float32")
-    out = dense_attention(q, k, v, 0.125)
-    mode("bfloat16")
-    return out
+    assert torch.equal(dense_attention(q, k, v, 0.125), fp32)

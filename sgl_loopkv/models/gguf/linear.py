@@ -7,8 +7,9 @@ By rows of x (thresholds from ``benchmarks/gguf_kernels.py`` on this project's C
   output one fixed-order float32 sum, so a row's result does not depend on the batch around it;
 - more rows (prefill): ``gemm_dequant``, tiles of ``GEMM_TILE`` weight rows decoded to float32 and
   multiplied by torch's GEMM (MKL / oneDNN); the tile is the only float copy and lives for one call.
-  In bfloat16 where :mod:`sgl_loopkv.models.precision` says so (``--loopkv-prefill-dtype``; by default
-  on CPUs with AMX-BF16).
+  With ``--loopkv-prefill-dtype bfloat16`` (:mod:`sgl_loopkv.models.precision`): ``gemm_bf16``, x and
+  the weight rounded to bfloat16, float32 sums and results (oneDNN's brgemm, AMX where present), for a
+  weight of a multiple of 64 rows; else the tiles and x rounded to bfloat16 through torch's bfloat16 GEMM.
 
 ``--loopkv-gguf-activations q8`` (opt-in) runs the gemv rows on int8 activations instead (``gguf_q8``:
 x rounded per 32-element block as llama.cpp does, integer block dots): less work per weight, which
@@ -85,6 +86,8 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
         y = gguf_q8.load().gemv_q8(x2, weight.blocks, int(weight.qtype), bias)
     elif x2.shape[0] <= GEMV_MAX_ROWS:
         y = module.gemv(x2, weight.blocks, int(weight.qtype), bias, -1)  # -1: the best instruction set built
+    elif precision.bf16_rows(x2.shape[0]) and module.gemm_bf16_fits(weight.out_features, weight.in_features):
+        y = module.gemm_bf16(x2, weight.blocks, int(weight.qtype), bias)
     else:
         y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE, precision.bf16_rows(x2.shape[0]))
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
