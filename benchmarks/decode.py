@@ -99,6 +99,7 @@ SYSTEMS = {
     "loopkv-gguf-q8": ("sglang", "float32", ("--loopkv-gguf-activations", "q8")),
     "loopkv-gguf-torchops": ("sglang", "float32", ()),
     "loopkv-gguf-fp32prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "float32")),
+    "loopkv-gguf-bf16prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "bfloat16")),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
     "hf-fp32": ("hf", "float32", ()),
@@ -139,8 +140,10 @@ WHAT = {
     "(`LOOPKV_NATIVE_LAYER_OPS=0`) instead of the compiled layer ops",
     # --loopkv-stock brings SGLang's radix cache and also drops the decode-step hooks (split/gemv
     # linears, lean forward): its ratio is not the tiered cache's cost alone (a radix-only switch is not built)
-    "loopkv-gguf-fp32prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype float32`: prefills in float32 (the "
-    "default on a CPU without AMX-BF16; with it, `auto` runs their GEMMs and attention in bfloat16)",
+    "loopkv-gguf-fp32prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype float32`: the prefill's linear layers in "
+    "float32 (the launcher's default; in the `decode_gguf_prefill` runs the default was `auto`: bfloat16 on AMX)",
+    "loopkv-gguf-bf16prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype bfloat16`: the prefill's linear layers on "
+    "bfloat16 operands with float32 sums (oneDNN)",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
     "decode-step hooks (split/gemv linears, lean forward) too",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
@@ -808,6 +811,7 @@ def gguf_summary(p: dict) -> dict:
                 "tpot_ms_4k": tpot(res, n, c4, 1),
                 "tpot_ms_8k": tpot(res, n, c8, 1),
                 f"tokens_per_s_bs{top}_4k": tok_s(n, c4, top),
+                "prefill_ms_4k": fill_ms(n, c4),
                 "teacher_forced_agreement_min": min(vt.values()) if vt else None,
                 "kl_max": max(vk.values()) if vk else None,
             }
@@ -1047,13 +1051,22 @@ def gguf_md(p: dict) -> str:
     if len(variants) > 1:
         vrows = [
             [n, fmt_ms(v["tpot_ms_4k"]), fmt_ms(v["tpot_ms_8k"]), _f(v[f"tokens_per_s_bs{top}_4k"]),
-             _f(v["teacher_forced_agreement_min"]), f"{v['kl_max']:.4f}" if v["kl_max"] is not None else "-"]
+             fmt_ms(v.get("prefill_ms_4k")), _f(v["teacher_forced_agreement_min"]), f"{v['kl_max']:.4f}" if v["kl_max"] is not None else "-"]
             for n, v in variants.items()
         ]  # fmt: skip
         md += (
             "The GGUF systems side by side (one request's TPOT; fidelity as above, against loopkv-fp32):\n\n"
             + md_table(
-                ["system", "TPOT 4K ms", "TPOT 8K ms", f"tokens/s bs {top} 4K", "agreement min", "KL max"], vrows
+                [
+                    "system",
+                    "TPOT 4K ms",
+                    "TPOT 8K ms",
+                    f"tokens/s bs {top} 4K",
+                    "4K first fill ms",
+                    "agreement min",
+                    "KL max",
+                ],
+                vrows,
             )
             + "\n"
         )

@@ -174,13 +174,14 @@ class LoopKVConfig:
         },
     )
     prefill_dtype: str = field(
-        default="auto",
+        default="float32",
         metadata={
-            "help": "The linear layers of a prefill or long extend (17 new rows or more) on GGUF weights: 'auto' "
-            "(default): bfloat16 on a CPU with AMX-BF16, float32 elsewhere; 'bfloat16': x and the weights rounded "
-            "to bfloat16, float32 sums (oneDNN, several times float32's speed with AMX); 'float32': the "
-            "dequantized model's arithmetic. Attention, decode steps and short extends are float32 either way; "
-            "the float32 path ignores this flag (docs/models.md).",
+            "help": "The linear layers of a prefill or long extend (17 new rows or more) on GGUF weights: "
+            "'float32' (default): the dequantized model's arithmetic; 'bfloat16': x and the weights rounded to "
+            "bfloat16, float32 sums (oneDNN: faster prefills with AMX-BF16, slower without it; the prefill "
+            "path's agreement with the float32 model fell below the fidelity bar, docs/models.md); "
+            "'auto': bfloat16 on a CPU with AMX-BF16, float32 elsewhere. Attention, decode steps and short "
+            "extends are float32 either way; the float32 path ignores this flag.",
             "choices": ["auto", "float32", "bfloat16"],
         },
     )

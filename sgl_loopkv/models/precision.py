@@ -8,9 +8,10 @@ Attention stays float32: with its queries rounded to bfloat16 too, the prefill p
 with the float32 model fell below the fidelity bar (docs/decisions/2026-12-06-bf16-prefill-gemms.md). Decode
 steps and short extends never change: they stay float32, so a decode is the dequantized model's arithmetic.
 
-``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only): ``auto`` is bfloat16 where
-the CPU reports ``amx_bf16`` (read at run time), float32 elsewhere, where bfloat16 is emulated or only
-AVX512-BF16's dot products and not measured to pay.
+``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only) is ``float32`` by default:
+in bfloat16 the prefill path's teacher-forced agreement with the float32 model fell below the fidelity bar
+(the decision page). ``auto`` is bfloat16 where the CPU reports ``amx_bf16`` (read at run time) and float32
+elsewhere, where bfloat16 is emulated or only AVX512-BF16's dot products and not measured to pay.
 """
 
 from __future__ import annotations
