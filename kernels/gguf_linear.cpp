@@ -24,8 +24,10 @@
 //    into registers and FMA'd into every row of x (the memory-bound decode step);
 //  - gemv, more rows: each weight row decoded once into a thread's row buffer, then dotted with every
 //    row of x (the decode is paid once per weight row, not once per row of x);
-//  - gemm (prefill): tiles of weight rows dequantized to float32 and multiplied by torch's GEMM, in
-//    float32 or, where the caller asks (AMX-BF16 CPUs), with x and the tile rounded to bfloat16.
+//  - gemm (prefill): tiles of weight rows dequantized to float32 and multiplied by torch's GEMM;
+//  - gemm_bf16 (prefill, --loopkv-prefill-dtype bfloat16): x and the weight rounded to bfloat16, float32
+//    sums and results through oneDNN's brgemm; a weight it does not fit takes gemm_dequant's bfloat16
+//    tiles (torch's bfloat16 GEMM, its result rounded to bfloat16).
 // Work is split over torch's threads by output feature (at::parallel_for).
 
 #include <ATen/Parallel.h>

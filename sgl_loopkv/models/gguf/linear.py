@@ -86,8 +86,8 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
         y = gguf_q8.load().gemv_q8(x2, weight.blocks, int(weight.qtype), bias)
     elif x2.shape[0] <= GEMV_MAX_ROWS:
         y = module.gemv(x2, weight.blocks, int(weight.qtype), bias, -1)  # -1: the best instruction set built
-    elif precision.bf16_rows(x2.shape[0]) and module.gemm_bf16_fits(weight.out_features, weight.in_features):
+    elif (bf16 := precision.bf16_rows(x2.shape[0])) and module.gemm_bf16_fits(weight.out_features, weight.in_features):
         y = module.gemm_bf16(x2, weight.blocks, int(weight.qtype), bias)
     else:
-        y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE, precision.bf16_rows(x2.shape[0]))
+        y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE, bf16)
     return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
