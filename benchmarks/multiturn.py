@@ -58,16 +58,16 @@ class System:
     budget: float = 1.0  # attention-mass coverage of sparse prefill (1 = dense)
     quick: bool = True  # part of --quick
     requires: str | None = None  # a LoopKVConfig option (flag name): the row runs only once that flag exists
+    weights: str = "float32"  # --loopkv-weights: "float32" (the committed baseline rows) or "gguf" (the plain start)
 
     @property
     def available(self) -> bool:
         return self.requires is None or self.requires in LoopKVConfig.option_names()
 
 
-# every sglang row's weights: the float32 conversion, what the committed results measured (a plain start serves
-# the GGUF file; --loopkv-stock serves the conversion anyway)
-WEIGHTS = ("--loopkv-weights", "float32")
-
+# an sglang row's weights (System.weights): "float32", the conversion stock SGLang serves and the rows before the
+# GGUF path measured (--loopkv-stock serves it anyway); "gguf", the file's blocks over a bfloat16 KV pool, what a
+# plain start serves. The gguf rows are scored against "dense" (float32): what the GGUF path costs in answers.
 # name -> flags: a new component is one line. --loopkv-stock = SGLang's own CPU configuration
 # (torch_native attention, stock radix cache); the other rows add components back one at a time.
 SYSTEMS = [
@@ -108,6 +108,21 @@ SYSTEMS = [
     # score vs budget (full mode)
     System("all-a0.9", (*SPARSE, *KRUL, "--loopkv-prefill-alpha", "0.9"), "all, alpha 0.9", budget=0.9, quick=False),
     System("all-a0.8", (*SPARSE, *KRUL, "--loopkv-prefill-alpha", "0.8"), "all, alpha 0.8", budget=0.8, quick=False),
+    # the plain start's path (GGUF blocks), with the mechanisms that are off by default added back
+    System("gguf", (), "sgl-loopkv defaults on the GGUF file (a plain start)", weights="gguf"),
+    System("gguf-int8", INT8, "gguf + int8 tiers", weights="gguf", quick=False),
+    System(
+        "gguf-sparse", SPARSE, "gguf + LoopServe sparse prefill (alpha 0.95)", weights="gguf", budget=0.95, quick=False
+    ),
+    System(
+        "gguf-all",
+        (*SPARSE, *KRUL),
+        "gguf + int8 tiers + Krul sharing + LoopServe sparse prefill",
+        weights="gguf",
+        budget=0.95,
+        quick=False,
+        requires="share_layers",
+    ),
     System("llamacpp", (), "llama.cpp server (llama-cpp-python), same GGUF, prompt cache on", kind="llamacpp"),
 ]
 
@@ -209,7 +224,15 @@ def run_system(sys_: System, convs, hist_tokens, pool: int, host_bytes: int, bar
         srv = LlamaCppServer(n_ctx=pool, log_path=log)
     else:
         tiers = ["--loopkv-tier-host-bytes", str(host_bytes), "--loopkv-tier-disk-dir", str(disk)]
-        args = [*sys_.flags, *WEIGHTS, "--max-total-tokens", str(pool), "--enable-metrics", *tiers]
+        args = [
+            *sys_.flags,
+            "--loopkv-weights",
+            sys_.weights,
+            "--max-total-tokens",
+            str(pool),
+            "--enable-metrics",
+            *tiers,
+        ]
         srv = ServerProcess(args, log_path=log)
     turns, stored, t0 = [], {}, time.perf_counter()
     try:
@@ -265,6 +288,7 @@ def summarize(results: dict, systems: list[System], history_total: int) -> dict:
             "score_ratio_vs_dense": {g: (score[g] / dscore[g] if dscore[g] else None) for g in groups},
             "same_answer_as_dense": mean(x["answer"] == dense[(x["conv"], x["turn"])]["answer"] for x in rows),
             "ttft_median_s": median([x["ttft_s"] for x in rows]),
+            "turn_median_s": median([x["total_s"] for x in rows]),
             "tpot_median_s": median([x["tpot_s"] for x in rows if x["tpot_s"]])
             if any(x["tpot_s"] for x in rows)
             else None,
@@ -279,12 +303,41 @@ def summarize(results: dict, systems: list[System], history_total: int) -> dict:
     return per
 
 
+def gguf_vs_float32(per: dict) -> dict:
+    """The plain start's path against the float32 one: its score per question position over dense's (the
+    float32 row of the same defaults) and the worst of them, and its whole-turn and first-token times."""
+    if "gguf" not in per:
+        return {}
+    g, d = per["gguf"], per["dense"]
+    by_pos = {q: g["score_ratio_vs_dense"][q] for q in conv.POSITIONS}
+    return {
+        "gguf_score_ratio_vs_fp32": by_pos,
+        "gguf_score_ratio_vs_fp32_min": min((v for v in by_pos.values() if v is not None), default=None),
+        "fp32_over_gguf_turn": d["turn_median_s"] / g["turn_median_s"],
+        "fp32_over_gguf_ttft": d["ttft_median_s"] / g["ttft_median_s"],
+    }
+
+
+def gguf_line(sm: dict) -> str:
+    if "gguf_score_ratio_vs_fp32" not in sm:
+        return ""
+    r = sm["gguf_score_ratio_vs_fp32"]
+    each = ", ".join(f"q@{q} {'-' if v is None else f'{v:.3f}'}" for q, v in r.items())
+    worst = sm["gguf_score_ratio_vs_fp32_min"]
+    return (
+        f"GGUF path (`gguf`, a plain start) against the float32 path (`dense`): score per question position {each} "
+        f"(worst {'-' if worst is None else f'{worst:.3f}'}x; target >= 0.99x); whole turn "
+        f"{sm['fp32_over_gguf_turn']:.2f}x and TTFT {sm['fp32_over_gguf_ttft']:.2f}x faster (medians).\n\n"
+    )
+
+
 def report_md(payload: dict) -> str:
     sm, per = payload["summary"], payload["summary"]["per_system"]
     pct = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
     rows = []
     for name in sm["systems"]:
         p = per[name]
+        turn_s = median(x["total_s"] for x in payload["results"][name]["turns"])
         c = p["cached_tokens"]
         cached = "/".join(str(c.get(k, 0)) for k in ("device", "host", "storage")) if "device" in c else "-"
         rows.append(
@@ -298,6 +351,7 @@ def report_md(payload: dict) -> str:
                 p["ttft_median_s"],
                 p["ttft_ratio_vs_stock"],
                 "-" if p["tpot_median_s"] is None else round(1000 * p["tpot_median_s"], 1),
+                round(turn_s, 2),
                 cached,
                 "-" if p["stored_bytes_per_token"] is None else round(p["stored_bytes_per_token"]),
             ]
@@ -322,6 +376,7 @@ def report_md(payload: dict) -> str:
             "TTFT median s",
             "TTFT stock / system x",
             "TPOT median ms",
+            "turn median s (request to last token)",
             "cached tokens device/host/disk",
             "stored bytes/token",
         ],
@@ -338,6 +393,7 @@ def report_md(payload: dict) -> str:
         + t2
         + f"\nDense sgl-loopkv answers identical to stock SGLang (greedy, every turn): "
         f"**{sm['dense_identical_to_stock']}**. llama.cpp: {payload['config']['llamacpp_version'] or 'not run'}.\n\n"
+        + gguf_line(sm)
         + whats
         + "".join(f"\n- `{n}` failed: {e}" for n, e in sm.get("failed", {}).items())
         + "\n"
@@ -430,6 +486,8 @@ def run(args, env: dict) -> dict:
         "score_ratio_vs_dense": {n: p["score_ratio_vs_dense"] for n, p in per.items()},
         "ttft_median_s": {n: p["ttft_median_s"] for n, p in per.items()},
         "tpot_median_s": {n: p["tpot_median_s"] for n, p in per.items()},
+        "turn_median_s": {n: p["turn_median_s"] for n, p in per.items()},
+        **gguf_vs_float32(per),
         "dense_identical_to_stock": dense_ans == [x["answer"] for x in results["stock"]["turns"]],
         "failed": failed,
         "per_system": per,
