@@ -44,8 +44,9 @@ table shows what bf16 costs there. The headline dtype (pressure scenario, the su
 ratio) is the launcher's default, float32 (bf16 is opt-in: ``platform.default_cpu_dtype``).
 
 GGUF system (issue 53): ``loopkv-gguf`` serves the default model's GGUF file itself (``--model-path``),
-float32 activations and KV; its limit row reads the file's bytes once a step, its fidelity is scored
-against loopkv-fp32 at the contexts from 2K up, and :mod:`benchmarks.decode_gguf` adds the step breakdown
+float32 activations over a bfloat16 KV pool; its limit row reads the file's bytes once a step, its
+fidelity is scored against loopkv-fp32 at the contexts from 2K up, ``--fid-contexts`` contexts per length
+(default 3: the grid's and two of their own, each 128 teacher-forced positions, pooled per length), and :mod:`benchmarks.decode_gguf` adds the step breakdown
 at the context nearest 4K and each server's memory after warm-up. The summary's ``gguf_*`` keys and the
 ratios beside them are the issue's targets (llama.cpp's prefill = its first token on a cold prompt).
 
@@ -67,6 +68,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -100,6 +102,7 @@ SYSTEMS = {
     "loopkv-gguf-torchops": ("sglang", "float32", ()),
     "loopkv-gguf-fp32prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "float32")),
     "loopkv-gguf-bf16prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "bfloat16")),
+    "loopkv-gguf-torchattn": ("sglang", "float32", ()),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
     "hf-fp32": ("hf", "float32", ()),
@@ -120,6 +123,7 @@ SYSTEMS = {
 #: Environment of a system's server beyond its flags (kernel and code-path switches are variables).
 SYSTEM_ENV = {
     "loopkv-gguf-torchops": {"LOOPKV_NATIVE_LAYER_OPS": "0"},
+    "loopkv-gguf-torchattn": {"LOOPKV_NATIVE_PREFILL_ATTENTION": "0"},
     "loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"},
     "loopkv-fp32-exact": {"LOOPKV_EXACT_LINEAR": "1"},
     "loopkv-bf16-exact": {"LOOPKV_EXACT_LINEAR": "1"},
@@ -144,6 +148,8 @@ WHAT = {
     "float32 (the launcher's default; in the `decode_gguf_prefill` runs the default was `auto`: bfloat16 on AMX)",
     "loopkv-gguf-bf16prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype bfloat16`: the prefill's linear layers on "
     "bfloat16 operands with float32 sums (oneDNN)",
+    "loopkv-gguf-torchattn": "`loopkv-gguf` with a prefill's attention through torch's float32 flash kernel over the "
+    "widened bfloat16 keys (`LOOPKV_NATIVE_PREFILL_ATTENTION=0`) instead of the split-bfloat16 kernel",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
     "decode-step hooks (split/gemv linears, lean forward) too",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
@@ -162,6 +168,8 @@ GGUF_SYSTEMS = (
     "loopkv-gguf-q8",
     "loopkv-gguf-torchops",
     "loopkv-gguf-fp32prefill",
+    "loopkv-gguf-bf16prefill",
+    "loopkv-gguf-torchattn",
 )
 #: systems scored against loopkv-fp32's tokens and logprobs (fidelity)
 SCORED = ("loopkv-bf16", *GGUF_SYSTEMS)
@@ -392,6 +400,8 @@ def run_sglang(
             if fid is not None and L in fid["contexts"].get(name, ()):
                 bar.set_postfix_str(f"{name} fidelity {L}")
                 fidelity_step(srv.url, name, L, ctx_ids[L][0], fid)
+                for i, ids in enumerate(fid.get("extra_ids", {}).get(L, ()), 1):  # more contexts of this length
+                    fidelity_step(srv.url, name, f"{L}#{i}", ids, fid)
     finally:
         srv.stop()
     return out
@@ -747,18 +757,18 @@ def near(contexts: list[int], target: int) -> int:
 
 
 def gguf_fidelity(fid: dict, name: str) -> tuple[dict, dict]:
-    """Per context, the worse of a GGUF system's two measurements: teacher-forced agreement (the
-    prefill path's one long extend and the decode-step path's short extends) and KL (the first token's
-    and the largest over the decode-step positions)."""
-    tfs, kls = {}, {}
-    for L, v in fid.items():
-        sc = scores(v, name)
-        tf = [sc[k] for k in ("teacher_forced_agreement", "step_teacher_forced_agreement") if k in sc]
-        kl = [sc[k] for k in ("first_token_kl", "step_kl_max") if k in sc]
-        if tf:
-            tfs[L] = min(tf)
-        if kl:
-            kls[L] = max(kl)
+    """Per context length, the worse of a GGUF system's two measurements: teacher-forced agreement (the
+    prefill path's one long extend and the decode-step path's short extends, each pooled over the
+    length's contexts: keys ``L`` and ``L#i``) and KL (the largest first-token and decode-step KL)."""
+    tf_by, kl_by = defaultdict(lambda: defaultdict(list)), defaultdict(list)
+    for key, v in fid.items():
+        sc, L = scores(v, name), str(key).split("#")[0]
+        for k in ("teacher_forced_agreement", "step_teacher_forced_agreement"):
+            if k in sc:
+                tf_by[L][k].append(sc[k])
+        kl_by[L] += [sc[k] for k in ("first_token_kl", "step_kl_max") if k in sc]
+    tfs = {L: min(statistics.fmean(xs) for xs in by.values()) for L, by in tf_by.items() if by}
+    kls = {L: max(xs) for L, xs in kl_by.items() if xs}
     return tfs, kls
 
 
@@ -986,6 +996,11 @@ def report_md(p: dict) -> str:
             )  # fmt: skip
             + "\n"
         )
+        if any("#" in str(L) for L in fid):
+            md += (
+                "Contexts `L#i` are further contexts of length L. The GGUF figures below pool a length's contexts: "
+                "per length the mean agreement of each path over its contexts, the worse path's; KL the largest.\n\n"
+            )
     md += gguf_md(p)
     mtd = p.get("multiturn_dtypes")
     if mtd:
@@ -1226,7 +1241,12 @@ def run(args, env: dict) -> dict:
     fid = None
     if "fidelity" in args.parts and "loopkv-fp32" in names and fid_ctx and "grid" in args.parts:
         fid_ctx["loopkv-fp32"] = sorted({L for cs in fid_ctx.values() for L in cs})
-        fid = {"contexts": fid_ctx, "by_context": {}, "tok": tok}
+        # contexts scored per length: the grid's, then ones of their own (one near-tie flip in 128
+        # positions moves a single context's agreement by 0.008; the bar is 0.99)
+        extra = {
+            L: [synthetic_ids(tok, L, seed=7000 + 100 * i + L) for i in range(1, args.fid_contexts)] for L in contexts
+        }
+        fid = {"contexts": fid_ctx, "by_context": {}, "tok": tok, "extra_ids": extra}
     convs = pressure_convs(tok, pc["convs"], pc["turns"], pc["per_turn"]) if "pressure" in args.parts else []
 
     # progress units: per SGLang system one per context prefill + one per cell; HF/llama.cpp one per context
@@ -1314,6 +1334,7 @@ def run(args, env: dict) -> dict:
         }
     if fid:
         fid.pop("tok")
+        fid.pop("extra_ids", None)
         for v in fid["by_context"].values():
             v.pop("ref_ids", None)
             v["ref_logprobs"] = {str(k): lp for k, lp in (v.get("ref_logprobs") or {}).items()}
@@ -1372,6 +1393,12 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+")
     ap.add_argument("--gen", type=int, help="generated tokens per request (default 64, quick 32)")
     ap.add_argument("--repeats", type=int, default=2, help="timed batches per grid cell")
+    ap.add_argument(
+        "--fid-contexts",
+        type=int,
+        default=3,
+        help="contexts per length in the fidelity part, each scored on 128 teacher-forced positions (default 3)",
+    )
     ap.add_argument("--pressure-convs", type=int)
     ap.add_argument("--pressure-turns", type=int)
     ap.add_argument(

@@ -29,9 +29,9 @@ from tqdm import tqdm
 from benchmarks import conversations as conv
 from benchmarks.common import chat_turn, cpu_pool_dtype, model_facts, tier_bytes
 from benchmarks.harness import cli
-from benchmarks.harness.env import load1
+from benchmarks.harness.env import finish, load1
 from benchmarks.harness.plot import figure
-from benchmarks.harness.results import RESULTS, md_table
+from benchmarks.harness.results import RESULTS, load, md_table
 from benchmarks.harness.stats import mean, median
 from sgl_loopkv.config import LoopKVConfig
 from sgl_loopkv.models import DEFAULT_MODEL_NAME, ensure_default_model
@@ -187,8 +187,11 @@ class LlamaCppServer:
             str(llamacpp_python()), "-c", _LLAMACPP_MAIN, "--model", str(default_model_gguf()),
             "--model_alias", DEFAULT_MODEL_NAME, "--n_ctx", str(self.n_ctx), "--n_threads", threads,
             "--n_threads_batch", threads, "--seed", "0", "--verbose", "true",
-            # its prompt cache: the KV state of earlier prompts in RAM, reused for a longest prefix
-            "--cache", "true", "--cache_type", "ram", "--cache_size", str(2 << 30),
+            # its prompt cache: the KV state of earlier prompts in RAM, reused for a longest prefix. 1 GB:
+            # llama-cpp-python counts an entry's llama state against it, but each entry also keeps a copy
+            # of its prompt's logits (tokens x 49152 floats, 1.6 GB at 8K): at 2 GB a full run's entries
+            # grew the server to 24 GB and the OOM killer. The quick run's five histories still all fit.
+            "--cache", "true", "--cache_type", "ram", "--cache_size", str(1 << 30),
             "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
         t0 = time.perf_counter()
@@ -364,6 +367,12 @@ def report_md(payload: dict) -> str:
         f"{load1(env['loadavg_end']):.1f}"
         + (f"; {env['wall_s'] / 60:.1f} min wall for {len(sm['systems'])} systems" if "wall_s" in env else "")
         + ")\n\n"
+        + "".join(
+            f"Added by a later run (`--add`): {', '.join(f'`{n}`' for n in a['systems'])} ({a['when']}, commit "
+            f"{(a.get('git') or {}).get('commit', '?')[:10]}; load avg {load1(a['loadavg_start']):.1f} -> "
+            f"{load1(a['loadavg_end']):.1f}; {a.get('wall_s', 0) / 60:.1f} min).\n\n"
+            for a in env.get("added", [])
+        )
     )
     t1 = md_table(
         [
@@ -431,13 +440,21 @@ def plot(payload: dict, path: Path) -> None:
 
 
 def run(args, env: dict) -> dict:
+    prev = load(args.out) if args.add else None  # --add: the stored run's conversations, its systems kept
+    if prev is not None:
+        if not args.systems:
+            raise SystemExit("--add runs the systems named by --systems")
+        args.quick, args.seed = prev["config"]["mode"] == "quick", prev["config"]["seed"]
+        args.convs_per_task = prev["config"]["convs_per_task"]
     quick = args.quick
     lengths = [1024, 2048, 3072] if quick else [1024, 2048, 4096, 8192]
     n_per_task = args.convs_per_task or (1 if quick else 4)
     turn_range = (2, 3) if quick else (2, 5)
 
     systems = [s for s in SYSTEMS if s.available and (s.quick or not quick)]
-    if args.systems:
+    if prev is not None:
+        systems = [s for s in SYSTEMS if s.available and s.name in args.systems]
+    elif args.systems:
         systems = [s for s in systems if s.name in {*args.systems, "stock", "dense"}]
     want_llama = any(s.kind == "llamacpp" for s in systems) and (args.with_llamacpp or not quick)
     if want_llama and llamacpp_version() is None:
@@ -477,6 +494,12 @@ def run(args, env: dict) -> dict:
                     raise
                 failed[s.name] = repr(e)
                 print(f"[multiturn] {s.name} failed: {e!r}")
+    if prev is not None:  # merged into the stored run, rows in the matrix's order
+        results = {**prev["results"], **results}
+        failed = {k: v for k, v in {**prev["summary"].get("failed", {}), **failed}.items() if k not in results}
+        prev["env"].setdefault("added", []).append({"systems": [s.name for s in systems], **finish(env)})
+        env = prev["env"]
+        systems = [s for s in SYSTEMS if s.name in results]
     systems = [s for s in systems if s.name in results]
 
     per = summarize(results, systems, history_total)
@@ -493,6 +516,7 @@ def run(args, env: dict) -> dict:
         "per_system": per,
     }
     return {
+        **({"env": env} if prev is not None else {}),
         "summary": summary,
         "config": {
             "mode": "quick" if quick else "full",
@@ -523,6 +547,12 @@ def main() -> None:
     ap.add_argument("--systems", nargs="+", help="run only these systems (stock and dense are always run)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--convs-per-task", type=int)
+    ap.add_argument(
+        "--add",
+        action="store_true",
+        help="run only --systems on the stored <out>.json's conversations and merge them in (a system that "
+        "failed or is new; the added run's time and load are recorded beside the first run's)",
+    )
     cli.main(BENCH, ap)
 
 

@@ -6,6 +6,7 @@ The torch executor here is the CPU path (and the correctness reference for every
 
 from __future__ import annotations
 
+import functools
 import math
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -51,6 +52,8 @@ def dense_attention(
     O(L^2) (SGLang's torch_native pads q to L rows and runs a full causal square instead).
     """
     n, L = q.shape[0], k.shape[0]
+    if causal and n >= PREFILL_NATIVE_MIN_ROWS and split_bf16_applies(q, k) and (mod := prefill_kernel()) is not None:
+        return mod.flash_split(q if q.stride(-1) == 1 else q.contiguous(), k, v, scale)
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
     if kh.dtype != qh.dtype:
         kh, vh = kh.to(qh.dtype), vh.to(qh.dtype)
@@ -74,6 +77,46 @@ def dense_attention(
         enable_gqa=qh.shape[0] != kh.shape[0],
     )
     return o[0].transpose(0, 1)
+
+
+#: New rows from which a causal extend of float32 queries over bfloat16 keys takes the split-bfloat16
+#: kernel (:func:`prefill_kernel`); fewer rows are a decode step's or a short turn's, whose own paths
+#: stay float32. The kernel's fixed cost (packing the keys) is paid once per call for all its rows.
+PREFILL_NATIVE_MIN_ROWS = 64
+
+
+def split_bf16_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether :func:`prefill_kernel`'s operands fit: a float32 model over a bfloat16 pool on CPU
+    (the GGUF path's), head dim a multiple of 64, each row's last dim contiguous."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and k.dtype == torch.bfloat16
+        and q.shape[-1] % 64 == 0
+        and k.stride(-1) == 1
+    )
+
+
+@functools.cache
+def prefill_kernel():
+    """``kernels/prefill_attention.cpp`` (float32 queries split in two bfloat16 parts, so AMX runs
+    the products at close to float32 accuracy) where the CPU has AMX-BF16, read at run time; else
+    None and torch's float32 flash kernel runs over the widened keys. Without AMX oneDNN's bfloat16
+    GEMMs are emulated or AVX512-BF16 dot products, not measured to beat float32 here.
+    ``LOOPKV_NATIVE_PREFILL_ATTENTION=0`` turns it off. Decided at the first such extend of the process
+    (``loopkv_prefill_attention`` on ``/metrics``)."""
+    from sgl_loopkv.kernels import prefill_attention
+    from sgl_loopkv.models.metrics import set_gauge
+    from sgl_loopkv.platform import cpu_flags
+
+    mod = prefill_attention.load() if "amx_bf16" in cpu_flags() else None
+    mod = mod if mod is not None and mod.available() else None
+    set_gauge(
+        "loopkv_prefill_attention",
+        "1: long extends over a bfloat16 pool run the split-bfloat16 kernel",
+        int(mod is not None),
+    )
+    return mod
 
 
 #: torch's CPU flash-attention op, which also returns each row's log-sum-exp (a torch private: when

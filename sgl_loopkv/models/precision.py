@@ -4,9 +4,12 @@ A prefill or long extend (``MIN_ROWS`` new rows or more) is compute-bound: its l
 dequantized weights. With AMX-BF16, oneDNN's batch-reduce GEMM multiplies bfloat16 operands several times
 faster than float32 ones. In bfloat16 mode x and the weight are rounded to bfloat16 once each, the products
 are summed in float32 and the float32 sums are the result (``gemm_bf16`` in ``kernels/gguf_linear.cpp``).
-Attention stays float32: with its queries rounded to bfloat16 too, the prefill path's teacher-forced agreement
-with the float32 model fell below the fidelity bar (docs/decisions/2026-12-06-bf16-prefill-gemms.md). Decode
-steps and short extends never change: they stay float32, so a decode is the dequantized model's arithmetic.
+Attention is not this setting's: with its queries rounded to bfloat16 the prefill path's teacher-forced
+agreement with the float32 model fell below the fidelity bar (docs/decisions/2026-12-06-bf16-prefill-gemms.md);
+over the GGUF path's bfloat16 pool, on AMX, a long extend's attention splits each float32 query and softmax
+weight in two bfloat16 parts instead, at close to float32 accuracy, in either mode
+(:func:`sgl_loopkv.attention.executor.prefill_kernel`). Decode steps and short extends never change: they
+stay float32, so a decode is the dequantized model's arithmetic.
 
 ``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only) is ``float32`` by default:
 in bfloat16 the prefill path's teacher-forced agreement with the float32 model fell below the fidelity bar

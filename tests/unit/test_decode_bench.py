@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.decode import limit_tpot_ms, model_facts, percentile, token_intervals
+from benchmarks.decode import gguf_fidelity, limit_tpot_ms, model_facts, percentile, token_intervals
 
 
 def test_percentile_matches_numpy():
@@ -51,3 +51,24 @@ def test_limit_counts_tied_embeddings_once(tmp_path, tie):
     expect = (f["params"] * 2 + 3 * kv * 2 * 104) / bw * 1000
     assert limit_tpot_ms(f, "bfloat16", 100, 3, 8, bw) == pytest.approx(expect)
     assert limit_tpot_ms(f, "float32", 100, 3, 8, bw) == pytest.approx(2 * expect)
+
+
+def test_gguf_fidelity_pools_a_lengths_contexts():
+    """Per length: each path's agreement averaged over the length's contexts (``L``, ``L#i``), the worse
+    path's kept; KL the largest; one context per length (older results) reads as before."""
+
+    def slot(tf, step, kl):
+        sc = {"teacher_forced_agreement": tf, "step_teacher_forced_agreement": step, "first_token_kl": kl}
+        return {"scores": {"loopkv-gguf": {**sc, "step_kl_max": kl / 2}}}
+
+    fid = {
+        "2048": slot(0.984, 1.0, 0.001),
+        "2048#1": slot(1.0, 0.992, 0.003),
+        "2048#2": slot(1.0, 1.0, 0.002),
+        "8000": slot(0.992, 1.0, 0.0005),
+    }
+    tfs, kls = gguf_fidelity(fid, "loopkv-gguf")
+    assert tfs["2048"] == pytest.approx(min((0.984 + 1 + 1) / 3, (1 + 0.992 + 1) / 3))
+    assert tfs["8000"] == pytest.approx(0.992)
+    assert kls == {"2048": 0.003, "8000": 0.0005}
+    assert gguf_fidelity(fid, "loopkv-gguf-q8") == ({}, {})
