@@ -110,6 +110,13 @@ SYSTEMS = [
     System("all-a0.8", (*SPARSE, *KRUL, "--loopkv-prefill-alpha", "0.8"), "all, alpha 0.8", budget=0.8, quick=False),
     # the plain start's path (GGUF blocks), with the mechanisms that are off by default added back
     System("gguf", (), "sgl-loopkv defaults on the GGUF file (a plain start)", weights="gguf"),
+    System(
+        "gguf-bf16prefill",
+        ("--loopkv-prefill-dtype", "bfloat16"),
+        "gguf with the prefill's GEMMs and attention on bfloat16 units (float32 sums; the plain start's on AMX)",
+        weights="gguf",
+        quick=False,
+    ),
     System("gguf-int8", INT8, "gguf + int8 tiers", weights="gguf", quick=False),
     System(
         "gguf-sparse", SPARSE, "gguf + LoopServe sparse prefill (alpha 0.95)", weights="gguf", budget=0.95, quick=False
@@ -307,31 +314,40 @@ def summarize(results: dict, systems: list[System], history_total: int) -> dict:
 
 
 def gguf_vs_float32(per: dict) -> dict:
-    """The plain start's path against the float32 one: its score per question position over dense's (the
-    float32 row of the same defaults) and the worst of them, and its whole-turn and first-token times."""
-    if "gguf" not in per:
-        return {}
-    g, d = per["gguf"], per["dense"]
-    by_pos = {q: g["score_ratio_vs_dense"][q] for q in conv.POSITIONS}
-    return {
-        "gguf_score_ratio_vs_fp32": by_pos,
-        "gguf_score_ratio_vs_fp32_min": min((v for v in by_pos.values() if v is not None), default=None),
-        "fp32_over_gguf_turn": d["turn_median_s"] / g["turn_median_s"],
-        "fp32_over_gguf_ttft": d["ttft_median_s"] / g["ttft_median_s"],
-    }
+    """The GGUF path's rows against the float32 one: each row's score per question position over dense's
+    (the float32 row of the same defaults) and the worst of them, and its whole-turn and first-token
+    times. Keys ``gguf_*`` for the plain start's row, ``gguf_bf16prefill_*`` for bfloat16 prefills."""
+    out, d = {}, per["dense"]
+    for row in ("gguf", "gguf-bf16prefill"):
+        if row not in per:
+            continue
+        g, key = per[row], row.replace("-", "_")
+        by_pos = {q: g["score_ratio_vs_dense"][q] for q in conv.POSITIONS}
+        out |= {
+            f"{key}_score_ratio_vs_fp32": by_pos,
+            f"{key}_score_ratio_vs_fp32_min": min((v for v in by_pos.values() if v is not None), default=None),
+            f"fp32_over_{key}_turn": d["turn_median_s"] / g["turn_median_s"],
+            f"fp32_over_{key}_ttft": d["ttft_median_s"] / g["ttft_median_s"],
+        }
+    return out
 
 
 def gguf_line(sm: dict) -> str:
-    if "gguf_score_ratio_vs_fp32" not in sm:
-        return ""
-    r = sm["gguf_score_ratio_vs_fp32"]
-    each = ", ".join(f"q@{q} {'-' if v is None else f'{v:.3f}'}" for q, v in r.items())
-    worst = sm["gguf_score_ratio_vs_fp32_min"]
-    return (
-        f"GGUF path (`gguf`, a plain start) against the float32 path (`dense`): score per question position {each} "
-        f"(worst {'-' if worst is None else f'{worst:.3f}'}x; target >= 0.99x); whole turn "
-        f"{sm['fp32_over_gguf_turn']:.2f}x and TTFT {sm['fp32_over_gguf_ttft']:.2f}x faster (medians).\n\n"
-    )
+    lines = []
+    for row in ("gguf", "gguf-bf16prefill"):
+        key = row.replace("-", "_")
+        if f"{key}_score_ratio_vs_fp32" not in sm:
+            continue
+        each = ", ".join(
+            f"q@{q} {'-' if v is None else f'{v:.3f}'}" for q, v in sm[f"{key}_score_ratio_vs_fp32"].items()
+        )
+        worst = sm[f"{key}_score_ratio_vs_fp32_min"]
+        lines.append(
+            f"GGUF path (`{row}`) against the float32 path (`dense`): score per question position {each} "
+            f"(worst {'-' if worst is None else f'{worst:.3f}'}x; target >= 0.99x); whole turn "
+            f"{sm[f'fp32_over_{key}_turn']:.2f}x and TTFT {sm[f'fp32_over_{key}_ttft']:.2f}x faster (medians).\n\n"
+        )
+    return "".join(lines)
 
 
 def report_md(payload: dict) -> str:

@@ -174,13 +174,14 @@ class LoopKVConfig:
         },
     )
     prefill_dtype: str = field(
-        default="float32",
+        default="auto",
         metadata={
-            "help": "The linear layers of a prefill or long extend (17 new rows or more) on GGUF weights: "
-            "'float32' (default): the dequantized model's arithmetic; 'bfloat16': x and the weights rounded to "
-            "bfloat16, float32 sums (oneDNN: faster prefills with AMX-BF16, slower without it; the prefill "
-            "path's agreement with the float32 model fell below the fidelity bar, docs/models.md); "
-            "'auto': bfloat16 on a CPU with AMX-BF16, float32 elsewhere. Attention, decode steps and short "
+            "help": "The matrix arithmetic of a prefill or long extend on GGUF weights: 'bfloat16': its linear "
+            "layers (17 new rows or more) on x and weights rounded to bfloat16 with float32 sums, its attention "
+            "(64 rows or more) over the bfloat16 KV pool with float32 queries and softmax weights split in two "
+            "bfloat16 parts each (oneDNN: faster with AMX-BF16, slower without it; within the fidelity bar "
+            "against the float32 model, docs/models.md); 'float32': the dequantized model's arithmetic; "
+            "'auto' (default): bfloat16 on a CPU with AMX-BF16, float32 elsewhere. Decode steps and short "
             "extends are float32 either way; the float32 path ignores this flag.",
             "choices": ["auto", "float32", "bfloat16"],
         },

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_loopkv.attention.plan import AttentionPlan
+from sgl_loopkv.models import precision
 from sgl_loopkv.registry import Registry
 
 
@@ -86,14 +87,16 @@ PREFILL_NATIVE_MIN_ROWS = 64
 
 
 def split_bf16_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether :func:`prefill_kernel`'s operands fit: a float32 model over a bfloat16 pool on CPU
-    (the GGUF path's), head dim a multiple of 64, each row's last dim contiguous."""
+    """Whether :func:`prefill_kernel` runs this extend: a float32 model over a bfloat16 pool on CPU (the
+    GGUF path's), head dim a multiple of 64, each row's last dim contiguous, in a process whose prefills
+    run on bfloat16 units (``--loopkv-prefill-dtype``, :mod:`sgl_loopkv.models.precision`)."""
     return (
         q.device.type == "cpu"
         and q.dtype == torch.float32
         and k.dtype == torch.bfloat16
         and q.shape[-1] % 64 == 0
         and k.stride(-1) == 1
+        and precision.prefill_bf16()
     )
 
 

@@ -1,20 +1,21 @@
-"""The arithmetic of a prefill's linear layers on GGUF weights: float32, or bfloat16 operands with float32 sums.
+"""The arithmetic of a prefill on GGUF weights: float32, or bfloat16 matrix units with float32 sums.
 
-A prefill or long extend (``MIN_ROWS`` new rows or more) is compute-bound: its linear layers are GEMMs on
-dequantized weights. With AMX-BF16, oneDNN's batch-reduce GEMM multiplies bfloat16 operands several times
-faster than float32 ones. In bfloat16 mode x and the weight are rounded to bfloat16 once each, the products
-are summed in float32 and the float32 sums are the result (``gemm_bf16`` in ``kernels/gguf_linear.cpp``).
-Attention is not this setting's: with its queries rounded to bfloat16 the prefill path's teacher-forced
-agreement with the float32 model fell below the fidelity bar (docs/decisions/2026-12-06-bf16-prefill-gemms.md);
-over the GGUF path's bfloat16 pool, on AMX, a long extend's attention splits each float32 query and softmax
-weight in two bfloat16 parts instead, at close to float32 accuracy, in either mode
-(:func:`sgl_loopkv.attention.executor.prefill_kernel`). Decode steps and short extends never change: they
-stay float32, so a decode is the dequantized model's arithmetic.
+A prefill or long extend is compute-bound: its linear layers are GEMMs on dequantized weights and its
+attention two GEMMs per key tile. With AMX-BF16, oneDNN's batch-reduce GEMM multiplies bfloat16 operands
+several times faster than float32 ones. In bfloat16 mode:
 
-``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only) is ``float32`` by default:
-in bfloat16 the prefill path's teacher-forced agreement with the float32 model fell below the fidelity bar
-(the decision page). ``auto`` is bfloat16 where the CPU reports ``amx_bf16`` (read at run time) and float32
-elsewhere, where bfloat16 is emulated or only AVX512-BF16's dot products and not measured to pay.
+- linear layers (``MIN_ROWS`` new rows or more): x and the weight are rounded to bfloat16 once each, the
+  products summed in float32 and the float32 sums are the result (``gemm_bf16`` in ``kernels/gguf_linear.cpp``);
+- attention (64 rows or more, over the GGUF path's bfloat16 pool): the queries and softmax weights are never
+  rounded to bfloat16, which cost the prefill path its fidelity bar, but split in two bfloat16 parts each, at
+  close to float32 accuracy (:func:`sgl_loopkv.attention.executor.prefill_kernel`).
+
+Decode steps and short extends never change: they stay float32, so a decode is the dequantized model's
+arithmetic. ``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only) is ``auto`` by
+default: bfloat16 where the CPU reports ``amx_bf16`` (read at run time), float32 elsewhere, where bfloat16 is
+emulated or only AVX512-BF16's dot products and not measured to pay. Against the float32 model the bfloat16
+prefill path is within the fidelity bar over three contexts per length
+(docs/decisions/2026-12-06-split-bf16-prefill-attention.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 keys and values within a few hundredths of a percent of a float64 softmax over the same keys, for
 causal extends of any length over any prefix (GQA, head dims 64 and 128, strided pool views), a row's
 result independent of the thread count, bad operands refused with a message, and ``dense_attention``
-taking it only where it applies (the float32 path's attention stays torch's)."""
+taking it only where it applies: bfloat16 prefills (``--loopkv-prefill-dtype``) over a bfloat16 pool (the
+float32 path's attention, and float32 mode's, stay torch's)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from sgl_loopkv.attention import executor
 from sgl_loopkv.kernels import prefill_attention
+from sgl_loopkv.models import precision
 
 #: Bound on |ours - float64| over max |v|: the split keeps 16 of float32's 24 mantissa bits of q and of
 #: the softmax weights (relative error <= 2^-17 each), here with scores of standard deviation ~4.
@@ -107,15 +109,23 @@ def test_bad_operands_refused(mod, change, message):
         mod.flash_split(q, k, v, 0.125)
 
 
-def test_dense_attention_routes_only_a_bf16_pools_prefill():
+def test_dense_attention_routes_only_a_bf16_pools_prefill_in_bfloat16_mode(monkeypatch):
     mod = executor.prefill_kernel()
     if mod is None:
         pytest.skip("no AMX-BF16 or no kernel here: dense_attention keeps torch's flash kernel")
+    monkeypatch.delenv(precision.ENV, raising=False)
     q, k, v = operands(128, 200, 9, 3, 64, seed=3)
-    assert torch.equal(executor.dense_attention(q, k, v, 0.125), mod.flash_split(q, k, v, 0.125))
-    # a float32 pool (the float32 path, stock SGLang's arithmetic) and a short extend keep torch's kernel
     kf, vf = k.float(), v.float()
-    torch_f32 = executor.dense_attention(q, kf, vf, 0.125)
-    assert not torch.equal(torch_f32, mod.flash_split(q, k, v, 0.125))
-    short = executor.dense_attention(q[:32], k[:200], v[:200], 0.125)
-    assert torch.equal(short, executor.dense_attention(q[:32], kf[:200], vf[:200], 0.125))
+    torch_f32 = executor.dense_attention(q, kf, vf, 0.125)  # a float32 pool: torch's kernel in any mode
+    try:
+        precision.use("float32")
+        assert torch.equal(executor.dense_attention(q, k, v, 0.125), torch_f32)
+        precision.use("bfloat16")
+        assert torch.equal(executor.dense_attention(q, k, v, 0.125), mod.flash_split(q, k, v, 0.125))
+        assert torch.equal(executor.dense_attention(q, kf, vf, 0.125), torch_f32)
+        assert not torch.equal(torch_f32, mod.flash_split(q, k, v, 0.125))
+        # a short extend keeps torch's kernel
+        short = executor.dense_attention(q[:32], k, v, 0.125)
+        assert torch.equal(short, executor.dense_attention(q[:32], kf, vf, 0.125))
+    finally:
+        precision.use("float32")

@@ -3,7 +3,7 @@
 dequantized weight rounded to bfloat16: ``gemm_bf16`` (oneDNN, a weight of a multiple of 64 rows) keeps
 float32 sums and results (within float32 rounding of a float64 product of the rounded operands), other
 weights go through torch's bfloat16 GEMM (within one bfloat16 rounding), the bias added in float32; attention
-stays float32; 16 rows or fewer (decode steps, short extends) keep the
+never rounds its queries to bfloat16; 16 rows or fewer (decode steps, short extends) keep the
 float32 bits whatever the mode."""
 
 from __future__ import annotations
@@ -116,14 +116,25 @@ def test_oneDNN_bf16_gemm_keeps_float32_sums(native, mode):
         native.gemm_bf16(x, weight().blocks, int(T.Q4_1), None)
 
 
-def test_attention_stays_float32_in_bfloat16_mode(mode):
-    """Queries rounded to bfloat16 cost the prefill path its fidelity bar: only the linear layers change."""
+def test_attention_never_rounds_its_queries(mode):
+    """Queries rounded to bfloat16 cost the prefill path its fidelity bar. In float32 mode a long extend over
+    the bfloat16 pool is torch's float32 kernel over the widened keys; in bfloat16 mode, where the CPU has
+    AMX, the split-bfloat16 kernel (queries in two bfloat16 parts: within 2^-12 of float32's result,
+    tests/unit/test_prefill_attention.py), never a bfloat16 query."""
+    from sgl_loopkv.attention import executor
+
     g = torch.Generator().manual_seed(5)
     n, cached = precision.MIN_ROWS + 47, 100
     q = torch.randn(n, 9, 64, generator=g)
     k = torch.randn(cached + n, 3, 64, generator=g).bfloat16()
     v = torch.randn(cached + n, 3, 64, generator=g).bfloat16()
+    widened = dense_attention(q, k.float(), v.float(), 0.125)  # a float32 pool: torch's kernel in any mode
     mode("float32")
-    fp32 = dense_attention(q, k, v, 0.125)
+    assert torch.equal(dense_attention(q, k, v, 0.125), widened)
     mode("bfloat16")
-    assert torch.equal(dense_attention(q, k, v, 0.125), fp32)
+    ours = dense_attention(q, k, v, 0.125)
+    kernel = executor.prefill_kernel()
+    assert torch.equal(ours, widened if kernel is None else kernel.flash_split(q, k, v, 0.125))
+    assert (ours - widened).abs().max() <= 2.0**-12 * v.float().abs().max()
+    rounded = dense_attention(q.bfloat16(), k, v, 0.125).float()
+    assert (ours - widened).abs().max() < (rounded - widened).abs().max() / 8
