@@ -376,12 +376,13 @@ def report_md(payload: dict) -> str:
             ]
         )
     env = payload["env"]
+    n_added = sum(len(a["systems"]) for a in env.get("added", []))  # their run's own wall time is below
     head = (
         f"# multiturn ({env['when']}, {payload['config']['mode']}: {len(payload['conversations'])} conversations, "
         f"{payload['n_turns']} turns, {min(payload['config']['lengths'])}-{max(payload['config']['lengths'])} tokens, "
         f"device pool {payload['config']['pool_tokens']} tokens; load avg {load1(env['loadavg_start']):.1f} -> "
         f"{load1(env['loadavg_end']):.1f}"
-        + (f"; {env['wall_s'] / 60:.1f} min wall for {len(sm['systems'])} systems" if "wall_s" in env else "")
+        + (f"; {env['wall_s'] / 60:.1f} min wall for {len(sm['systems']) - n_added} systems" if "wall_s" in env else "")
         + ")\n\n"
         + "".join(
             f"Added by a later run (`--add`): {', '.join(f'`{n}`' for n in a['systems'])} ({a['when']}, commit "

@@ -50,7 +50,8 @@ def dense_attention(
 
     q: [n, Hq, D]; k, v: [L, Hkv, D] -> [n, Hq, D]. With ``causal`` row ``r`` sees keys
     ``0 .. L - n + r``: only the new rows are computed, the cached prefix costs O(n * L), not
-    O(L^2) (SGLang's torch_native pads q to L rows and runs a full causal square instead).
+    O(L^2) (SGLang's torch_native pads q to L rows and runs a full causal square instead). A bfloat16
+    prefill over a bfloat16 pool on AMX takes :func:`prefill_kernel` (:func:`split_bf16_applies`).
     """
     n, L = q.shape[0], k.shape[0]
     if causal and n >= PREFILL_NATIVE_MIN_ROWS and split_bf16_applies(q, k) and (mod := prefill_kernel()) is not None:
