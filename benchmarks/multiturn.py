@@ -356,7 +356,8 @@ def report_md(payload: dict) -> str:
     rows = []
     for name in sm["systems"]:
         p = per[name]
-        turn_s = median(x["total_s"] for x in payload["results"][name]["turns"])
+        # results stored before the summary kept it: the same median from the turns
+        turn_s = p.get("turn_median_s") or median(x["total_s"] for x in payload["results"][name]["turns"])
         c = p["cached_tokens"]
         cached = "/".join(str(c.get(k, 0)) for k in ("device", "host", "storage")) if "device" in c else "-"
         rows.append(
