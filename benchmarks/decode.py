@@ -144,10 +144,11 @@ WHAT = {
     "(`LOOPKV_NATIVE_LAYER_OPS=0`) instead of the compiled layer ops",
     # --loopkv-stock brings SGLang's radix cache and also drops the decode-step hooks (split/gemv
     # linears, lean forward): its ratio is not the tiered cache's cost alone (a radix-only switch is not built)
-    "loopkv-gguf-fp32prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype float32`: the prefill's linear layers in "
-    "float32 (the launcher's default; in the `decode_gguf_prefill` runs the default was `auto`: bfloat16 on AMX)",
+    "loopkv-gguf-fp32prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype float32`: prefills in float32 (the "
+    "default on a CPU without AMX-BF16, and in the `decode_gguf_prefill*` runs' era the default everywhere)",
     "loopkv-gguf-bf16prefill": "`loopkv-gguf` with `--loopkv-prefill-dtype bfloat16`: the prefill's linear layers on "
-    "bfloat16 operands with float32 sums (oneDNN)",
+    "bfloat16 operands with float32 sums (oneDNN) and, from the split-bfloat16 kernel on, its attention with split "
+    "queries (the default on AMX CPUs since `decode_gguf_attn`)",
     "loopkv-gguf-torchattn": "`loopkv-gguf` with a prefill's attention through torch's float32 flash kernel over the "
     "widened bfloat16 keys (`LOOPKV_NATIVE_PREFILL_ATTENTION=0`) instead of the split-bfloat16 kernel",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
