@@ -103,6 +103,7 @@ SYSTEMS = {
     "loopkv-gguf-fp32prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "float32")),
     "loopkv-gguf-bf16prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "bfloat16")),
     "loopkv-gguf-torchattn": ("sglang", "float32", ()),
+    "loopkv-gguf-noplain": ("sglang", "float32", ()),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
     "hf-fp32": ("hf", "float32", ()),
@@ -124,6 +125,7 @@ SYSTEMS = {
 SYSTEM_ENV = {
     "loopkv-gguf-torchops": {"LOOPKV_NATIVE_LAYER_OPS": "0"},
     "loopkv-gguf-torchattn": {"LOOPKV_NATIVE_PREFILL_ATTENTION": "0"},
+    "loopkv-gguf-noplain": {"LOOPKV_PLAIN_DECODE": "0"},
     "loopkv-fp32-nolean": {"LOOPKV_LEAN_FORWARD": "0"},
     "loopkv-fp32-exact": {"LOOPKV_EXACT_LINEAR": "1"},
     "loopkv-bf16-exact": {"LOOPKV_EXACT_LINEAR": "1"},
@@ -151,6 +153,8 @@ WHAT = {
     "queries (the default on AMX CPUs since `decode_gguf_attn`)",
     "loopkv-gguf-torchattn": "`loopkv-gguf` with a prefill's attention through torch's float32 flash kernel over the "
     "widened bfloat16 keys (`LOOPKV_NATIVE_PREFILL_ATTENTION=0`) instead of the split-bfloat16 kernel",
+    "loopkv-gguf-noplain": "`loopkv-gguf` with every decode layer through SGLang's `RadixAttention` and the "
+    "backend's dispatch and `set_kv_buffer` (`LOOPKV_PLAIN_DECODE=0`) instead of the two-call plain decode layer",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
     "decode-step hooks (split/gemv linears, lean forward) too",
     "loopkv-fp32-krul": "sgl-loopkv defaults + `--loopkv-share-layers minicache` (Krul's estimator on every forward)",
@@ -171,6 +175,7 @@ GGUF_SYSTEMS = (
     "loopkv-gguf-fp32prefill",
     "loopkv-gguf-bf16prefill",
     "loopkv-gguf-torchattn",
+    "loopkv-gguf-noplain",
 )
 #: systems scored against loopkv-fp32's tokens and logprobs (fidelity)
 SCORED = ("loopkv-bf16", *GGUF_SYSTEMS)

@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
@@ -515,8 +516,60 @@ inline float hsum16x2(__m512 z0, __m512 z1) {  // (a0 + a1) + (a2 + a3), then hs
   return hsum8(_mm256_add_ps(a01, a23));
 }
 
+// Q4_0 / Q4_1 rows: every block's scale (and min) converted from half precision in one pass before the
+// products, so the loop over blocks builds each lookup table from two broadcast loads. The conversions
+// and the table are the same operations as decode512's (the same bits); converted in the loop they took
+// about a third of its vector instructions, and a one-row product is bound by those, not by memory.
+constexpr int64_t SCALE_RUN = 128;  // blocks converted per pass (stack arrays)
+
+template <class Q>
+constexpr bool lut_scales = std::is_same_v<Q, Q4_0> || std::is_same_v<Q, Q4_1>;
+
+template <class Q>
+inline void block_scales(const uint8_t* row, int64_t c0, int64_t n, float* d, float* m) {
+  int64_t b = 0;
+  for (; b + 16 <= n; b += 16) {  // 16 blocks' leading halves, gathered as 32-bit words
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(int(Q::BYTES)));
+    const uint8_t* base = row + (c0 + b) * Q::BYTES;
+    // Q4_0 blocks are 18 bytes: a 32-bit word from the block start holds d and the first quant byte
+    const __m512i v = _mm512_i32gather_epi32(idx, base, 1);
+    _mm512_storeu_ps(d + b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)));
+    if constexpr (std::is_same_v<Q, Q4_1>) _mm512_storeu_ps(m + b, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))));
+  }
+  for (; b < n; ++b) {
+    d[b] = f16(row + (c0 + b) * Q::BYTES);
+    if constexpr (std::is_same_v<Q, Q4_1>) m[b] = f16(row + (c0 + b) * Q::BYTES + 2);
+  }
+}
+
+template <class Q, int MR>
+inline void row_dot_lut512(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  alignas(64) float d[SCALE_RUN], mn[SCALE_RUN];
+  const int64_t blocks = K / CHUNK;
+  for (int64_t c0 = 0; c0 < blocks; c0 += SCALE_RUN) {
+    const int64_t n = std::min(SCALE_RUN, blocks - c0);
+    block_scales<Q>(wrow, c0, n, d, mn);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t c = c0 + i;
+      __m512 z[2];
+      if constexpr (std::is_same_v<Q, Q4_1>) {
+        lookup_nibbles(wrow + c * Q::BYTES + 4, _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(d[i]), iota16()), _mm512_set1_ps(mn[i])), z);
+      } else {
+        lookup_nibbles(wrow + c * Q::BYTES + 2, _mm512_mul_ps(_mm512_set1_ps(d[i]), _mm512_sub_ps(iota16(), _mm512_set1_ps(8.0f))), z);
+      }
+      for (int m = 0; m < MR; ++m)
+        for (int j = 0; j < 2; ++j) acc[m][j] = _mm512_fmadd_ps(z[j], _mm512_loadu_ps(x + m * K + c * CHUNK + 16 * j), acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) y[m * ldy] = hsum16x2(acc[m][0], acc[m][1]);
+}
+
 template <class Q, int MR>
 inline void row_dot_regs512(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  if constexpr (lut_scales<Q>) return row_dot_lut512<Q, MR>(x, K, wrow, y, ldy);
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
   for (int64_t c = 0; c < K / CHUNK; ++c) {

@@ -559,6 +559,47 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
   paged_decode_path(q, k_cache, v_cache, kv_indices, kv_indptr, scale, out, min_split, false);
 }
 
+// A decode step's new keys and values into the pool: row i of k / v ([n, Hkv * D] or [n, Hkv, D], float32)
+// to slot loc[i], converted to the pool's dtype as torch's .to() does (round to nearest even), the
+// values SGLang's set_kv_buffer writes in one call instead of two casts and two indexed copies.
+template <typename KV>
+void store_rows(const float* src, KV* dst, const int64_t* loc, int64_t n, int64_t width, int64_t stride) {
+  for (int64_t i = 0; i < n; ++i) {
+    KV* row = dst + loc[i] * stride;
+    const float* x = src + i * width;
+    for (int64_t j = 0; j < width; ++j) row[j] = static_cast<KV>(x[j]);
+  }
+}
+
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor loc) {
+  TORCH_CHECK(k.device().is_cpu() && k_cache.device().is_cpu(), "store_kv: CPU tensors");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous(),
+              "store_kv: k and v contiguous float32");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "store_kv: k/v cache [P, Hkv, D] with one layout and dtype");
+  TORCH_CHECK(k_cache.stride(2) == 1 && k_cache.stride(1) == k_cache.size(2), "store_kv: cache rows contiguous");
+  const int64_t width = k_cache.size(1) * k_cache.size(2), n = loc.numel();
+  TORCH_CHECK(k.numel() == n * width && v.numel() == n * width, "store_kv: k/v hold ", n, " rows of ", width);
+  TORCH_CHECK(loc.scalar_type() == at::kLong && loc.is_contiguous(), "store_kv: loc contiguous int64");
+  const int64_t* lp = loc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(lp[i] >= 0 && lp[i] < k_cache.size(0), "store_kv: slot ", lp[i], " outside the pool's ", k_cache.size(0));
+  const int64_t stride = k_cache.stride(0);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat:
+      store_rows(k.data_ptr<float>(), k_cache.data_ptr<float>(), lp, n, width, stride);
+      return store_rows(v.data_ptr<float>(), v_cache.data_ptr<float>(), lp, n, width, stride);
+    case at::kBFloat16:
+      store_rows(k.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), lp, n, width, stride);
+      return store_rows(v.data_ptr<float>(), v_cache.data_ptr<at::BFloat16>(), lp, n, width, stride);
+    case at::kHalf:
+      store_rows(k.data_ptr<float>(), k_cache.data_ptr<at::Half>(), lp, n, width, stride);
+      return store_rows(v.data_ptr<float>(), v_cache.data_ptr<at::Half>(), lp, n, width, stride);
+    default: TORCH_CHECK(false, "store_kv: unsupported KV dtype ", k_cache.scalar_type());
+  }
+}
+
 // The same over the one-KV-head-per-item path whatever the head dim (tests and
 // benchmarks/studies/decode_attention.py compare the two).
 void paged_decode_per_head(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor kv_indices,
@@ -875,6 +916,7 @@ bool intra_op_parallel() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over SGLang's KV pool (CPU)");
+  m.def("store_kv", &store_kv, "A decode step's new K/V rows into the pool's slots, in its dtype (CPU)");
   m.def("paged_decode_per_head", &paged_decode_per_head, "paged_decode over its one-KV-head-per-item path (CPU)");
   m.def("extend_attention", &extend_attention, "Causal attention of a few new rows over their KV in the pool (CPU)");
   m.def("select_pages", &select_pages, "Sparse decode page selection for one sequence and layer (CPU)");

@@ -30,7 +30,8 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sgl_loopkv.attention.decode.base import DecodePolicy
 from sgl_loopkv.attention.decode.freekv import FreeKVPolicy
 from sgl_loopkv.attention.decode.selector import SparseDecoder
-from sgl_loopkv.attention.executor import EXECUTORS
+from sgl_loopkv.attention.executor import EXECUTORS, DecodePath
+from sgl_loopkv.attention.plain_decode import PlainDecode, plain_native
 from sgl_loopkv.attention.plan import AttentionPlan, build_dense_plan, offsets
 from sgl_loopkv.attention.policies import POLICIES, ModelShape, SelectionPolicy
 from sgl_loopkv.attention.sparse_plan import SparsePlan
@@ -94,6 +95,9 @@ class LoopKVAttnBackend(AttentionBackend):
         # freekv decode: a pruned history's periods re-select when the query drifts past tau and
         # recall the new chunks from the tiers (None: decode keeps the prefill's selection)
         self.pruned_recall_tau = decode_policy.p.tau if isinstance(decode_policy, FreeKVPolicy) else None
+        # this batch: its layers as two native calls each when nothing watches it (None: forward)
+        self.plain_decode: PlainDecode | None = None
+        self._plain_native = plain_native(self.executor, self.token_to_kv_pool)
 
     # --- planning: once per batch -------------------------------------------------------------
     def init_forward_metadata(self, forward_batch: ForwardBatch):
@@ -104,6 +108,7 @@ class LoopKVAttnBackend(AttentionBackend):
         if not (mode.is_decode() or mode.is_context_parallel_extend()):
             raise NotImplementedError(f"the loopkv attention backend does not support forward mode {mode.name}")
         self.forward_metadata = self.plan_batch(forward_batch)
+        self.plain_decode = None
         self.sparse_seqs = None
         self.decode_is_sparse = False
         self.delegated = False
@@ -122,6 +127,19 @@ class LoopKVAttnBackend(AttentionBackend):
         self.delegated = self.dense_delegate is not None and not self.decode_is_sparse and self.sparse_seqs is None
         if self.delegated:  # one plan per batch, reused by every layer (SGLang's own planning)
             self.dense_delegate.init_forward_metadata(forward_batch)
+        watched = self.context is not None and self.context.observer.enabled
+        if (
+            self._plain_native is not None
+            and mode.is_decode()
+            and not (self.decode_is_sparse or self.delegated or watched)
+        ):
+            self.plain_decode = PlainDecode(
+                self._plain_native,
+                self.token_to_kv_pool,
+                self.forward_metadata,
+                forward_batch.out_cache_loc,
+                lambda: self.decode_metrics.observe(DecodePath.NATIVE),
+            )
         if self.sparse_seqs:  # one line per sparse prefill batch (tests and operators look for it)
             logger.info(
                 "loopkv sparse prefill (%s): %d of %d sequences, %d new tokens",
@@ -182,6 +200,8 @@ class LoopKVAttnBackend(AttentionBackend):
                 f"layer {layer.layer_id}: the loopkv attention backend supports plain causal self-attention "
                 "only (no cross attention, sliding window or logit cap); use --attention-backend torch_native"
             )
+        if self.plain_decode is not None and save_kv_cache and (o := self.plain_decode(layer, q, k, v)) is not None:
+            return o
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc), k, v)
         ctx = self.context if self.pruned is None else None  # a pruned history's unread slots are not KV

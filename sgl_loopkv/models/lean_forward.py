@@ -197,6 +197,7 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
     if ops is not None and (flat_positions.dtype != torch.int64 or x.dtype != torch.float32):
         ops = None
     rotary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per rotary module (SGLang shares one)
+    plain = _plain_decode(forward_batch)
     for i in range(model.start_layer, model.end_layer):
         layer = model.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
@@ -217,12 +218,24 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
             # [n, q_size] and [n, kv_size] as SGLang's rotary embedding returns them (a backend may shape its
             # output like q: torch_native does)
             q, k = qk[:, : attn.num_heads].reshape(n, -1), qk[:, attn.num_heads :].reshape(n, -1)
-        o = attn.attn.forward(q, k, qkv[:, attn.q_size + attn.kv_size :], forward_batch)
+        v = qkv[:, attn.q_size + attn.kv_size :]
+        if plain is None or (o := plain(attn.attn, q, k, v)) is None:
+            o = attn.attn.forward(q, k, v, forward_batch)
         x = project(attn.o_proj, o, attn.o_proj.bias)
         h, residual = _norm(ops, layer.post_attention_layernorm, x, residual)
         gate_up = project(mlp.gate_up_proj, h, mlp.gate_up_proj.bias)
         x = project(mlp.down_proj, mlp.act_fn(gate_up) if ops is None else ops.silu_mul(gate_up), mlp.down_proj.bias)
     return _norm(ops, model.norm, x, residual)[0]
+
+
+def _plain_decode(forward_batch):
+    """The attention backend's two-call decode layer for this batch (the loopkv backend sets one when no
+    mechanism watches a plain CPU decode: :mod:`sgl_loopkv.attention.plain_decode`), else None."""
+    if not forward_batch.forward_mode.is_decode():
+        return None
+    from sglang.srt.model_executor.forward_context import get_attn_backend, has_forward_context
+
+    return getattr(get_attn_backend(), "plain_decode", None) if has_forward_context() else None
 
 
 def _lean_modes() -> tuple:

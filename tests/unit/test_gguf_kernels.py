@@ -141,6 +141,24 @@ def test_matmul_within_float_tolerance_of_float64(native, small_file, qtype):
     assert torch.allclose(linear(x, w, bias), linear(x, w) + bias, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_1], ids=lambda q: q.name)
+def test_4bit_scales_over_any_block_count(native, qtype):
+    """The AVX-512 path converts a row's block scales 16 at a time, in runs of 128 blocks, before the
+    products: rows of 1, 15, 17 and 130 blocks (a lone tail, a tail after a full group, a second run)
+    give every path's bits."""
+    rng = np.random.default_rng(int(qtype))
+    for blocks in (1, 15, 17, 130):
+        cols = 32 * blocks
+        raw = torch.from_numpy(random_blocks(qtype, 7, cols, rng))
+        ref = quants.dequantize(raw.numpy(), qtype).reshape(7, cols)
+        for rows in (1, 3, 8, 9):
+            x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(blocks))
+            portable, *fast = (native.gemv(x, raw, int(qtype), None, p) for p in range(len(native.paths())))
+            check_matmul(portable, x, ref)
+            for y in fast:
+                assert torch.equal(y, portable), (blocks, rows)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_1, T.Q8_0, T.Q6_K], ids=lambda q: q.name)
 def test_a_rows_result_does_not_depend_on_batch_or_threads(native, small_file, qtype):
     w = small_file[f"w.{qtype.name}"]

@@ -78,7 +78,8 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
     """``x @ dequantize(weight).T (+ bias)`` in float32 (x of any float dtype; the result in x's dtype)."""
     if x.shape[-1] != weight.in_features or len(weight.shape) != 2:
         raise ValueError(f"{weight.name}: x [..., {x.shape[-1]}] against a weight of shape {weight.shape}")
-    x2 = x.reshape(-1, x.shape[-1]).float()
+    flat = x.dim() == 2 and x.dtype == torch.float32  # a decode step's x: no view or cast to make
+    x2 = x if flat else x.reshape(-1, x.shape[-1]).float()
     module = load()
     if module is None or weight.in_features % 32:
         y = F.linear(x2, dequantize_rows(weight.blocks, weight.qtype, weight.in_features), bias)
@@ -90,4 +91,4 @@ def linear(x: torch.Tensor, weight: BlockWeight, bias: torch.Tensor | None = Non
         y = module.gemm_bf16(x2, weight.blocks, int(weight.qtype), bias)
     else:
         y = module.gemm_dequant(x2, weight.blocks, int(weight.qtype), bias, GEMM_TILE, bf16)
-    return y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+    return y if flat else y.to(x.dtype).view(*x.shape[:-1], weight.out_features)
