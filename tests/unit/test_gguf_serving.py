@@ -52,7 +52,7 @@ def test_gguf_model_paths_are_recognised(tmp_path):
 @pytest.mark.parametrize(
     ("kind", "match"),
     [
-        ("qwen2", "a 'qwen2' model; sgl-loopkv serves GGUF files of Llama-architecture"),
+        ("gemma3", "a 'gemma3' model; sgl-loopkv serves GGUF files of Llama- and Qwen2-architecture"),
         ("missing", "1 tensors missing \\(first: blk.0.ffn_up.weight\\)"),
         ("no-tokenizer", "no tokenizer in its metadata; pass one with --tokenizer-path"),
         ("truncated", "truncated"),
@@ -61,7 +61,7 @@ def test_gguf_model_paths_are_recognised(tmp_path):
 )
 def test_a_file_the_cpu_cannot_serve_is_named_with_the_reason(tmp_path, kind, match):
     path = tmp_path / "m.gguf"
-    write_model(path, arch="qwen2" if kind == "qwen2" else "llama", tokenizer=kind != "no-tokenizer",
+    write_model(path, arch="gemma3" if kind == "gemma3" else "llama", tokenizer=kind != "no-tokenizer",
                 skip="blk.0.ffn_up.weight" if kind == "missing" else "")  # fmt: skip
     if kind == "truncated":
         path.write_bytes(path.read_bytes()[:-100])

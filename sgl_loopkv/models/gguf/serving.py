@@ -10,7 +10,7 @@ generic ``TokenizersBackend`` (it looks the folder up on the Hub), and each of i
 parse the metadata again. Everything a start
 cannot serve stops here, before SGLang loads anything, with a message naming the file: not GGUF,
 truncated or corrupt, a tensor of a block type the kernels do not decode, an architecture other than
-Llama's, no tokenizer in the metadata. On a GPU the path is left to SGLang as it ships.
+Llama's or Qwen2's, no tokenizer in the metadata. On a GPU the path is left to SGLang as it ships.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def check_servable(path: Path, own_tokenizer: bool) -> GGUFFile:
     arch = gguf.architecture
     if arch not in ARCHITECTURES:
         raise GGUFError(
-            f"{path}: a {arch or 'unnamed'!r} model; sgl-loopkv serves GGUF files of Llama-architecture models "
-            f"(general.architecture {', '.join(ARCHITECTURES)}: Llama, Mistral, SmolLM) on the CPU"
+            f"{path}: a {arch or 'unnamed'!r} model; sgl-loopkv serves GGUF files of Llama- and Qwen2-architecture "
+            f"models (general.architecture {', '.join(ARCHITECTURES)}: Llama, Mistral, SmolLM, Qwen2) on the CPU"
         )
     layers = int(gguf.metadata(f"{arch}.block_count", 0))
     needed = ["token_embd.weight"] + [f"blk.{i}.{t}.weight" for i in range(layers) for t in LAYER_TENSORS]

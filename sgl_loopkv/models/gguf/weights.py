@@ -111,8 +111,11 @@ def _stack(parts: list[BlockWeight]) -> BlockLinear:
     return BlockLinear(tuple(merged))
 
 
-#: ``general.architecture`` values served (SGLang maps them to its Llama; Mistral files say ``llama``).
-ARCHITECTURES = ("llama",)
+#: ``general.architecture`` values served, each with the SGLang model class its GGUF loader builds for it
+#: (Mistral and SmolLM files say ``llama``; Qwen2's q/k/v carry biases, which stay float32 parameters).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: Architectures whose q and k rows llama.cpp's converter permuted (Hugging Face's order is restored here).
+PERMUTED_QK = ("llama",)
 #: The tensors of each block ``blk.N.`` that :func:`_plan` maps (the launcher checks a file has them all).
 LAYER_TENSORS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -129,6 +132,7 @@ def _plan(model, gguf: GGUFFile) -> list[_Planned]:
     """Every layer :func:`attach` serves from blocks, with its blocks."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    qk = (heads, kv_heads) if gguf.architecture in PERMUTED_QK else ()
     inner = model.model
 
     def planned(name, layer, tensors, unpermute=()):
@@ -143,7 +147,7 @@ def _plan(model, gguf: GGUFFile) -> list[_Planned]:
         layer, b = inner.layers[i], f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         plan += [
-            planned(f"layers.{i}.qkv_proj", attn.qkv_proj, [b + f"attn_{n}.weight" for n in "qkv"], (heads, kv_heads)),
+            planned(f"layers.{i}.qkv_proj", attn.qkv_proj, [b + f"attn_{n}.weight" for n in "qkv"], qk),
             planned(f"layers.{i}.o_proj", attn.o_proj, [b + "attn_output.weight"]),
             planned(f"layers.{i}.gate_up_proj", mlp.gate_up_proj, [b + "ffn_gate.weight", b + "ffn_up.weight"]),
             planned(f"layers.{i}.down_proj", mlp.down_proj, [b + "ffn_down.weight"]),
@@ -194,13 +198,16 @@ def _drop_loaded(layer) -> None:
 
 
 def attach(model, gguf_path: str | Path) -> int:
-    """Serve ``model`` (SGLang's ``LlamaForCausalLM``, loaded from ``gguf_path`` by SGLang's GGUF path or
+    """Serve ``model`` (SGLang's ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, loaded from ``gguf_path`` by SGLang's GGUF path or
     from the folder converted from it) from the file's blocks; returns the bytes of loaded weights freed.
     Raises :class:`GGUFError` for a file or model it cannot serve so (another architecture, tensor
     parallelism, AMX-packed layers, a layer whose loaded weight is not what the file's blocks hold)."""
     gguf = GGUFFile(gguf_path)
-    if gguf.architecture not in ARCHITECTURES or type(model).__name__ != "LlamaForCausalLM":
-        raise GGUFError(f"{gguf.path}: GGUF blocks are served for Llama models ({gguf.architecture!r} here)")
+    if type(model).__name__ != ARCHITECTURES.get(gguf.architecture):
+        raise GGUFError(
+            f"{gguf.path}: GGUF blocks are served for {', '.join(ARCHITECTURES.values())} "
+            f"({gguf.architecture!r} file, {type(model).__name__} model here)"
+        )
     plan, freed = _plan(model, gguf), 0
     for p in plan:
         if getattr(p.layer, "use_intel_amx_backend", False) or getattr(p.layer, "tp_size", 1) != 1:
