@@ -198,8 +198,9 @@ def _drop_loaded(layer) -> None:
 
 
 def attach(model, gguf_path: str | Path) -> int:
-    """Serve ``model`` (SGLang's ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, loaded from ``gguf_path`` by SGLang's GGUF path or
-    from the folder converted from it) from the file's blocks; returns the bytes of loaded weights freed.
+    """Serve ``model`` (SGLang's ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``, loaded from ``gguf_path`` by
+    SGLang's GGUF path or from the folder converted from it) from the file's blocks; returns the bytes of
+    loaded weights freed.
     Raises :class:`GGUFError` for a file or model it cannot serve so (another architecture, tensor
     parallelism, AMX-packed layers, a layer whose loaded weight is not what the file's blocks hold)."""
     gguf = GGUFFile(gguf_path)
