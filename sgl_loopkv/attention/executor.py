@@ -242,6 +242,9 @@ EXTEND_NATIVE_MAX_ROWS = 32
 #: dispatch on these CPUs) while a gather of a 4K-token prefix costs about as much as reading it
 #: twice; the two meet around 8 runs for 0.5-8K-token histories (benchmarks/studies/decode_paths.py).
 DECODE_VIEW_MAX_RUNS = 8
+#: The native decode kernel's smallest split of one sequence's keys (its flash-decoding work item); a
+#: sequence's splits depend only on its own length, so a row's result does not depend on the batch.
+DECODE_MIN_SPLIT = 256
 
 
 class DecodePath(StrEnum):
@@ -333,7 +336,7 @@ class TorchDenseExecutor(AttentionExecutor):
         if path is DecodePath.NATIVE:
             o = out if out.is_contiguous() else torch.empty_like(out)
             self.native.paged_decode(
-                q.contiguous(), k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, scale, o, 256
+                q.contiguous(), k_cache, v_cache, plan.kv_indices, plan.kv_indptr_tensor, scale, o, DECODE_MIN_SPLIT
             )
             if o is not out:
                 out.copy_(o)

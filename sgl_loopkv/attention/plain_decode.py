@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from sgl_loopkv.attention.executor import TorchDenseExecutor
+from sgl_loopkv.attention.executor import DECODE_MIN_SPLIT, TorchDenseExecutor
 
 ENV_SWITCH = "LOOPKV_PLAIN_DECODE"  # 0: every decode layer through SGLang's RadixAttention and the backend
 #: pool dtypes the native store writes (SGLang's set_kv_buffer casts to the pool's dtype the same way)
@@ -76,6 +76,6 @@ class PlainDecode:
         q = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim).contiguous()
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         self.native.paged_decode(
-            q, k_cache, v_cache, self.plan.kv_indices, self.plan.kv_indptr_tensor, layer.scaling, out, 256
+            q, k_cache, v_cache, self.plan.kv_indices, self.plan.kv_indptr_tensor, layer.scaling, out, DECODE_MIN_SPLIT
         )
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)

@@ -19,6 +19,7 @@ from itertools import accumulate
 import torch
 
 from sgl_loopkv.attention.decode.base import DecodePolicy, LayerState, SeqKeys
+from sgl_loopkv.attention.executor import DECODE_MIN_SPLIT
 from sgl_loopkv.selection.pages import pages_to_positions
 
 
@@ -148,7 +149,7 @@ class SparseDecoder:
             qv, o = q.reshape(B * hkv, g, d), out.view(B * hkv, g, -1)
             kf, vf = k_cache.view(-1, 1, d), v_cache.view(-1, 1, v_cache.shape[-1])
             oc = o if o.is_contiguous() else torch.empty_like(o)
-            self.native.paged_decode(qv.contiguous(), kf, vf, indices, indptr, scale, oc, 256)
+            self.native.paged_decode(qv.contiguous(), kf, vf, indices, indptr, scale, oc, DECODE_MIN_SPLIT)
             if oc is not o:
                 o.copy_(oc)
             return out
