@@ -1,4 +1,4 @@
-"""A plain dense CPU decode layer in two native calls, for the lean forward.
+"""A plain dense CPU decode layer in two native calls, for the lean forward and the backend's own forward.
 
 A decode step's attention through SGLang's layers is about ten Python frames and six tensor ops per
 layer before the kernel runs (``RadixAttention.forward``, the backend's dispatch and checks, the pool's
@@ -51,13 +51,14 @@ def plain_native(executor, pool):
 
 class PlainDecode:
     """One decode layer of one batch: ``__call__(layer, q, k, v)`` -> the attention output
-    ``[rows, Hq * Dv]``, as :meth:`LoopKVAttnBackend.forward` returns it."""
+    ``[rows, Hq * Dv]``, as :meth:`LoopKVAttnBackend.forward` returns it, or None for a layer it leaves to
+    that path."""
 
     def __init__(self, native, pool, plan, loc: torch.Tensor, on_batch):
         self.native, self.pool, self.plan, self.on_batch = native, pool, plan, on_batch
         self.loc = loc if loc.dtype == torch.int64 and loc.is_contiguous() else loc.long().contiguous()
 
-    def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         if (
             k is None
             or k.dtype != torch.float32
