@@ -158,7 +158,7 @@ class LayerwiseLoader:
                 for a, x in zip(args[4:], (slots, k_buf, v_buf)):
                     a.append(x)
                 done.add((i, layer))
-                nbytes += 2 * (len(p.slots) - skip) * self.k_buffers[layer][0].numel() * 4
+                nbytes += 2 * (len(p.slots) - skip) * k_buf[0].numel() * k_buf.element_size()
         if done:
             t0 = time.perf_counter()
             self._kv_load.load_layers(*args)

@@ -1,6 +1,6 @@
 """The kv_load kernel (a restored layer into the CPU pool): bitwise what the torch path writes, for
-float32 rows (any slot order, runs of consecutive slots and strided sources) and int8 rows with
-their scales; bad arguments are refused, not written out of bounds."""
+float32 and bfloat16 pools, rows in the pool's dtype (any slot order, runs of consecutive slots and
+strided sources) and int8 rows with their scales; bad arguments are refused, not written out of bounds."""
 
 from __future__ import annotations
 
@@ -15,15 +15,24 @@ native = kv_load.load()
 pytestmark = pytest.mark.skipif(native is None, reason="no compiler for the kv_load kernel here")
 
 
-def pools(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.full((n, H, D), float("nan")), torch.full((n, H, D), float("nan"))
+POOL_DTYPES = [torch.float32, torch.bfloat16]
 
 
+def pools(n: int, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full((n, H, D), float("nan"), dtype=dtype), torch.full((n, H, D), float("nan"), dtype=dtype)
+
+
+def torch_path(q: QuantKV, layer: int, dtype) -> torch.Tensor:
+    """What the loader's torch path writes for an int8 layer: the product, cast to the pool's dtype."""
+    return torch.mul(q.q[layer], q.scale[layer].unsqueeze(-1)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", POOL_DTYPES, ids=str)
 @pytest.mark.parametrize("order", ["consecutive", "pages", "random"])
-def test_float_rows_land_bit_for_bit(order):
+def test_rows_in_the_pools_dtype_land_bit_for_bit(order, dtype):
     g = torch.Generator().manual_seed(0)
     T = 200
-    kv = torch.randn(4, 2, T + 30, H, D, generator=g)[:, :, 30:]  # a token slice: strided like a tier's
+    kv = torch.randn(4, 2, T + 30, H, D, generator=g).to(dtype)[:, :, 30:]  # a token slice: strided like a tier's
     if order == "consecutive":
         slots = torch.arange(17, 17 + T)
     elif order == "pages":  # pages of 16 in shuffled order (what the paged allocator hands out)
@@ -31,21 +40,22 @@ def test_float_rows_land_bit_for_bit(order):
         slots = (pages[:, None] * 16 + torch.arange(16)).flatten()[:T]
     else:
         slots = torch.randperm(400, generator=g)[:T]
-    k, v = pools(400)
+    k, v = pools(400, dtype)
     native.load_layer(kv[2, 0], kv[2, 1], None, None, slots, k, v)
-    rk, rv = pools(400)
+    rk, rv = pools(400, dtype)
     rk.index_copy_(0, slots, kv[2, 0])
     rv.index_copy_(0, slots, kv[2, 1])
     assert torch.equal(k.nan_to_num(7.0), rk.nan_to_num(7.0)) and torch.equal(v.nan_to_num(7.0), rv.nan_to_num(7.0))
 
 
-def test_int8_rows_decode_to_torch_mul():
+@pytest.mark.parametrize("dtype", POOL_DTYPES, ids=str)
+def test_int8_rows_decode_to_torch_mul(dtype):
     g = torch.Generator().manual_seed(1)
     q = QuantKV.quantize(torch.randn(3, 2, 90, H, D, generator=g) * 5).slice_tokens(10, 90)
     slots = torch.randperm(300, generator=g)[:80]
-    k, v = pools(300)
+    k, v = pools(300, dtype)
     native.load_layer(q.q[1, 0], q.q[1, 1], q.scale[1, 0], q.scale[1, 1], slots, k, v)
-    want = torch.mul(q.q[1], q.scale[1].unsqueeze(-1))
+    want = torch_path(q, 1, dtype)
     assert torch.equal(k[slots], want[0]) and torch.equal(v[slots], want[1])
     others = torch.ones(300, dtype=torch.bool)
     others[slots] = False
@@ -59,9 +69,32 @@ def test_bad_arguments_are_refused():
         native.load_layer(src, src, None, None, torch.tensor([0, 1, 2, 32]), k, v)
     with pytest.raises(RuntimeError, match="scales"):
         native.load_layer(src.to(torch.int8), src.to(torch.int8), None, None, torch.arange(4), k, v)
-    with pytest.raises(RuntimeError, match="float32 pool"):
-        native.load_layer(src, src, None, None, torch.arange(4), k.to(torch.bfloat16), v.to(torch.bfloat16))
-    assert torch.isnan(k).all()
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 pool"):
+        native.load_layer(src, src, None, None, torch.arange(4), k.to(torch.float16), v.to(torch.float16))
+    bk, bv = pools(32, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="pool's dtype"):  # float32 rows into a bfloat16 pool: not cast here
+        native.load_layer(src, src, None, None, torch.arange(4), bk, bv)
+    with pytest.raises(RuntimeError, match="pool's dtype"):
+        native.load_layers([src], [src], [], [], [torch.arange(4)], [bk], [bv])
+    assert torch.isnan(k).all() and torch.isnan(bk).all()
+    assert (
+        not kv_load.fits(src, bk) and kv_load.fits(src.to(torch.bfloat16), bk) and kv_load.fits(src.to(torch.int8), bk)
+    )
+
+
+def test_bfloat16_rounding_is_torchs_at_ties_and_subnormals():
+    # products whose float32 bits sit exactly halfway between two bfloat16 values (ties to even, both
+    # ways), just either side of halfway, and subnormal (the hardware conversion would flush them)
+    halves = torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x00008000, 0x00018000, 0x00000001],
+                          dtype=torch.int32).view(torch.float32)  # fmt: skip
+    n = 16 * H * D // len(halves) + 1
+    scale = halves.repeat(n)[: 16 * H].view(16, H)
+    q = QuantKV(torch.ones(1, 2, 16, H, D, dtype=torch.int8), scale.expand(1, 2, 16, H).contiguous())
+    k, v = pools(16, torch.bfloat16)
+    native.load_layer(q.q[0, 0], q.q[0, 1], q.scale[0, 0], q.scale[0, 1], torch.arange(16), k, v)
+    want = torch_path(q, 0, torch.bfloat16)
+    assert torch.equal(k.view(torch.int16), want[0].view(torch.int16)) and torch.equal(v, want[1])
+    assert want[0].view(torch.int16).unique().numel() >= 5  # the cases do round to different values
 
 
 def test_all_layers_at_once_equal_one_layer_at_a_time():
@@ -88,39 +121,41 @@ def test_all_layers_at_once_equal_one_layer_at_a_time():
                            [all_k[0]], [all_v[0]])  # fmt: skip
 
 
-def _pool_at(n: int, offset_floats: int) -> torch.Tensor:
-    """A contiguous [n, H, D] pool buffer whose data starts ``offset_floats`` past a 64-byte boundary."""
-    flat = torch.full((n * H * D + 16,), float("nan"))
-    start = (-flat.data_ptr() // 4) % 16 + offset_floats
+def _pool_at(n: int, offset: int, dtype=torch.float32) -> torch.Tensor:
+    """A contiguous [n, H, D] pool buffer whose data starts ``offset`` elements past a 64-byte boundary."""
+    per_line = 64 // dtype.itemsize
+    flat = torch.full((n * H * D + per_line,), float("nan"), dtype=dtype)
+    start = (-flat.data_ptr() // dtype.itemsize) % per_line + offset
     return flat[start : start + n * H * D].view(n, H, D)
 
 
+@pytest.mark.parametrize("pool", POOL_DTYPES, ids=str)
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
-@pytest.mark.parametrize("dtype", ["float32", "int8"])
-def test_a_load_past_the_streaming_size_lands_bit_for_bit(dtype, offset):
+@pytest.mark.parametrize("dtype", ["pool", "int8"])
+def test_a_load_past_the_streaming_size_lands_bit_for_bit(dtype, offset, pool):
     # a few MB per call: the kernel's streamed (non-temporal) stores, aligned or not, write what
     # torch writes, and nothing else
     g = torch.Generator().manual_seed(4)
     L, T, S = 3, 2048, 4096
-    kv = torch.randn(L, 2, T, H, D, generator=g) * 3
-    q = QuantKV.quantize(kv) if dtype == "int8" else None
+    kv = (torch.randn(L, 2, T, H, D, generator=g) * 3).to(pool)
+    q = QuantKV.quantize(kv.float()) if dtype == "int8" else None
     pages = torch.randperm(S // 16, generator=g)[: T // 16]
     slots = (pages[:, None] * 16 + torch.arange(16)).flatten()
-    k = [_pool_at(S, offset) for _ in range(L)]
-    v = [_pool_at(S, offset) for _ in range(L)]
+    k = [_pool_at(S, offset, pool) for _ in range(L)]
+    v = [_pool_at(S, offset, pool) for _ in range(L)]
     if q is None:
         native.load_layers([kv[i, 0] for i in range(L)], [kv[i, 1] for i in range(L)], [], [], [slots] * L, k, v)
         want = kv
     else:
         native.load_layers([q.q[i, 0] for i in range(L)], [q.q[i, 1] for i in range(L)],
                            [q.scale[i, 0] for i in range(L)], [q.scale[i, 1] for i in range(L)], [slots] * L, k, v)  # fmt: skip
-        want = torch.stack([q[i] for i in range(L)])
+        want = torch.stack([torch_path(q, i, pool) for i in range(L)])
     others = torch.ones(S, dtype=torch.bool)
     others[slots] = False
     for i in range(L):
         assert torch.equal(k[i][slots], want[i, 0]) and torch.equal(v[i][slots], want[i, 1])
         assert torch.isnan(k[i][others]).all() and torch.isnan(v[i][others]).all()
-    one_k, one_v = _pool_at(S, offset), _pool_at(S, offset)  # one layer on its own streams too (3 MB)
+    one_k, one_v = _pool_at(S, offset, pool), _pool_at(S, offset, pool)  # one layer on its own (streamed for float32)
     src = (kv[0, 0], kv[0, 1], None, None) if q is None else (q.q[0, 0], q.q[0, 1], q.scale[0, 0], q.scale[0, 1])
     native.load_layer(*src, slots, one_k, one_v)
     assert torch.equal(one_k[slots], want[0, 0]) and torch.equal(one_v[slots], want[0, 1])

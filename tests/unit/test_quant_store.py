@@ -107,12 +107,13 @@ def test_store_serves_int8_segments_from_either_tier(tmp_path, tier):
     store.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("native", [True, False], ids=["kv_load kernel", "torch blocks"])
-def test_the_loader_decodes_int8_into_the_same_pool_values(native):
+def test_the_loader_decodes_int8_into_the_same_pool_values(native, dtype):
     """The loader decodes an int8 layer inside its copy (the kv_load kernel) or, without it, a block
     at a time into one reused buffer: either way every slot gets exactly ``q * scale`` (what
-    torch.mul gives for the whole layer), across block edges, with a different front recomputed
-    (skipped) per layer, and nothing leaks between parts."""
+    torch.mul gives for the whole layer) in the pool's dtype, across block edges, with a different
+    front recomputed (skipped) per layer, and nothing leaks between parts."""
     from sgl_loopkv.cache.loader import DECODE_BLOCK, LayerwiseLoader, LoadPart
     from sgl_loopkv.kernels import kv_load
 
@@ -122,8 +123,8 @@ def test_the_loader_decodes_int8_into_the_same_pool_values(native):
     T, L, H, D = DECODE_BLOCK * 2 + 37, GEO.num_layers, GEO.num_kv_heads, GEO.head_dim
     g = torch.Generator().manual_seed(5)
     parts, refs = [], []
-    k = [torch.full((3 * T, H, D), float("nan")) for _ in range(L)]
-    v = [torch.full((3 * T, H, D), float("nan")) for _ in range(L)]
+    k = [torch.full((3 * T, H, D), float("nan"), dtype=dtype) for _ in range(L)]
+    v = [torch.full((3 * T, H, D), float("nan"), dtype=dtype) for _ in range(L)]
     slots = torch.randperm(3 * T, generator=g)
     for i, n in enumerate((T, 16)):  # a long part, then a short one reusing the buffer
         qkv = QuantKV.quantize(torch.randn(L, 2, n, H, D, generator=g) * 3)
@@ -138,10 +139,10 @@ def test_the_loader_decodes_int8_into_the_same_pool_values(native):
     loader.submit(parts)
     for qkv, sl, skip in refs:
         for layer in range(L):
-            want = torch.mul(qkv.q[layer], qkv.scale[layer].unsqueeze(-1))
+            want = torch.mul(qkv.q[layer], qkv.scale[layer].unsqueeze(-1)).to(dtype)
             s = skip[layer]
             assert torch.equal(k[layer][sl[s:]], want[0, s:]) and torch.equal(v[layer][sl[s:]], want[1, s:])
             assert torch.isnan(k[layer][sl[:s]]).all()  # the recomputed front is left to the restorer
-    want_bytes = sum(2 * (len(sl) - s) * H * D * 4 for _, sl, skip in refs for s in skip if s < len(sl))
+    want_bytes = sum(2 * (len(sl) - s) * H * D * dtype.itemsize for _, sl, skip in refs for s in skip if s < len(sl))
     assert sum(n for n, _, _ in decoded) == want_bytes and all(d >= 0 and c >= 0 for _, d, c in decoded)
     assert len(decoded) == (1 if native else L)  # synchronous + native: every layer in one threaded call
