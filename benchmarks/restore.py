@@ -296,6 +296,8 @@ def run_group(runs: list[ResumeRun], repeats: int, ref: dict | None) -> None:
                 k = r % len(runs)
                 for x in runs[k:] + runs[:k]:
                     step(x, r)
+                    if step is ResumeRun.hot_turn:  # its turn's store done before the next server's is timed
+                        time.sleep(SETTLE_S)
         for x in runs:
             x.score(ref)
             if (x.name, x.tier) == ("full_load", "host"):
