@@ -143,8 +143,13 @@ def _register_hooks() -> None:
                 (decode_linear.GGUF_LINEAR_TARGET, decode_linear.gguf_linear_apply, HookType.AROUND),
                 (decode_linear.LOAD_TARGET, decode_linear.attach_gguf_after_load, HookType.AFTER),
                 (gguf_serving.ARCHITECTURE_TARGET, gguf_serving.read_architecture, HookType.AROUND),
-                (gguf_serving.CHECKPOINT_TARGET, gguf_serving.load_checkpoint_once, HookType.AROUND),
+                (
+                    gguf_serving.CHECKPOINT_TARGET,
+                    gguf_serving.checkpoint_hook(LoopKVConfig.from_env().resolved_cache_dir),
+                    HookType.AROUND,
+                ),
                 (gguf_serving.EXTRA_NAMES_TARGET, gguf_serving.extra_tensor_names, HookType.AROUND),
+                (gguf_serving.WEIGHTS_TARGET, gguf_serving.quant_weights, HookType.AROUND),
             ]
     for target, hook, kind in hooks:
         if target not in COMPONENTS["hook"]:

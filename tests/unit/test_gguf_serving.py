@@ -4,11 +4,13 @@ cannot serve stops the start with a message naming the file (tests/e2e/test_gguf
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFWriter
 
@@ -131,6 +133,80 @@ def test_a_cpu_start_on_a_bad_gguf_file_exits_with_the_reason(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_the_metadata_parse_is_kept_for_the_next_process(tmp_path, monkeypatch):
+    """The launcher's parse, kept as JSON in the cache, is what a later process (an empty in-process
+    memo) reads instead of parsing; a changed file version, a corrupt or foreign cache file and a value
+    JSON would not keep as it is all parse again."""
+    from sgl_loopkv.models.gguf import serving
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"x")
+    calls = []
+
+    def original(p, return_tensors=False):
+        calls.append(p)
+        return {"config": {"num_hidden_layers": 30, "rms_norm_eps": 1e-5}, "tokenizer": {"tokens": ["a", "b"]}}
+
+    def new_process():
+        monkeypatch.setattr(serving, "_CHECKPOINTS", {})
+        return serving.checkpoint_hook(tmp_path / "cache")
+
+    first = new_process()(original, str(gguf))
+    assert new_process()(original, str(gguf)) == first and len(calls) == 1  # the second process read the file
+    [kept] = (tmp_path / "cache" / "gguf-metadata").glob("*.json")
+    kept.write_text("{not json")
+    assert new_process()(original, str(gguf)) == first and len(calls) == 2  # corrupt: parsed (and rewritten)
+    assert new_process()(original, str(gguf)) == first and len(calls) == 2
+    os.utime(gguf, ns=(0, 12345))  # another version of the file: another entry
+    new_process()(original, str(gguf))
+    assert len(calls) == 3
+    tupled = {"config": {"layer_types": ("full", "full")}}
+
+    def with_a_tuple(p, return_tensors=False):
+        calls.append(p)
+        return tupled
+
+    os.utime(gguf, ns=(0, 6789))
+    new_process()(with_a_tuple, str(gguf))
+    assert new_process()(with_a_tuple, str(gguf)) == tupled and len(calls) == 5  # not kept: never a list back
+
+
+@pytest.mark.parametrize("model", ["default", "mixed"])
+def test_the_loaders_weights_from_the_header_are_sglangs(model, tmp_path):
+    """The weight iterator hook yields SGLang's own iterator's pairs: names, order, dtypes, shapes, values
+    (the default model's Q4_1 file; a file mixing float32, float16 and block tensors, unmapped ones left out)."""
+    from sglang.srt.model_loader.weight_utils import gguf_quant_weights_iterator
+
+    from sgl_loopkv.models import default_model_gguf
+    from sgl_loopkv.models.gguf import serving
+
+    if model == "default":
+        path = str(default_model_gguf())
+    else:
+        path = str(tmp_path / "mixed.gguf")
+        w = GGUFWriter(path, "llama")
+        g = np.random.default_rng(0)
+        w.add_tensor("a.weight", g.standard_normal((4, 64), dtype=np.float32))
+        w.add_tensor("b.weight", g.standard_normal((3, 32)).astype(np.float16))
+        w.add_tensor("c.weight", g.standard_normal(64, dtype=np.float32))
+        w.add_tensor("skipped.weight", g.standard_normal(32, dtype=np.float32))
+        from gguf import quants
+
+        w.add_tensor(
+            "d.weight", quants.quantize(g.standard_normal((2, 64), dtype=np.float32), T.Q8_0), raw_dtype=T.Q8_0
+        )
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    names = {n: f"model.{n}" for n in serving.GGUFFile(path).tensors if not n.startswith("skipped")}
+    ours = list(serving.quant_weights(None, path, names))
+    want = list(gguf_quant_weights_iterator(path, names))
+    assert [n for n, _ in ours] == [n for n, _ in want] and len(ours) > len(names)
+    for (n, a), (_, b) in zip(ours, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), n
+
+
 def test_sglangs_metadata_reads_come_from_the_header_or_one_parse(tmp_path):
     from sgl_loopkv.models import default_model_gguf
     from sgl_loopkv.models.gguf import serving
@@ -144,10 +220,11 @@ def test_sglangs_metadata_reads_come_from_the_header_or_one_parse(tmp_path):
         calls.append(return_tensors)
         return {"config": {"num_hidden_layers": 30}}
 
-    first = serving.load_checkpoint_once(original, path)
+    load_checkpoint_once = serving.checkpoint_hook(None)
+    first = load_checkpoint_once(original, path)
     first["config"].pop("num_hidden_layers")  # transformers edits what it gets
-    assert serving.load_checkpoint_once(original, path) == {"config": {"num_hidden_layers": 30}} and calls == [False]
-    serving.load_checkpoint_once(original, path, True)  # tensors: never cached
+    assert load_checkpoint_once(original, path) == {"config": {"num_hidden_layers": 30}} and calls == [False]
+    load_checkpoint_once(original, path, True)  # tensors: never cached
     assert calls == [False, True]
     names = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight"}
     assert serving.extra_tensor_names(None, path, names) == ["lm_head.weight"]  # tied: no output tensor
