@@ -2,7 +2,7 @@
 close to float32 accuracy (``prefill_attention.cpp``; its top comment is the contract).
 
 :func:`sgl_loopkv.attention.executor.dense_attention` calls it for long extends over a bfloat16 pool on
-CPUs with AMX-BF16 (read at run time); elsewhere, or with ``LOOPKV_NATIVE_PREFILL_ATTENTION=0`` or no
+CPUs with AMX-BF16 or AVX512-BF16 (read at run time); elsewhere, or with ``LOOPKV_NATIVE_PREFILL_ATTENTION=0`` or no
 compiler, torch's float32 flash kernel over the widened keys runs as before.
 """
 

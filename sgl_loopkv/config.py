@@ -179,9 +179,9 @@ class LoopKVConfig:
             "help": "The matrix arithmetic of a prefill or long extend on GGUF weights: 'bfloat16': its linear "
             "layers (17 new rows or more) on x and weights rounded to bfloat16 with float32 sums, its attention "
             "(64 rows or more) over the bfloat16 KV pool with float32 queries and softmax weights split in two "
-            "bfloat16 parts each (oneDNN: faster with AMX-BF16, slower without it; within the fidelity bar "
+            "bfloat16 parts each (oneDNN: faster with AMX-BF16 or AVX512-BF16, slower without them; within the fidelity bar "
             "against the float32 model, docs/models.md); 'float32': the dequantized model's arithmetic; "
-            "'auto' (default): bfloat16 on a CPU with AMX-BF16, float32 elsewhere. Decode steps and short "
+            "'auto' (default): bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, float32 elsewhere. Decode steps and short "
             "extends are float32 either way; the float32 path ignores this flag.",
             "choices": ["auto", "float32", "bfloat16"],
         },

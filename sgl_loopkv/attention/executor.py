@@ -51,7 +51,7 @@ def dense_attention(
     q: [n, Hq, D]; k, v: [L, Hkv, D] -> [n, Hq, D]. With ``causal`` row ``r`` sees keys
     ``0 .. L - n + r``: only the new rows are computed, the cached prefix costs O(n * L), not
     O(L^2) (SGLang's torch_native pads q to L rows and runs a full causal square instead). A bfloat16
-    prefill over a bfloat16 pool on AMX takes :func:`prefill_kernel` (:func:`split_bf16_applies`).
+    prefill over a bfloat16 pool on bfloat16 units takes :func:`prefill_kernel` (:func:`split_bf16_applies`).
     """
     n, L = q.shape[0], k.shape[0]
     if causal and n >= PREFILL_NATIVE_MIN_ROWS and split_bf16_applies(q, k) and (mod := prefill_kernel()) is not None:
@@ -103,17 +103,17 @@ def split_bf16_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 @functools.cache
 def prefill_kernel():
-    """``kernels/prefill_attention.cpp`` (float32 queries split in two bfloat16 parts, so AMX runs
-    the products at close to float32 accuracy) where the CPU has AMX-BF16, read at run time; else
-    None and torch's float32 flash kernel runs over the widened keys. Without AMX oneDNN's bfloat16
-    GEMMs are emulated or AVX512-BF16 dot products, not measured to beat float32 here.
+    """``kernels/prefill_attention.cpp`` (float32 queries split in two bfloat16 parts, so bfloat16 units
+    run the products at close to float32 accuracy) where the CPU has AMX-BF16 or AVX512-BF16, read at
+    run time; else None and torch's float32 flash kernel runs over the widened keys (without them
+    bfloat16 GEMMs are emulated, slower than float32).
     ``LOOPKV_NATIVE_PREFILL_ATTENTION=0`` turns it off. Decided at the first such extend of the process
     (``loopkv_prefill_attention`` on ``/metrics``)."""
     from sgl_loopkv.kernels import prefill_attention
     from sgl_loopkv.models.metrics import set_gauge
-    from sgl_loopkv.platform import cpu_flags
+    from sgl_loopkv.platform import cpu_has_native_bf16
 
-    mod = prefill_attention.load() if "amx_bf16" in cpu_flags() else None
+    mod = prefill_attention.load() if cpu_has_native_bf16() else None
     mod = mod if mod is not None and mod.available() else None
     set_gauge(
         "loopkv_prefill_attention",

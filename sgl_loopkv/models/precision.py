@@ -1,8 +1,9 @@
 """The arithmetic of a prefill on GGUF weights: float32, or bfloat16 matrix units with float32 sums.
 
 A prefill or long extend is compute-bound: its linear layers are GEMMs on dequantized weights and its
-attention two GEMMs per key tile. With AMX-BF16, oneDNN's batch-reduce GEMM multiplies bfloat16 operands
-several times faster than float32 ones. In bfloat16 mode:
+attention two GEMMs per key tile. oneDNN's batch-reduce GEMM multiplies bfloat16 operands several times
+faster than float32 ones with AMX-BF16, and about twice as fast with AVX512-BF16's dot products (an AMD
+EPYC's). In bfloat16 mode:
 
 - linear layers (``MIN_ROWS`` new rows or more): x and the weight are rounded to bfloat16 once each, the
   products summed in float32 and the float32 sums are the result (``gemm_bf16`` in ``kernels/gguf_linear.cpp``);
@@ -12,8 +13,8 @@ several times faster than float32 ones. In bfloat16 mode:
 
 Decode steps and short extends never change: they stay float32, so a decode is the dequantized model's
 arithmetic. ``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only) is ``auto`` by
-default: bfloat16 where the CPU reports ``amx_bf16`` (read at run time), float32 elsewhere, where bfloat16 is
-emulated or only AVX512-BF16's dot products and not measured to pay. Against the float32 model the bfloat16
+default: bfloat16 where the CPU reports ``amx_bf16`` or ``avx512_bf16`` (read at run time), float32 elsewhere,
+where bfloat16 is emulated and slower than float32. Against the float32 model the bfloat16
 prefill path is within the fidelity bar over three contexts per length
 (docs/decisions/2026-12-06-split-bf16-prefill-attention.md).
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import functools
 import os
 
-from sgl_loopkv.platform import cpu_flags
+from sgl_loopkv.platform import cpu_flags, cpu_has_native_bf16
 
 MODES = ("auto", "float32", "bfloat16")
 #: Overrides the server's choice in this process (tests, A/B timings).
@@ -49,7 +50,7 @@ def prefill_bf16() -> bool:
     value = os.environ.get(ENV, "").strip().lower() or _chosen
     if value not in MODES:
         raise ValueError(f"{ENV}={value!r}: expected one of {MODES}")
-    return "amx_bf16" in cpu_flags() if value == "auto" else value == "bfloat16"
+    return cpu_has_native_bf16(cpu_flags()) if value == "auto" else value == "bfloat16"
 
 
 def bf16_rows(rows: int) -> bool:

@@ -25,7 +25,7 @@ def mod():
     if module is None:
         pytest.skip("no C++ toolchain: the prefill attention kernel is unavailable")
     if not module.available():
-        pytest.skip("oneDNN does not pack bfloat16 on this CPU")
+        pytest.skip("no bfloat16 brgemm on this CPU (AMX-BF16 or AVX512-BF16)")
     return module
 
 
@@ -112,7 +112,7 @@ def test_bad_operands_refused(mod, change, message):
 def test_dense_attention_routes_only_a_bf16_pools_prefill_in_bfloat16_mode(monkeypatch):
     mod = executor.prefill_kernel()
     if mod is None:
-        pytest.skip("no AMX-BF16 or no kernel here: dense_attention keeps torch's flash kernel")
+        pytest.skip("no bfloat16 units or no kernel here: dense_attention keeps torch's flash kernel")
     monkeypatch.delenv(precision.ENV, raising=False)
     q, k, v = operands(128, 200, 9, 3, 64, seed=3)
     kf, vf = k.float(), v.float()

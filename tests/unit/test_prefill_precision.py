@@ -1,5 +1,5 @@
 """Prefills in bfloat16 on the GGUF path (``sgl_loopkv.models.precision``, ``--loopkv-prefill-dtype``):
-``auto`` follows the CPU's AMX-BF16 flag; in bfloat16 mode a GEMM of 17 rows or more multiplies x and the
+``auto`` follows the CPU's AMX-BF16 and AVX512-BF16 flags; in bfloat16 mode a GEMM of 17 rows or more multiplies x and the
 dequantized weight rounded to bfloat16: ``gemm_bf16`` (oneDNN, a weight of a multiple of 64 rows) keeps
 float32 sums and results (within float32 rounding of a float64 product of the rounded operands), other
 weights go through torch's bfloat16 GEMM (within one bfloat16 rounding), the bias added in float32; attention
@@ -51,11 +51,13 @@ def weight(rows: int = 70, k: int = 544) -> BlockWeight:
     return BlockWeight("w", T.Q4_1, (rows, k), torch.from_numpy(np.ascontiguousarray(blocks)))
 
 
-def test_auto_follows_the_cpus_amx_bf16_flag(mode, monkeypatch):
+def test_auto_follows_the_cpus_bf16_flags(mode, monkeypatch):
     mode("auto", {"avx512f", "amx_bf16", "amx_tile"})
     assert precision.prefill_bf16() and precision.bf16_rows(precision.MIN_ROWS)
     assert not precision.bf16_rows(precision.MIN_ROWS - 1)  # a decode step or short extend: float32
-    mode("auto", {"avx512f", "avx512_bf16"})  # bf16 dot products without AMX: not measured to pay
+    mode("auto", {"avx512f", "avx512_bf16"})  # bf16 dot products without AMX (an AMD EPYC): about 2x float32
+    assert precision.prefill_bf16()
+    mode("auto", {"avx2", "fma", "avx512f"})  # bfloat16 emulated: slower than float32
     assert not precision.prefill_bf16()
     mode("bfloat16", set())
     assert precision.prefill_bf16()
@@ -98,7 +100,7 @@ def test_bf16_gemm_is_the_rounded_operands_product(native, mode):
 
 def test_oneDNN_bf16_gemm_keeps_float32_sums(native, mode):
     if not native.gemm_bf16_fits(128, 544):
-        pytest.skip("oneDNN cannot pack bfloat16 on this CPU")
+        pytest.skip("no bfloat16 brgemm on this CPU (AMX-BF16 or AVX512-BF16)")
     w = weight(rows=128)
     deq = native.dequantize(w.blocks, int(T.Q4_1), w.in_features, -1)
     x = torch.randn(precision.MIN_ROWS + 100, w.in_features, generator=torch.Generator().manual_seed(6))
@@ -119,7 +121,7 @@ def test_oneDNN_bf16_gemm_keeps_float32_sums(native, mode):
 def test_attention_never_rounds_its_queries(mode):
     """Queries rounded to bfloat16 cost the prefill path its fidelity bar. In float32 mode a long extend over
     the bfloat16 pool is torch's float32 kernel over the widened keys; in bfloat16 mode, where the CPU has
-    AMX, the split-bfloat16 kernel (queries in two bfloat16 parts: within 2^-12 of float32's result,
+    AMX-BF16 or AVX512-BF16, the split-bfloat16 kernel (queries in two bfloat16 parts: within 2^-12 of float32's result,
     tests/unit/test_prefill_attention.py), never a bfloat16 query."""
     from sgl_loopkv.attention import executor
 

@@ -8,7 +8,7 @@ By rows of x (thresholds from ``benchmarks/gguf_kernels.py`` on this project's C
 - more rows (prefill): ``gemm_dequant``, tiles of ``GEMM_TILE`` weight rows decoded to float32 and
   multiplied by torch's GEMM (MKL / oneDNN); the tile is the only float copy and lives for one call.
   With ``--loopkv-prefill-dtype bfloat16`` (:mod:`sgl_loopkv.models.precision`): ``gemm_bf16``, x and
-  the weight rounded to bfloat16, float32 sums and results (oneDNN's brgemm, AMX where present), for a
+  the weight rounded to bfloat16, float32 sums and results (oneDNN's brgemm: AMX, or AVX512-BF16's dot products), for a
   weight of a multiple of 64 rows; else the tiles and x rounded to bfloat16 through torch's bfloat16 GEMM.
 
 ``--loopkv-gguf-activations q8`` (opt-in) runs the gemv rows on int8 activations instead (``gguf_q8``:
