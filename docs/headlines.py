@@ -9,7 +9,8 @@ rewrites what is between them::
 holding a dot goes in brackets: ``summary.by_budget[0.1]``); the optional format is a
 :meth:`str.format` pattern (default ``{}``). Pseudo-keys read the run's environment record (``env``,
 or ``environment`` in older files): ``@date`` (the run's day), ``@machine`` (architecture and
-cores), ``@commit`` (short commit, when recorded).
+cores), ``@cpu`` (the CPU's model and its widest matrix instructions: the kind a result holds on),
+``@commit`` (short commit, when recorded).
 
     python docs/headlines.py            # rewrite the values in README.md and docs/**/*.md
     python docs/headlines.py --check    # exit 1 listing every value that differs from its file
@@ -71,9 +72,29 @@ def _pseudo(data: dict, key: str) -> Any:
     if key == "@machine":
         cores = env.get("cpu_count") or env.get("cores")
         return f"{env['machine']}, {cores} cores" if cores else env["machine"]
+    if key == "@cpu":
+        return cpu_kind(env)
     if key == "@commit":
         return (env.get("git") or {})["commit"][:10]
     raise KeyError(key)
+
+
+def cpu_kind(env: dict) -> str:
+    """``AMD EPYC, AVX512-BF16 without AMX``: the CPU a run recorded, by the instructions that set
+    its kernels' paths (runs differ by CPU kind, docs/models.md)."""
+    model = " ".join(str(env.get("cpu_model") or "").replace("(R)", "").replace("(TM)", "").split())
+    if not model:
+        raise KeyError("cpu_model")
+    flags = env.get("cpu_flags") or {}
+    if flags.get("amx_bf16"):
+        isa = "AMX-BF16"
+    elif flags.get("avx512_bf16"):
+        isa = "AVX512-BF16 without AMX"
+    elif flags.get("avx512f"):
+        isa = "AVX-512 without bfloat16"
+    else:
+        isa = "AVX2" if flags.get("avx2") else "no AVX2"
+    return f"{model}, {isa}"
 
 
 def lookup(name: str, path: str) -> Any:

@@ -58,6 +58,16 @@ def test_a_value_that_differs_from_its_results_file_is_reported_and_rewritten(tm
     assert "-->2.35x<!-- /value -->" in page.read_text() and headlines.main(["--check", str(page)]) == 0
 
 
+def test_cpu_kind_names_the_model_and_its_matrix_instructions():
+    xeon = {"cpu_model": "Intel(R) Xeon(R) Processor", "cpu_flags": {"avx512_bf16": True, "amx_bf16": True}}
+    epyc = {"cpu_model": "AMD EPYC", "cpu_flags": {"avx2": True, "avx512f": True, "avx512_bf16": True}}
+    assert headlines.cpu_kind(xeon) == "Intel Xeon Processor, AMX-BF16"
+    assert headlines.cpu_kind(epyc) == "AMD EPYC, AVX512-BF16 without AMX"
+    assert headlines.cpu_kind({"cpu_model": "X", "cpu_flags": {"avx2": True}}) == "X, AVX2"
+    with pytest.raises(KeyError):  # an older record without the model: the marker fails, never guesses
+        headlines.cpu_kind({"machine": "x86_64"})
+
+
 @pytest.mark.parametrize(
     "marker, message",
     [
