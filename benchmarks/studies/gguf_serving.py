@@ -13,6 +13,11 @@ Memory: RSS of the scheduler process (the one holding the weights), split into a
 file-backed pages (the GGUF file is memory-mapped: its pages count as RssFile once touched).
 
     python -m benchmarks.studies.gguf_serving            # ~7 min on 2 cores
+    python -m benchmarks.studies.gguf_serving --prefill-dtype float32 --out gguf_serving_fp32prefill
+
+``--prefill-dtype`` is every server's ``--loopkv-prefill-dtype`` (the float32 weights ignore it): ``auto``
+runs the GGUF servers' prefills on bfloat16 units where the CPU has them, so their greedy tokens can part
+from float32's at a near-tie; ``float32`` keeps the dequantized model's arithmetic throughout.
 """
 
 from __future__ import annotations
@@ -49,6 +54,10 @@ def system_args(name: str) -> list[str]:
     return [*ARGS, "--loopkv-weights", name]
 
 
+def with_prefill_dtype(args: list[str], dtype: str) -> list[str]:
+    return [*args, "--loopkv-prefill-dtype", dtype]
+
+
 def scheduler_memory(srv: ServerProcess) -> dict:
     """MB of the server's largest process (the scheduler): RSS, RssAnon, RssFile."""
     procs = [psutil.Process(p) for p in srv.pids()]
@@ -75,10 +84,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--gen", type=int, default=64, help="tokens streamed per repeat")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--prefill-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--out", default="gguf_serving", help="results name under benchmarks/results/studies/")
     args = ap.parse_args()
     ids = [random.Random(0).randrange(100, 40000) for _ in range(args.context)]
     logs = Path(tempfile.mkdtemp(prefix="gguf-serving-"))
-    servers = {w: ServerProcess(system_args(w), log_path=logs / f"{w}.log") for w in SYSTEMS}
+    servers = {
+        w: ServerProcess(with_prefill_dtype(system_args(w), args.prefill_dtype), log_path=logs / f"{w}.log")
+        for w in SYSTEMS
+    }
     res: dict[str, dict] = {w: {"intervals": [], "outputs": []} for w in SYSTEMS}
     try:
         for w, srv in servers.items():
@@ -126,6 +140,7 @@ def main() -> None:
     md = (
         f"# GGUF blocks vs float32 weights, served (SmolLM2-135M-Instruct, Q4_1)\n\n"
         f"One request, {args.context}-token context prefilled untimed, {args.repeats} x {args.gen} greedy tokens streamed, "
+        f"`--loopkv-prefill-dtype {args.prefill_dtype}`, "
         f"the servers alternating; scheduler memory after the prefill; start-up = spawn to first answer "
         f"(the servers started one after another). One run.\n\n"
         + md_table(["weights", "start-up s", "TPOT median ms", "tokens", "RSS MB", "anon MB", "file MB"], rows)
@@ -137,7 +152,7 @@ def main() -> None:
             for w, t in (("gguf", ""), ("gguf_file", "_file"))
         )
     )
-    write_results("gguf_serving", payload, md)
+    write_results(args.out, payload, md)
     print(md)
 
 
