@@ -1,9 +1,10 @@
-"""The default model served from its GGUF blocks next to its converted float32 weights (``float32``, the
-default): ``gguf`` (``--loopkv-weights gguf``: SGLang loads the converted folder, the blocks replace its
-float weights) and ``gguf_file`` (``--model-path`` the GGUF file itself: SGLang's GGUF loader, no
-converted folder; ``--kv-cache-dtype auto``: a float32 pool like the others, not the GGUF start's bfloat16
-default). Start-up (spawn to first answer), decode TPOT of one request at a ~2K context, the
-scheduler's memory after warm-up, and whether they serve the same greedy tokens.
+"""The default model served from its GGUF blocks next to its converted float32 weights (``float32``):
+``gguf`` (``--model-path`` the converted folder, ``--loopkv-weights gguf``: SGLang loads the folder, the
+blocks replace its float weights), ``gguf_file`` (``--model-path`` the GGUF file itself: SGLang's GGUF
+loader, no converted folder; ``--kv-cache-dtype auto``: a float32 pool like the others) and
+``gguf_plain`` (a plain start: the same file with the launcher's defaults, a bfloat16 KV pool). Start-up
+(spawn to first answer), decode TPOT of one request at a ~2K context, the scheduler's memory after
+warm-up, and whether they serve the same greedy tokens as ``float32``.
 
 The servers run at once (same flags otherwise; started one after another) and the timed requests
 alternate between them, one at a time, so drift in the machine's load hits all alike. Per server the context is prefilled once, untimed
@@ -37,20 +38,21 @@ from benchmarks.studies import write_results
 from sgl_loopkv.server.process import ServerProcess
 
 ARGS = ["--max-total-tokens", "16384", "--mem-fraction-static", "0.5", "--dtype", "float32"]
-SYSTEMS = ("float32", "gguf", "gguf_file")
+SYSTEMS = ("float32", "gguf", "gguf_file", "gguf_plain")
+#: The GGUF rows and their summary keys' suffixes.
+TAGS = (("gguf", ""), ("gguf_file", "_file"), ("gguf_plain", "_plain"))
 
 
 def system_args(name: str) -> list[str]:
-    if name == "gguf_file":
-        from sgl_loopkv.models import default_model_gguf
+    from sgl_loopkv.config import default_cache_dir
+    from sgl_loopkv.models import default_model_gguf, ensure_default_model
 
-        return [
-            "--model-path",
-            str(default_model_gguf()),
-            *ARGS,
-            "--kv-cache-dtype",
-            "auto",
-        ]  # float32 KV, as the others
+    if name == "gguf_file":
+        return ["--model-path", str(default_model_gguf()), *ARGS, "--kv-cache-dtype", "auto"]
+    if name == "gguf_plain":
+        return ["--model-path", str(default_model_gguf()), *ARGS]
+    if name == "gguf":  # named: without a model path the launcher serves the file itself (the plain start)
+        return ["--model-path", str(ensure_default_model(default_cache_dir())), *ARGS, "--loopkv-weights", "gguf"]
     return [*ARGS, "--loopkv-weights", name]
 
 
@@ -116,7 +118,7 @@ def main() -> None:
         res[w]["n_tokens"] = len(iv)
     f32 = res["float32"]
     summary = {}
-    for w, tag in (("gguf", ""), ("gguf_file", "_file")):
+    for w, tag in TAGS:
         q = res[w]
         same = sum(a == b for a, b in zip(f32["outputs"][0], q["outputs"][0]))
         summary |= {
@@ -149,7 +151,7 @@ def main() -> None:
             f"\n{w}: TPOT float32 / {w} **{summary[f'tpot_ratio_float32_over_gguf{t}']:.2f}x**, RSS float32 / {w} "
             f"**{summary[f'rss_ratio_float32_over_gguf{t}']:.2f}x**, start-up {w} / float32 "
             f"{summary[f'startup_ratio_gguf{t}_over_float32']:.2f}x, greedy tokens equal {summary[f'greedy_tokens_equal{t}']}.\n"
-            for w, t in (("gguf", ""), ("gguf_file", "_file"))
+            for w, t in TAGS
         )
     )
     write_results(args.out, payload, md)
