@@ -35,6 +35,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
 
+#include "bf16_brgemm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -809,52 +811,8 @@ torch::Tensor gemm_dequant(torch::Tensor x, torch::Tensor w, int64_t type, c10::
 constexpr int64_t PACK_N = 64;
 constexpr int64_t BLOCK_M = 64;
 
-// How B reaches oneDNN's brgemm on this CPU: packed by oneDNN (AMX), in the VNNI pair layout
-// [K/2][PACK_N][2] the AVX512-BF16 dot products read (oneDNN packs bfloat16 only for AMX, but its brgemm
-// runs on AVX512-BF16 too), or no bfloat16 brgemm at all. Probed once with a product checked against its
-// exact value, so a CPU or oneDNN that cannot run it takes the tile path rather than an error.
-enum class Bf16Layout { kNone, kPacked, kVnni };
-
-Bf16Layout probe_bf16_layout() {
-  if (at::native::cpublas::could_pack(at::kBFloat16)) return Bf16Layout::kPacked;
-  constexpr int64_t K = 4;
-  std::vector<at::BFloat16> a(K), b(K / 2 * PACK_N * 2);
-  std::vector<float> c(PACK_N, 0.f);
-  for (int64_t k = 0; k < K; ++k) a[k] = at::BFloat16(static_cast<float>(k + 1));
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < PACK_N; ++n) b[(k / 2 * PACK_N + n) * 2 + k % 2] = at::BFloat16(static_cast<float>(n - k));
-  try {
-    at::native::cpublas::brgemm(1, PACK_N, K, K, PACK_N, PACK_N, false, a.data(), b.data(), c.data(), true);
-    at::native::cpublas::brgemm_release(true);
-  } catch (const std::exception&) {
-    return Bf16Layout::kNone;
-  }
-  for (int64_t n = 0; n < PACK_N; ++n) {
-    float want = 0.f;
-    for (int64_t k = 0; k < K; ++k) want += static_cast<float>((k + 1) * (n - k));
-    if (c[n] != want) return Bf16Layout::kNone;
-  }
-  return Bf16Layout::kVnni;
-}
-
-Bf16Layout bf16_layout() {
-  static const Bf16Layout layout = probe_bf16_layout();
-  return layout;
-}
-
-// B [K, N] (leading dimension ld) into what brgemm reads: oneDNN's packing, or the pair layout
-// [K/2][N][2] (element (k, n) at ((k / 2) * N + n) * 2 + k % 2).
-void pack_b(int64_t K, int64_t N, int64_t ld, const at::BFloat16* src, at::BFloat16* dst) {
-  if (bf16_layout() == Bf16Layout::kPacked) {
-    at::native::cpublas::pack(K, N, ld, N, at::kBFloat16, at::kBFloat16, src, dst);
-    return;
-  }
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < N; ++n) dst[((k >> 1) * N + n) * 2 + (k & 1)] = src[k * ld + n];
-}
-
 bool gemm_bf16_fits(int64_t N, int64_t K) {
-  return N % PACK_N == 0 && K % 2 == 0 && bf16_layout() != Bf16Layout::kNone;
+  return N % PACK_N == 0 && K % 2 == 0 && loopkv_bf16::available();
 }
 
 torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, c10::optional<torch::Tensor> bias) {
@@ -878,7 +836,7 @@ torch::Tensor gemm_bf16(torch::Tensor x, torch::Tensor w, int64_t type, c10::opt
       });
       for (int64_t k = 0; k < K; ++k)
         for (int64_t r = 0; r < PACK_N; ++r) kn[k * PACK_N + r] = at::BFloat16(rows[r * K + k]);
-      pack_b(K, PACK_N, PACK_N, kn.data(), pp + t * K * PACK_N);
+      loopkv_bf16::pack_b(K, PACK_N, PACK_N, kn.data(), pp + t * K * PACK_N);
     }
   });
   torch::Tensor out = at::empty({M, N}, x.options());

@@ -26,6 +26,8 @@
 #include <ATen/native/CPUBlas.h>
 #include <torch/extension.h>
 
+#include "bf16_brgemm.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -81,51 +83,7 @@ inline void split_row(const float* x, int64_t count, uint16_t* hi, uint16_t* lo)
 
 }  // namespace
 
-// How B reaches oneDNN's brgemm on this CPU: packed by oneDNN (AMX), in the VNNI pair layout
-// [K/2][PACK_N][2] the AVX512-BF16 dot products read (oneDNN packs bfloat16 only for AMX, but its brgemm
-// runs on AVX512-BF16 too), or no bfloat16 brgemm at all. Probed once with a product checked against its
-// exact value, so a CPU or oneDNN that cannot run it takes the tile path rather than an error.
-enum class Bf16Layout { kNone, kPacked, kVnni };
-
-Bf16Layout probe_bf16_layout() {
-  if (at::native::cpublas::could_pack(at::kBFloat16)) return Bf16Layout::kPacked;
-  constexpr int64_t K = 4;
-  std::vector<at::BFloat16> a(K), b(K / 2 * PACK_N * 2);
-  std::vector<float> c(PACK_N, 0.f);
-  for (int64_t k = 0; k < K; ++k) a[k] = at::BFloat16(static_cast<float>(k + 1));
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < PACK_N; ++n) b[(k / 2 * PACK_N + n) * 2 + k % 2] = at::BFloat16(static_cast<float>(n - k));
-  try {
-    at::native::cpublas::brgemm(1, PACK_N, K, K, PACK_N, PACK_N, false, a.data(), b.data(), c.data(), true);
-    at::native::cpublas::brgemm_release(true);
-  } catch (const std::exception&) {
-    return Bf16Layout::kNone;
-  }
-  for (int64_t n = 0; n < PACK_N; ++n) {
-    float want = 0.f;
-    for (int64_t k = 0; k < K; ++k) want += static_cast<float>((k + 1) * (n - k));
-    if (c[n] != want) return Bf16Layout::kNone;
-  }
-  return Bf16Layout::kVnni;
-}
-
-Bf16Layout bf16_layout() {
-  static const Bf16Layout layout = probe_bf16_layout();
-  return layout;
-}
-
-// B [K, N] (leading dimension ld) into what brgemm reads: oneDNN's packing, or the pair layout
-// [K/2][N][2] (element (k, n) at ((k / 2) * N + n) * 2 + k % 2).
-void pack_b(int64_t K, int64_t N, int64_t ld, const at::BFloat16* src, at::BFloat16* dst) {
-  if (bf16_layout() == Bf16Layout::kPacked) {
-    at::native::cpublas::pack(K, N, ld, N, at::kBFloat16, at::kBFloat16, src, dst);
-    return;
-  }
-  for (int64_t k = 0; k < K; ++k)
-    for (int64_t n = 0; n < N; ++n) dst[((k >> 1) * N + n) * 2 + (k & 1)] = src[k * ld + n];
-}
-
-bool available() { return bf16_layout() != Bf16Layout::kNone; }
+bool available() { return loopkv_bf16::available(); }
 
 torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
   TORCH_CHECK(available(), "prefill attention: no bfloat16 brgemm on this CPU (AMX or AVX512-BF16)");
@@ -163,10 +121,10 @@ torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, dou
       }
       at::BFloat16* kdst = kpp + it * 2 * d * TILE;
       for (int64_t c0 = 0; c0 < TILE; c0 += PACK_N)
-        pack_b(2 * d, PACK_N, TILE, kt.data() + c0, kdst + c0 * 2 * d);
+        loopkv_bf16::pack_b(2 * d, PACK_N, TILE, kt.data() + c0, kdst + c0 * 2 * d);
       at::BFloat16* vdst = vpp + it * 2 * TILE * d;
       for (int64_t c0 = 0; c0 < d; c0 += PACK_N)
-        pack_b(2 * TILE, PACK_N, d, vt.data() + c0, vdst + c0 * 2 * TILE);
+        loopkv_bf16::pack_b(2 * TILE, PACK_N, d, vt.data() + c0, vdst + c0 * 2 * TILE);
     }
   });
 
