@@ -23,7 +23,9 @@ Per configuration: the history is stored, then one untimed evict + resume (warm-
 and scores full_load's 128 tokens teacher-forced. The servers of one history length and tier run side
 by side (:func:`run_group`): each round of resumes visits every one of them in turn, so a slow spell of
 this shared machine (whole minutes ~30% slower have been seen) lands on every system of a ratio alike
-instead of on whichever server ran then.
+instead of on whichever server ran then. A TTFT ratio between two systems of a group (``full load
+(same tier) / x`` and the ``ttft_full_load_over_*`` figures) is the median of their per-round ratios
+(:func:`paired_ratio`).
 Fidelity vs full_load (host): ``greedy_agreement`` = share of the 128 reference positions where the
 system's top-1 token given the reference prefix (teacher forced) is the reference's own teacher-forced
 top-1 (on the float32 path, its greedy token); ``prefix_agreement`` =
@@ -47,7 +49,7 @@ bytes of the history over the measured sequential read bandwidth with the page c
 measured in this process at the start of the run, :mod:`benchmarks.harness.bandwidth`).
 ``resume_over_limit`` = TTFT / limit.
 
-    python -m benchmarks.restore                 # 2K/4K/8K, 3 repeats
+    python -m benchmarks.restore                 # 2K/4K/8K, 7 repeats
     python -m benchmarks.restore --quick         # 4K only, 1 repeat
     python -m benchmarks.restore --resume        # go on from where a killed run of this commit stopped
 """
@@ -307,6 +309,18 @@ def run_group(runs: list[ResumeRun], repeats: int, ref: dict | None) -> None:
             x.srv.stop()
 
 
+def paired_ratio(base: dict, other: dict) -> float | None:
+    """``base``'s TTFT over ``other``'s, two results of one group (every round of resumes visits both,
+    side by side): the median of their per-round ratios, so that the machine's drift between rounds
+    cancels; the ratio of their medians where the rounds do not pair."""
+    a, b = base.get("ttfts_s"), other.get("ttfts_s")
+    if a and b and len(a) == len(b):
+        return median([x / y for x, y in zip(a, b)])
+    if base.get("ttft_s") is None or other.get("ttft_s") is None:
+        return None
+    return base["ttft_s"] / other["ttft_s"]
+
+
 def add_limit(r: dict, tier: str, L: int, pool_bytes_per_token: int, bw: dict) -> None:
     """``limit_s`` (hot TTFT + the history's bytes over the tier's bandwidth), ``resume_over_limit``
     and ``other_s``: the TTFT none of the measured stages or the hot run explains."""
@@ -370,7 +384,7 @@ def report_md(p: dict) -> str:
                     tier,
                     r["ttft_s"],
                     results["full_recompute"]["-"][L]["ttft_s"] / r["ttft_s"] if "full_recompute" in results else "-",
-                    results["full_load"][tier if tier != "-" else "host"][L]["ttft_s"] / r["ttft_s"],
+                    paired_ratio(results["full_load"][tier if tier != "-" else "host"][L], r),
                     f"{r['front_first']:.0f}..{r['front_last']:.0f}" if "front_first" in r else "-",
                     r.get("bubble_fraction", "-"),
                     r.get("bytes_per_token", "-"),
@@ -568,11 +582,15 @@ def run(args, env: dict) -> dict:
     def over(a, b):
         return None if a is None or b is None else a / b
 
+    def load_over(name, tier="host", L=4096):  # full_load's TTFT over name's, round by round
+        a, b = results.get("full_load", {}).get(tier, {}).get(L), results.get(name, {}).get(tier, {}).get(L)
+        return None if a is None or b is None else paired_ratio(a, b)
+
     def system_summary(name: str) -> dict:
         res = results[name]
         every = [res[t][L] for t in res for L in lengths]
         limits = [r["resume_over_limit"] for r in every if "resume_over_limit" in r]
-        vs_load = [over(ttft("full_load", t, L), ttft(name, t, L)) for t in ("host", "disk") for L in lengths]
+        vs_load = [load_over(name, t, L) for t in ("host", "disk") for L in lengths]
         return {
             "storage_reduction": fp32_kv_bytes / median([res["host"][L]["bytes_per_token"] for L in lengths])
             if "host" in res
@@ -588,8 +606,8 @@ def run(args, env: dict) -> dict:
             "first_token_kl_max": max(r["first_token_kl"] for r in every),
             "bubble_fraction": median([r["bubble_fraction"] for r in every]),
             "ttft_recompute_over_it_4k": over(ttft("full_recompute", "-"), ttft(name)),
-            "ttft_full_load_over_it_4k": over(ttft("full_load"), ttft(name)),
-            "ttft_full_load_over_it_4k_disk": over(ttft("full_load", "disk"), ttft(name, "disk")),
+            "ttft_full_load_over_it_4k": load_over(name),
+            "ttft_full_load_over_it_4k_disk": load_over(name, "disk"),
             # every history size and tier: the planner's choice against its simplest candidate
             "ttft_full_load_over_it_min": min((v for v in vs_load if v is not None), default=None),
             "resume_over_limit_max": max(limits, default=None),
@@ -646,7 +664,7 @@ BENCH = cli.Benchmark("restore", run, report_md, plot)
 def main() -> None:
     ap = cli.parser(BENCH, __doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8000])
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="4K only, 1 repeat")
     ap.add_argument("--weights", choices=list(WEIGHT_FLAGS), default="default",
                     help="default: a plain start (GGUF blocks, bfloat16 KV pool); float32: the float32 conversion and pool")  # fmt: skip

@@ -1,10 +1,13 @@
-// Disk reads of a chunk-pruned restore straight into the KV pool (CPU): see chunk_io.py.
+// Disk reads straight into their destinations (CPU): a chunk-pruned restore's into the KV pool, a
+// whole segment's into its rows tensors. See chunk_io.py.
 //
 // A segment file stores each (chunk, layer) extent as the chunk's K rows then its V rows (one
-// pool page each), padded to a sector, and a crc32 per extent in its header. read_extents reads
-// runs of extents with preadv, each extent's K and V landing in the pool pages chosen for it (the
-// padding in a scratch buffer), then checks every extent's crc32 over the bytes it read. All of it
-// runs without the GIL: the forward's Python thread keeps it while a restore reads.
+// pool page each; an int8 tier's values, then their scales), padded to a sector, and a crc32 per
+// extent in its header. read_extents reads runs of extents with preadv, each piece of an extent
+// landing where the caller chose (pool pages, or a whole read's rows tensors: no buffer in file
+// order copied again; the padding in a scratch buffer), then checks every extent's crc32 over the
+// bytes it read. All of it runs without the GIL: the forward's Python thread keeps it while a
+// restore reads.
 //
 // copy_spans copies a host-tier history's chunks into their pool pages the same way (one memcpy
 // per chunk's K or V rows, no gathered temporary, no GIL).
@@ -15,7 +18,9 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -57,20 +62,31 @@ bool use_crc32(const std::string& path, const std::string& symbol, bool zlib_abi
 bool available() { return ng_crc32 != nullptr || z_crc32 != nullptr; }
 
 // blocks [nb, 2] int64: a read's file offset and its extent count (the extents follow one another
-// in the file); extents are numbered across blocks in order. targets [n, 2] int64: each extent's K
-// and V destination addresses (``half`` bytes each); crcs [n] int64: each extent's stored crc32.
-// -> (ok [n] bool: read whole and checksum equal, bytes read).
-std::tuple<torch::Tensor, int64_t> read_extents(
-    int64_t fd, const torch::Tensor& blocks, const torch::Tensor& targets, const torch::Tensor& crcs, int64_t half,
-    int64_t extent_bytes) {
+// in the file); extents are numbered across blocks in order. An extent is P pieces of sizes[p] bytes
+// each (a float tier's K rows then V rows: P = 2; an int8 tier's K and V values then K and V scales:
+// P = 4), then padding to extent_bytes. targets [n, P] int64: each extent's piece destinations;
+// crcs [n] int64: each extent's stored crc32 (over its pieces and padding, in file order).
+// -> (ok [n] bool: read whole and checksum equal, bytes read, seconds in preadv, seconds in crc32).
+std::tuple<torch::Tensor, int64_t, double, double> read_extents(
+    int64_t fd, const torch::Tensor& blocks, const torch::Tensor& targets, const torch::Tensor& crcs,
+    const torch::Tensor& sizes, int64_t extent_bytes) {
   TORCH_CHECK(available(), "read_extents: no crc32 (use_crc32 first)");
   TORCH_CHECK(blocks.dtype() == torch::kInt64 && blocks.dim() == 2 && blocks.size(1) == 2 && blocks.is_contiguous(),
               "blocks must be contiguous int64 [nb, 2]");
+  TORCH_CHECK(sizes.dtype() == torch::kInt64 && sizes.dim() == 1 && sizes.numel() >= 1 && sizes.is_contiguous(),
+              "sizes must be int64 [P]");
+  const int64_t P = sizes.numel();
   const int64_t n = targets.size(0);
-  TORCH_CHECK(targets.dtype() == torch::kInt64 && targets.dim() == 2 && targets.size(1) == 2 &&
-                  targets.is_contiguous(), "targets must be contiguous int64 [n, 2]");
+  TORCH_CHECK(targets.dtype() == torch::kInt64 && targets.dim() == 2 && targets.size(1) == P &&
+                  targets.is_contiguous(), "targets must be contiguous int64 [n, P]");
   TORCH_CHECK(crcs.dtype() == torch::kInt64 && crcs.numel() == n && crcs.is_contiguous(), "crcs must be int64 [n]");
-  TORCH_CHECK(half > 0 && extent_bytes >= 2 * half, "extent_bytes must hold K and V");
+  const int64_t* size = sizes.data_ptr<int64_t>();
+  int64_t used = 0;
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(size[p] > 0, "piece sizes must be positive");
+    used += size[p];
+  }
+  TORCH_CHECK(extent_bytes >= used, "extent_bytes must hold the pieces");
   const int64_t* b = blocks.data_ptr<int64_t>();
   const int64_t nb = blocks.size(0);
   int64_t total = 0;
@@ -81,44 +97,50 @@ std::tuple<torch::Tensor, int64_t> read_extents(
   bool* okp = ok.data_ptr<bool>();
   const int64_t* t = targets.data_ptr<int64_t>();
   const int64_t* want = crcs.data_ptr<int64_t>();
-  const int64_t pad = extent_bytes - 2 * half;
-  const int per_extent = pad ? 3 : 2;
-  const int64_t per_call = IOV_MAX / per_extent;  // extents one preadv takes
+  const int64_t pad = extent_bytes - used;
+  const int64_t per_extent = P + (pad ? 1 : 0);
+  const int64_t per_call = std::max<int64_t>(IOV_MAX / per_extent, 1);  // extents one preadv takes
   std::vector<unsigned char> scratch(pad ? pad * per_call : 0);
   std::vector<iovec> iov;
   iov.reserve(per_call * per_extent);
   int64_t bytes = 0, e = 0;
+  double read_s = 0.0, crc_s = 0.0;
+  using clock = std::chrono::steady_clock;
   for (int64_t i = 0; i < nb; ++i) {
     int64_t offset = b[2 * i];
     for (int64_t left = b[2 * i + 1]; left > 0;) {
       const int64_t m = std::min(left, per_call);
       iov.clear();
       for (int64_t j = 0; j < m; ++j) {
-        iov.push_back({reinterpret_cast<void*>(t[2 * (e + j)]), static_cast<size_t>(half)});
-        iov.push_back({reinterpret_cast<void*>(t[2 * (e + j) + 1]), static_cast<size_t>(half)});
+        for (int64_t p = 0; p < P; ++p)
+          iov.push_back({reinterpret_cast<void*>(t[P * (e + j) + p]), static_cast<size_t>(size[p])});
         if (pad) iov.push_back({scratch.data() + j * pad, static_cast<size_t>(pad)});
       }
+      const auto t0 = clock::now();
       ssize_t got;
       do {
         got = preadv(static_cast<int>(fd), iov.data(), static_cast<int>(iov.size()), offset);
       } while (got < 0 && errno == EINTR);
       if (got < 0) throw std::runtime_error(std::string("read_extents: preadv failed: ") + std::strerror(errno));
+      const auto t1 = clock::now();
       bytes += got;
       const int64_t whole = std::min<int64_t>(got / extent_bytes, m);  // a short read: the rest stay not ok
       for (int64_t j = 0; j < whole; ++j) {
-        const auto* k = reinterpret_cast<const unsigned char*>(t[2 * (e + j)]);
-        const auto* v = reinterpret_cast<const unsigned char*>(t[2 * (e + j) + 1]);
-        uint32_t c = crc32_of(0, k, half);
-        c = crc32_of(c, v, half);
+        uint32_t c = 0;
+        for (int64_t p = 0; p < P; ++p)
+          c = crc32_of(c, reinterpret_cast<const unsigned char*>(t[P * (e + j) + p]), size[p]);
         if (pad) c = crc32_of(c, scratch.data() + j * pad, pad);
         okp[e + j] = static_cast<int64_t>(c) == want[e + j];
       }
+      read_s += std::chrono::duration<double>(t1 - t0).count();
+      crc_s += std::chrono::duration<double>(clock::now() - t1).count();
+      if (whole < m) return {ok, bytes, read_s, crc_s};  // end of file: nothing more to read
       e += m;
       left -= m;
       offset += m * extent_bytes;
     }
   }
-  return {ok, bytes};
+  return {ok, bytes, read_s, crc_s};
 }
 
 // spans [n, 2] int64: destination and source addresses of ``nbytes`` each (they never overlap).

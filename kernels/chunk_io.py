@@ -1,11 +1,13 @@
-"""Disk reads of chunk-pruned restores straight into the KV pool (``chunk_io.cpp``), built by
-:mod:`sgl_loopkv.kernels.native`.
+"""Disk reads straight into their destinations (``chunk_io.cpp``), built by
+:mod:`sgl_loopkv.kernels.native`: a chunk-pruned restore's extents into KV pool pages, a whole
+segment's into the rows tensors it becomes (no buffer in file order copied again).
 
 Why native: a restore's reader thread shares the GIL with the forward. Read in Python, each extent
 took a ``preadv`` into a buffer, a ``crc32`` call and a share of a copy into its pool page, every
 one a GIL hand-off, and the forward's Python waited for them (``docs/decisions/2026-11-28-native-chunk-reads.md``).
-:func:`load` returns the compiled module (``read_extents(fd, blocks, targets, crcs,
-half, extent_bytes) -> (ok, bytes)``, run without the GIL) or None: callers then read in Python
+:func:`load` returns the compiled module (``read_extents(fd, blocks, targets, crcs, sizes,
+extent_bytes) -> (ok, bytes, preadv seconds, crc32 seconds)``, run without the GIL) or None: callers
+then read in Python
 (``LOOPKV_NATIVE_CHUNK_IO=0`` turns it off).
 """
 

@@ -6,8 +6,8 @@
 // index_copy_ into the pool, so each byte of the pool was written twice and read once more; here
 // each stored byte is read once and each pool byte written once, the decode in registers. The GIL
 // is released for the call. load_layer copies one layer on the calling thread (a loader thread
-// beside the forward must not take the forward's cores); load_layers copies every layer of a part,
-// split over torch's threads (a resume that loads before its forward).
+// beside the forward must not take the forward's cores); load_layers copies every layer of every
+// part, in pieces of rows split over torch's threads (a resume that loads before its forward).
 //
 // Pools: float32 or bfloat16. Exactness: a row stored in the pool's dtype is copied bit for bit; an
 // int8 element becomes float(q) * scale rounded once, the product torch.mul(int8, float32) computes,
@@ -23,6 +23,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <array>
 #include <cstring>
 #include <vector>
 
@@ -131,43 +133,64 @@ int64_t pool_bytes(const torch::Tensor& src, const torch::Tensor& dst) {
 
 template <typename T>
 void decode_rows(const torch::Tensor& src, const torch::Tensor& sc, const int64_t* slots, torch::Tensor& dst,
-                 bool stream) {
-  const int64_t n = src.size(0), heads = src.size(1), dim = src.size(2), width = heads * dim;
+                 int64_t r0, int64_t r1, bool stream) {
+  const int64_t heads = src.size(1), dim = src.size(2), width = heads * dim;
   const int8_t* q = src.data_ptr<int8_t>();
   const float* s = sc.data_ptr<float>();
   T* out = dst.data_ptr<T>();
-  for (int64_t i = 0; i < n; ++i)
+  for (int64_t i = r0; i < r1; ++i)
     dequant_row<T>(q + i * src.stride(0), s + i * sc.stride(0), out + slots[i] * width, heads, dim, stream);
+}
+
+void check_slots(const torch::Tensor& src, const int64_t* slots, const torch::Tensor& dst) {
+  const int64_t n = src.size(0), capacity = dst.size(0);
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < capacity, "kv_load: slot out of range");
+}
+
+void check_scale(const torch::Tensor& src, const c10::optional<torch::Tensor>& scale) {
+  if (src.scalar_type() == torch::kChar) {
+    TORCH_CHECK(scale.has_value(), "kv_load: rows in the pool's dtype, or int8 with their scales");
+    const torch::Tensor& sc = *scale;
+    TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.dim() == 2 && sc.size(0) == src.size(0) &&
+                    sc.size(1) == src.size(1) && sc.stride(1) == 1,
+                "kv_load: scales [T, H] float32");
+  }
+}
+
+// Rows [r0, r1) of one layer's K or V (checked: check_slots, check_scale).
+void rows(const torch::Tensor& src, const c10::optional<torch::Tensor>& scale, const int64_t* slots, torch::Tensor& dst,
+          int64_t r0, int64_t r1, bool stream) {
+  if (src.scalar_type() == dst.scalar_type()) {  // stored as the pool keeps it: bytes copied
+    const int64_t row = src.size(1) * src.size(2) * dst.element_size();
+    const char* in = static_cast<const char*>(src.data_ptr());
+    char* out = static_cast<char*>(dst.data_ptr());
+    const int64_t stride = src.stride(0) * src.element_size();
+    for (int64_t i = r0; i < r1;) {  // a run of consecutive slots from consecutive rows is one copy
+      int64_t j = i + 1;
+      while (j < r1 && slots[j] == slots[j - 1] + 1 && stride == row) ++j;
+      copy_bytes(out + slots[i] * row, in + i * stride, row * (j - i), stream);
+      i = j;
+    }
+  } else if (dst.scalar_type() == torch::kFloat) {
+    decode_rows<float>(src, *scale, slots, dst, r0, r1, stream);
+  } else {
+    decode_rows<c10::BFloat16>(src, *scale, slots, dst, r0, r1, stream);
+  }
+  if (stream) fence_streamed();
 }
 
 void one(const torch::Tensor& src, const c10::optional<torch::Tensor>& scale, const int64_t* slots,
          torch::Tensor& dst, bool stream) {
-  const int64_t n = src.size(0), heads = src.size(1), dim = src.size(2);
-  const int64_t capacity = dst.size(0), row = heads * dim * dst.element_size();
-  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(slots[i] >= 0 && slots[i] < capacity, "kv_load: slot out of range");
-  if (src.scalar_type() == dst.scalar_type()) {  // stored as the pool keeps it: bytes copied
-    const char* in = static_cast<const char*>(src.data_ptr());
-    char* out = static_cast<char*>(dst.data_ptr());
-    const int64_t stride = src.stride(0) * src.element_size();
-    for (int64_t i = 0; i < n;) {  // a run of consecutive slots from consecutive rows is one copy
-      int64_t j = i + 1;
-      while (j < n && slots[j] == slots[j - 1] + 1 && stride == row) ++j;
-      copy_bytes(out + slots[i] * row, in + i * stride, row * (j - i), stream);
-      i = j;
-    }
-    if (stream) fence_streamed();
-    return;
-  }
-  TORCH_CHECK(src.scalar_type() == torch::kChar && scale.has_value(),
+  check_slots(src, slots, dst);
+  TORCH_CHECK(src.scalar_type() == dst.scalar_type() || src.scalar_type() == torch::kChar,
               "kv_load: rows in the pool's dtype, or int8 with their scales");
-  const torch::Tensor& sc = *scale;
-  TORCH_CHECK(sc.scalar_type() == torch::kFloat && sc.dim() == 2 && sc.size(0) == n && sc.size(1) == heads &&
-                  sc.stride(1) == 1,
-              "kv_load: scales [T, H] float32");
-  if (dst.scalar_type() == torch::kFloat) decode_rows<float>(src, sc, slots, dst, stream);
-  else decode_rows<c10::BFloat16>(src, sc, slots, dst, stream);
-  if (stream) fence_streamed();
+  check_scale(src, scale);
+  rows(src, scale, slots, dst, 0, src.size(0), stream);
 }
+
+// Rows of a layer a work item of load_layers copies: the layers of a resume's parts differ in length
+// (a long history and a short last turn), so work is split by rows, not by layer.
+constexpr int64_t ROWS_PER_ITEM = 512;
 
 }  // namespace
 
@@ -193,7 +216,7 @@ void load_layer(torch::Tensor k_src, torch::Tensor v_src, c10::optional<torch::T
   one(v_src, v_scale, sl, v_dst, stream);
 }
 
-// Every layer of a part at once, the layers split over torch's threads: what a CPU resume runs on
+// Every layer of every part at once, split by rows over torch's threads: what a CPU resume runs on
 // the scheduler thread before the forward (cache/loader.py says why not beside it). Arguments as
 // load_layer's, one list entry per layer (empty scale lists for rows in the pool's dtype).
 void load_layers(std::vector<torch::Tensor> k_src, std::vector<torch::Tensor> v_src, std::vector<torch::Tensor> k_scale,
@@ -235,11 +258,16 @@ void load_layers(std::vector<torch::Tensor> k_src, std::vector<torch::Tensor> v_
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) total += pool_bytes(k_src[i], k_dst[i]) + pool_bytes(v_src[i], v_dst[i]);
   const bool stream = total >= STREAM_MIN_BYTES;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  std::vector<std::array<int64_t, 3>> items;  // (entry, first row, end row)
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t r = 0, t = k_src[i].size(0); r < t; r += ROWS_PER_ITEM)
+      items.push_back({i, r, std::min(r + ROWS_PER_ITEM, t)});
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) {
+      const auto [i, r0, r1] = items[w];
       const int64_t* sl = slots[i].data_ptr<int64_t>();
-      one(k_src[i], quant ? c10::optional<torch::Tensor>(k_scale[i]) : c10::nullopt, sl, k_dst[i], stream);
-      one(v_src[i], quant ? c10::optional<torch::Tensor>(v_scale[i]) : c10::nullopt, sl, v_dst[i], stream);
+      rows(k_src[i], quant ? c10::optional<torch::Tensor>(k_scale[i]) : c10::nullopt, sl, k_dst[i], r0, r1, stream);
+      rows(v_src[i], quant ? c10::optional<torch::Tensor>(v_scale[i]) : c10::nullopt, sl, v_dst[i], r0, r1, stream);
     }
   });
 }

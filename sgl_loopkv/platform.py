@@ -179,6 +179,30 @@ def yield_cpu_to_the_forward() -> bool:
     return True
 
 
+def thread_priority() -> int:
+    """The calling thread's nice value (0 where it cannot be read)."""
+    import threading
+
+    try:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    except (AttributeError, OSError):
+        return 0
+
+
+def take_cpu_back(nice: int) -> bool:
+    """Undo :func:`yield_cpu_to_the_forward` for the calling thread: back to ``nice`` (what
+    :func:`thread_priority` read before). False where that is not allowed: raising a priority needs
+    ``CAP_SYS_NICE`` (or an ``RLIMIT_NICE`` that permits it), which a container often drops; the
+    thread then stays lowered."""
+    import threading
+
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 def release_free_heap() -> bool:
     """Give the C heap's free pages back to the OS (glibc's ``malloc_trim``); False without glibc.
 

@@ -80,6 +80,11 @@ class LayerwiseLoader:
         self._copied: list = [None] * self.num_layers  # CUDA: layer l's latest copy event, not yet waited on
         self._block: torch.Tensor | None = None  # the int8 decode buffer (loader thread only)
         self._kv_load = kv_load.load() if k_buffers[0].device.type == "cpu" else None
+        first = k_buffers[0]  # every layer's buffer alike: a part's layers checked once (_whole_rows)
+        self._uniform_pool = all(
+            b.dtype == first.dtype and b.shape[1:] == first.shape[1:] and b.is_contiguous()
+            for b in (*k_buffers, *v_buffers)
+        )
         self._queue: queue.Queue[tuple[list[LoadPart], object] | None] = queue.Queue()
         self._thread = None
         if started:
@@ -142,6 +147,23 @@ class LayerwiseLoader:
         args: list[list] = [[] for _ in range(7)]  # k, v, k scales, v scales, slots, k pool, v pool
         done, nbytes, quantized = set(), 0, None
         for i, p in enumerate(parts):
+            whole = self._whole_rows(p)
+            if whole is not None and quantized in (None, whole[2] is not None):
+                quantized = whole[2] is not None
+                for a, x in zip(args[:4], whole[:4]):
+                    a.extend(x if x is not None else ())
+                args[4].extend([whole[4]] * self.num_layers)
+                args[5].extend(self.k_buffers)
+                args[6].extend(self.v_buffers)
+                done.update((i, layer) for layer in range(self.num_layers))
+                nbytes += (
+                    2
+                    * self.num_layers
+                    * len(whole[4])
+                    * self.k_buffers[0][0].numel()
+                    * self.k_buffers[0].element_size()
+                )
+                continue
             for layer in range(self.num_layers):
                 skip = p.skip[layer] if p.skip is not None else 0
                 k_buf, v_buf = self.k_buffers[layer], self.v_buffers[layer]
@@ -203,6 +225,35 @@ class LayerwiseLoader:
                 self._copied[layer] = event
             self._done[layer] += 1
             self._cond.notify_all()
+
+    def _whole_rows(self, p: LoadPart):
+        """A part with nothing skipped, every layer's rows as :mod:`sgl_loopkv.kernels.kv_load` takes
+        them, taken apart in a few calls: (k per layer, v per layer, k scales, v scales (None for rows
+        in the pool's dtype), slots); None where :meth:`_native_rows` decides layer by layer (rows
+        skipped, a packed segment, pool buffers that differ by layer). Slicing each layer's four
+        tensors one by one cost more than a millisecond a resume."""
+        if self._kv_load is None or not self._uniform_pool or (p.skip is not None and any(p.skip)):
+            return None
+        if isinstance(p.kv, QuantKV):
+            q, scale = p.kv.q, p.kv.scale
+        elif isinstance(p.kv, torch.Tensor):
+            q, scale = p.kv, None
+        else:
+            return None
+        if len(p.slots) == 0 or q.dim() != 5 or q.shape[0] != self.num_layers or q.shape[2] != len(p.slots):
+            return None
+        if not kv_load.fits(q[0, 0], self.k_buffers[0]):  # every layer's rows are slices of q alike
+            return None
+        slots = (
+            p.slots
+            if p.slots.dtype == torch.int64 and p.slots.is_contiguous()
+            else p.slots.to(torch.int64).contiguous()
+        )
+        k, v = zip(*(layer.unbind(0) for layer in q.unbind(0)))
+        if scale is None:
+            return k, v, None, None, slots
+        k_scale, v_scale = zip(*(layer.unbind(0) for layer in scale.unbind(0)))
+        return k, v, k_scale, v_scale, slots
 
     def _native_rows(self, p: LoadPart, layer: int, skip: int, k_buf: torch.Tensor, v_buf: torch.Tensor):
         """(k, v, k scales, v scales, slots) of layer ``layer`` of ``p`` from token ``skip`` on, as

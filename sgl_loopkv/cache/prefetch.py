@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from sgl_loopkv.cache.packed import kv_nbytes
-from sgl_loopkv.cache.read_pacing import ReadPacing
+from sgl_loopkv.cache.read_pacing import ReadPacing, checkpoint
 from sgl_loopkv.platform import keep_torch_on_this_thread, yield_cpu_to_the_forward
 
 
@@ -57,7 +57,7 @@ class DiskPrefetch:
         """Run ``read`` (``seg_id``'s) on the thread unless a read of ``seg_id`` is in flight or done."""
         if seg_id in self._reads:
             return
-        self._reads[seg_id] = (self._pool.submit(read), time.monotonic())
+        self._reads[seg_id] = (self._pool.submit(_read_paced, read), time.monotonic())
         self.started += 1
         self._expire()
 
@@ -102,14 +102,19 @@ class DiskPrefetch:
 
 def _reader_thread(pacing: ReadPacing) -> None:
     keep_torch_on_this_thread()
-    if os.environ.get("LOOPKV_READ_AHEAD_PACED", "1") != "0":  # 0: no naps, for comparison
-        pacing.install()
-    if os.environ.get("LOOPKV_READ_AHEAD_NICE") == "0":  # normal priority, for comparison (studies/disk_read)
-        return
     # The running requests' steps come first (the held request waits for the read anyway): at normal
     # priority its preads, page faults and checksums took a core from the forward's OpenMP team and
     # a decode beside it slowed ~3x while the read lasted (docs/decisions/2026-12-06-read-ahead-niced.md).
-    yield_cpu_to_the_forward()
+    niced = os.environ.get("LOOPKV_READ_AHEAD_NICE") != "0"  # 0: normal priority, for comparison (studies/disk_read)
+    if os.environ.get("LOOPKV_READ_AHEAD_PACED", "1") != "0":  # 0: no naps, for comparison
+        pacing.install(by_priority=niced)  # lowered only while others run
+    elif niced:
+        yield_cpu_to_the_forward()
+
+
+def _read_paced(read: Callable[[], PrefetchedRead]) -> PrefetchedRead:
+    checkpoint()  # the reader's priority as the scheduler's last round asks, before the first piece
+    return read()
 
 
 def _bytes_of(read: Future) -> int:

@@ -10,6 +10,13 @@ up to ~1.7x its median on 2 cores (docs/decisions/2026-12-06-read-ahead-niced.md
 reader takes at most ``duty`` of one core while the scheduler has other requests running; with
 nothing else running (the held request is all there is) it reads at full speed.
 
+The reader also gives way by priority (nice, :func:`~sgl_loopkv.platform.yield_cpu_to_the_forward`)
+while others run, and takes its priority back when nothing else runs: lowered, an idle server's read
+lost its core to threads that had nothing to do (the forward's OpenMP team spinning after the
+scheduler's round, the scheduler's own rounds) and a 4K-token resume from disk read at about half
+the speed of a read at normal priority. Where the priority cannot be raised again (no
+``CAP_SYS_NICE``) the reader stays lowered.
+
 The scheduler says which it is every round (:meth:`ReadPacing.set_busy`, from the hold-back hook of
 :mod:`sgl_loopkv.cache.awaited`); the reading code calls :func:`checkpoint` between pieces, which does
 nothing on a thread without pacing (an inline read on the scheduler thread never naps).
@@ -19,6 +26,8 @@ from __future__ import annotations
 
 import threading
 import time
+
+from sgl_loopkv.platform import take_cpu_back, thread_priority, yield_cpu_to_the_forward
 
 #: Bytes of work between two checkpoints: a piece of a read, a checksum or a layout copy takes a
 #: millisecond or less of one core.
@@ -39,16 +48,36 @@ class ReadPacing:
         self.naps = 0  # naps taken so far (for tests and metrics)
         self.nap_seconds = 0.0
         self._cpu = 0.0  # the reader thread's CPU clock at its last checkpoint
+        self.by_priority = False  # the reader also gives way by priority (nice) while others run
+        self._lowered = False  # its priority is lowered now
+        self._can_raise = True  # raising it back was allowed so far
+        self._nice = 0  # its priority before it was first lowered
 
     def set_busy(self, busy: bool) -> None:
         self.busy = busy
 
-    def install(self) -> None:
-        """Make this pacing the calling thread's (a reader thread's initializer calls it)."""
+    def install(self, by_priority: bool = False) -> None:
+        """Make this pacing the calling thread's (a reader thread's initializer calls it);
+        ``by_priority``: lower its priority while others run (it starts lowered)."""
         _local.pacing = self
         self._cpu = time.thread_time()
+        self.by_priority = by_priority
+        if by_priority:
+            self._nice = thread_priority()  # what "normal" is for this thread
+            self._lowered = yield_cpu_to_the_forward()
+
+    def _priority(self) -> None:
+        """Lowered while others run; normal again when nothing else does (where allowed)."""
+        if not self.by_priority or self.busy == self._lowered:
+            return
+        if self.busy:
+            self._lowered = yield_cpu_to_the_forward()
+        elif self._can_raise:
+            self._can_raise = take_cpu_back(self._nice)
+            self._lowered = not self._can_raise
 
     def pace(self) -> None:
+        self._priority()
         cpu = time.thread_time()  # this thread's CPU, system time included: a pread's copy counts
         work, self._cpu = cpu - self._cpu, cpu
         if not self.busy or work <= 0 or self.duty >= 1:

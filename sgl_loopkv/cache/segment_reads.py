@@ -29,6 +29,13 @@ class ReadCounters:
     read_s: float = 0.0  # Python-side reads (preads), summed over threads
     verify_s: float = 0.0  # and their crc32s or decryption
 
+    def add(self, nbytes: int, reads: int, read_s: float, verify_s: float) -> None:
+        """Count a native read (:mod:`sgl_loopkv.kernels.chunk_io`)."""
+        self.bytes_read += nbytes
+        self.reads += reads
+        self.read_s += read_s
+        self.verify_s += verify_s
+
 
 class PreadPool:
     """Threads that keep several reads in flight together (``pread`` drops the GIL). The pool is

@@ -109,3 +109,16 @@ def test_a_resumed_restore_piece_has_token_ids_as_keys_again():
 
     piece = json.loads(json.dumps({"ttft_s": 1.0, "logprobs": {"top": {17: -0.1}, "chosen": {}}}))
     assert _int_token_keys(piece)["logprobs"] == {"top": {17: -0.1}, "chosen": {}}
+
+
+def test_a_restore_ratio_pairs_the_rounds_and_falls_back_to_the_medians():
+    from benchmarks.restore import paired_ratio
+
+    # a slow round (the machine, not a system) slows both servers of a group alike: the paired
+    # ratio sees 1.0 every round, the ratio of medians would not
+    base = {"ttft_s": 0.11, "ttfts_s": [0.10, 0.20, 0.11]}
+    other = {"ttft_s": 0.11, "ttfts_s": [0.10, 0.20, 0.11]}
+    assert paired_ratio(base, other) == 1.0
+    assert paired_ratio({"ttfts_s": [0.1, 0.3, 0.2]}, {"ttfts_s": [0.2, 0.3, 0.1]}) == 1.0  # median of 0.5, 1, 2
+    assert paired_ratio({"ttft_s": 0.3, "ttfts_s": [0.3]}, {"ttft_s": 0.1, "ttfts_s": [0.1, 0.1]}) == pytest.approx(3.0)
+    assert paired_ratio({"ttft_s": None}, other) is None

@@ -114,3 +114,69 @@ def test_a_paged_cpu_restore_reads_natively(tmp_path, monkeypatch):
     st = job.account()
     assert calls == [] and st.disk_bytes_read == st.bytes_loaded > 0
     job.close()
+
+
+def _whole(store, rec, chunk_lo: int, chunk_hi: int, python: bool, monkeypatch):
+    """A whole read of chunks [chunk_lo, chunk_hi): native, or (``python``) the Python reads."""
+    with monkeypatch.context() as m:
+        if python:
+            m.setattr(segment_file, "_chunk_io", lambda: None)
+        return store.read(rec.seg_id, chunk_lo, chunk_hi)
+
+
+@pytest.mark.parametrize(
+    "dtype,group", [(torch.float32, 3), (torch.bfloat16, 4), (torch.int8, 3), (torch.int8, 5)], ids=str
+)
+def test_a_whole_read_lands_in_its_rows_as_the_python_read(tmp_path, monkeypatch, dtype, group):
+    """The native whole read (each extent's pieces straight into the rows tensors: K and V values, an
+    int8 tier's scales too; padded extents; groups that do not divide the layers) gives the Python
+    read's rows bit for bit, for the whole segment and a chunk range, and is counted."""
+    from sgl_loopkv.cache.quant import QuantKV
+
+    geo = KVGeometry(num_layers=7, num_kv_heads=2, head_dim=8, dtype=dtype, chunk_tokens=C)
+    store = DiskSegmentStore(tmp_path, 1 << 30, geo, layer_group=group)
+    x = torch.randn(7, 2, 9 * C, 2, 8, generator=torch.Generator().manual_seed(3))
+    kv = QuantKV.quantize(x) if dtype == torch.int8 else x.to(dtype)
+    rec = SegmentRecord("w", None, 0, 9, 0)
+    store.write(rec, kv, key_summaries(x[:, 0], C))
+    for lo, hi in [(0, 9), (2, 7)]:
+        before = (store.codec.bytes_read, store.codec.reads)
+        got = _whole(store, rec, lo, hi, False, monkeypatch)
+        assert store.codec.bytes_read - before[0] == 7 * (hi - lo) * geo.extent_bytes
+        assert store.codec.reads > before[1]
+        want = _whole(store, rec, lo, hi, True, monkeypatch)
+        if dtype == torch.int8:
+            assert torch.equal(got.q, want.q) and torch.equal(got.scale, want.scale)
+            assert torch.equal(got.q, kv.q[:, :, lo * C : hi * C]) and torch.equal(
+                got.scale, kv.scale[:, :, lo * C : hi * C]
+            )
+        else:
+            assert torch.equal(got, want) and torch.equal(got, kv[:, :, lo * C : hi * C])
+
+
+@pytest.mark.parametrize("damage", ["flip", "cut"])
+def test_a_damaged_whole_read_is_corrupt_at_the_row_the_python_read_names(tmp_path, monkeypatch, damage):
+    from sgl_loopkv.cache.quant import QuantKV
+    from sgl_loopkv.cache.segment_record import CorruptSegment
+
+    geo = KVGeometry(num_layers=6, num_kv_heads=2, head_dim=8, dtype=torch.int8, chunk_tokens=C)
+    store = DiskSegmentStore(tmp_path, 1 << 30, geo, layer_group=4)
+    x = torch.randn(6, 2, 5 * C, 2, 8, generator=torch.Generator().manual_seed(4))
+    rec = SegmentRecord("d", None, 0, 5, 0)
+    store.write(rec, QuantKV.quantize(x), key_summaries(x[:, 0], C))
+    path = store.path(rec.seg_id)
+    fd, header = store.open_for_chunks(rec.seg_id)
+    at = store.codec.layout(header).extent_offset(5, 3)
+    os.close(fd)
+    if damage == "flip":
+        raw = bytearray(path.read_bytes())
+        raw[at + 2 * C * 2 * 8 + 5] ^= 0x04  # a byte of a K scale of chunk 3, layer 5 (after its K and V values)
+        path.write_bytes(bytes(raw))
+    else:
+        os.truncate(path, at + 7)
+    messages = []
+    for python in (False, True):
+        with pytest.raises(CorruptSegment) as e:
+            _whole(store, rec, 0, 5, python, monkeypatch)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and "row 5" in messages[0]

@@ -98,15 +98,27 @@ def test_a_controller_given_to_the_store_owns_its_threads_and_a_synchronous_load
     assert not new_threads(before)
 
 
-def test_the_read_ahead_thread_runs_at_background_priority(tmp_path, monkeypatch):
-    """Exactly as before the controller: the read-ahead's thread is niced (platform.yield_cpu_to_the_forward)."""
+def test_the_read_ahead_thread_gives_way_by_priority_only_while_others_run(tmp_path, monkeypatch):
+    """The read-ahead's thread is niced (platform.yield_cpu_to_the_forward) while the scheduler has
+    other requests running, and back at normal priority for a read with nothing else to run (where
+    this process may raise a priority: it stays lowered where it may not)."""
     monkeypatch.delenv("LOOPKV_READ_AHEAD_NICE", raising=False)
+    monkeypatch.delenv("LOOPKV_READ_AHEAD_PACED", raising=False)
     store = disk_store(tmp_path)
     nice = []
-    store.prefetch.start(
-        "n", lambda: (nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), read()())[1]
-    )
-    while not store.prefetch.done("n"):
-        time.sleep(0.005)
-    assert nice == [max(BACKGROUND_NICE, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))]
+
+    def read_once(name: str, busy: bool) -> int:
+        store.prefetch.pacing.set_busy(busy)
+        store.prefetch.start(
+            name, lambda: (nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())), read()())[1]
+        )
+        while not store.prefetch.done(name):
+            time.sleep(0.005)
+        return nice[-1]
+
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert read_once("busy", True) == max(BACKGROUND_NICE, mine)
+    idle = read_once("idle", False)
+    assert idle == (mine if store.prefetch.pacing._can_raise else max(BACKGROUND_NICE, mine))
+    assert read_once("busy again", True) == max(BACKGROUND_NICE, mine)
     store.close()

@@ -159,3 +159,42 @@ def test_a_load_past_the_streaming_size_lands_bit_for_bit(dtype, offset, pool):
     src = (kv[0, 0], kv[0, 1], None, None) if q is None else (q.q[0, 0], q.q[0, 1], q.scale[0, 0], q.scale[0, 1])
     native.load_layer(*src, slots, one_k, one_v)
     assert torch.equal(one_k[slots], want[0, 0]) and torch.equal(one_v[slots], want[0, 1])
+
+
+@pytest.mark.parametrize("pool", POOL_DTYPES, ids=str)
+def test_a_synchronous_resume_of_uneven_parts_lands_as_the_torch_path(pool):
+    """What a CPU resume submits: a long history, a short last turn, a part with a recomputed front
+    (per layer) and one in the pool's dtype beside int8 ones; the work is split by rows (not by
+    layer: a long part's layers all on one thread was half the speed) and every row lands as the
+    torch path writes it, nothing else written."""
+    from sgl_loopkv.cache.loader import LayerwiseLoader, LoadPart
+
+    g = torch.Generator().manual_seed(5)
+    L, S = 4, 4096
+    sizes = [1300, 16, 48, 64]
+    q = [QuantKV.quantize(torch.randn(L, 2, n, H, D, generator=g) * 2) for n in sizes[:3]]
+    plain = (torch.randn(L, 2, sizes[3], H, D, generator=g)).to(pool)
+    order = torch.randperm(S, generator=g)
+    firsts = torch.tensor([0, *sizes]).cumsum(0)
+    slots = [order[firsts[i] : firsts[i + 1]] for i in range(len(sizes))]
+    skip = (0, 16, 32, 48)  # layer l of the third part: its first skip[l] rows recomputed, not loaded
+    k, v = zip(*[pools(S, pool) for _ in range(L)])
+    loader = LayerwiseLoader(list(k), list(v), synchronous=True)
+    parts = [
+        LoadPart(q[0], slots[0]),
+        LoadPart(q[1], slots[1]),
+        LoadPart(q[2], slots[2], skip),
+        LoadPart(plain, slots[3]),
+    ]
+    loader.submit(parts)
+    assert not loader.pending
+    written = torch.zeros(S, dtype=torch.bool)
+    for layer in range(L):
+        for i in range(len(parts)):
+            s = skip[layer] if i == 2 else 0
+            want = plain[layer] if i == 3 else torch_path(q[i], layer, pool)
+            at = slots[i][s:]
+            assert torch.equal(k[layer][at], want[0, s:]) and torch.equal(v[layer][at], want[1, s:])
+            written[at] = True
+        assert torch.isnan(k[layer][~written]).all() and torch.isnan(v[layer][~written]).all()
+        written[:] = False

@@ -102,3 +102,29 @@ def test_the_hold_back_hook_says_whether_others_run():
     round_(True, "a prefill")  # another request's prefill
     round_(True, None)  # nothing but the held request
     assert said == [True, True, False]
+
+
+def test_the_reader_is_lowered_only_while_others_run_and_stays_lowered_where_it_cannot_rise(monkeypatch):
+    monkeypatch.setattr(read_pacing, "_local", threading.local())  # install() below is this thread's only
+    calls = []
+    monkeypatch.setattr(read_pacing, "thread_priority", lambda: 3)
+    monkeypatch.setattr(read_pacing, "yield_cpu_to_the_forward", lambda: calls.append("lower") or True)
+    allowed = [True]
+    monkeypatch.setattr(read_pacing, "take_cpu_back", lambda nice: calls.append(("raise", nice)) or allowed[0])
+    pacing = ReadPacing()
+    pacing.install(by_priority=True)
+    assert calls == ["lower"]  # a new reader starts lowered
+    for busy in (True, False, False, True, True, False):
+        pacing.set_busy(busy)
+        pacing.pace()
+    assert calls == ["lower", ("raise", 3), "lower", ("raise", 3)]  # one call per change, back to its own nice
+    allowed[0] = False  # no CAP_SYS_NICE: the first refusal keeps it lowered, and it stops asking
+    for busy in (True, False, False, True, False):
+        pacing.set_busy(busy)
+        pacing.pace()
+    assert calls[4:] == ["lower", ("raise", 3)]
+    plain = ReadPacing()
+    plain.install()  # pacing without priorities (LOOPKV_READ_AHEAD_NICE=0): never touched
+    plain.set_busy(True)
+    plain.pace()
+    assert len(calls) == 6
