@@ -41,7 +41,7 @@ blocks over a bfloat16 KV pool; ``--weights float32`` the float32 conversion ove
 Where a resume's time goes (issue 54): per timed resume, the server's ``loopkv_restore_seconds{part}``
 (lookup, plan, fetch, alloc, loads_first, recompute on the scheduler thread; decode and copy on the
 loader thread, or inside loads_first on a CPU pool; bubble) and ``loopkv_disk_seconds{part}`` (read, verify) deltas, medians over the repeats. Beside
-them the "hot" TTFT: the same history still on the device, a new turn of the same length (what the
+them the "hot" TTFT: the same history still on the device, another turn of the same length over the same cached history (what the
 new tokens' extend and the server's overheads cost with nothing to restore). The limit of a resume
 is hot TTFT + history bytes / bandwidth: from the host tier, the pool's KV bytes of the history over
 one thread's measured copy bandwidth (the loader copies on one thread); from disk, the tier's stored
@@ -123,6 +123,13 @@ def key_file() -> str:
     os.write(fd, os.urandom(32).hex().encode())
     os.close(fd)
     return path
+
+
+#: Round r of resumes asks turn ``RESUME_TURNS + r``, round r of hot turns ``HOT_TURNS + r``: turns of
+#: one length whose first chunk (16 tokens) is common to all, so that a resume and a hot turn extend
+#: the same number of tokens over the same cached history (the extend attends to the whole history:
+#: each new token cost ~3 ms at 4K, and a hot turn of other tokens made a limit that was no floor).
+RESUME_TURNS, HOT_TURNS = 10, 50
 
 
 def turn_ids(tok, variant: int = 0) -> list[int]:
@@ -230,7 +237,7 @@ class ResumeRun:
             if self.disk_dir:
                 drop_page_cache(self.disk_dir)
             m0 = metrics(url)
-        res = timed_generate(url, self.prompt, 1)
+        res = timed_generate(url, self.hist + turn_ids(self.tok, RESUME_TURNS + r), 1)
         if self.tiered:
             m1 = metrics(url)
             t = "disk" if self.disk_dir else "host"
@@ -252,7 +259,7 @@ class ResumeRun:
         """The history on the device now: a new turn's extend with nothing to restore (round 0 untimed)."""
         if not self.tiered:
             return
-        res = timed_generate(self.srv.url, self.hist + turn_ids(self.tok, r + 1), 1)
+        res = timed_generate(self.srv.url, self.hist + turn_ids(self.tok, HOT_TURNS + r), 1)
         assert res["meta_info"]["cached_tokens"] >= self.L - 16, (
             f"{self.name}/{self.tier}: the hot run missed its history"
         )
@@ -513,6 +520,7 @@ def breakdown_md(p: dict) -> str:
 def run(args, env: dict) -> dict:
     lengths, repeats = ([4096], 1) if args.quick else (sorted(args.lengths), args.repeats)
     assert 4096 in lengths, "the summary is at 4K"
+    assert RESUME_TURNS + repeats < HOT_TURNS and HOT_TURNS + repeats < 100, "turns of one length"
 
     from transformers import AutoTokenizer
 
