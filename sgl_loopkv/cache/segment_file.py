@@ -12,7 +12,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from sgl_loopkv.cache import read_pacing
 from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout
 from sgl_loopkv.cache.packed import PackedKV, codec_of
@@ -22,6 +21,7 @@ from sgl_loopkv.cache.segment_encode import SegmentEncoder
 from sgl_loopkv.cache.segment_reads import PreadPool, ReadCounters, fetch
 from sgl_loopkv.cache.segment_record import LAYER_GROUP, CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.segment_summaries import read_summaries
+from sgl_loopkv.cache.segment_whole import read_whole, read_whole_native
 
 
 def _chunk_io():
@@ -140,105 +140,12 @@ class SegmentCodec:
         self, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout, chunk_lo: int, chunk_hi: int
     ) -> torch.Tensor | QuantKV:
         """Every row's chunks [chunk_lo, chunk_hi), verified -> rows [R, 2, n * c, H, D] (a QuantKV for
-        int8). Each group's extents are read (``preadv``) into one buffer in file order, [n, group
-        rows, extent bytes], and copied once from there into the rows' layout: no intermediate
-        ``bytes`` per read and no second copy (a cold 4K-token resume spent more time building its
-        tensors than reading). Raises CorruptSegment."""
+        int8), natively where it can (:mod:`sgl_loopkv.cache.segment_whole`). Raises CorruptSegment."""
         native = _chunk_io() if self.cipher is None else None  # it checks crc32s, it cannot decrypt
         if native is not None:
-            return self._read_whole_native(native, fd, seg_id, header, layout, chunk_lo, chunk_hi)
-        g = self.geometry
-        n, eb, used = chunk_hi - chunk_lo, g.extent_bytes, g.chunk_tokens * g.token_bytes_per_layer
-        c, H, D, R = g.chunk_tokens, g.num_kv_heads, g.head_dim, layout.rows
-        groups: list[tuple[int, np.ndarray]] = []
-        blocks, into = [], []
-        for g0 in range(0, R, layout.group):
-            g1 = layout.group_of(g0)[1]
-            buf = np.empty((n, g1 - g0, eb), np.uint8)
-            groups.append((g0, buf))
-            for b in layout.blocks(range(g0, g1), list(range(chunk_lo, chunk_hi))):
-                blocks.append(b)
-                into.append(buf[b.chunk0 - chunk_lo : b.chunk0 - chunk_lo + b.n_chunks])
-        for b, (_, ok) in zip(blocks, fetch(fd, layout, header, blocks, self.check, self.counters, into=into)):
-            if not ok.all():
-                bad = b.row0 + int(np.nonzero(~ok)[1][0])
-                raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {bad}")
-        step = max(read_pacing.PIECE_BYTES // (eb * max(layout.group, 1)), 1)  # chunks per piece of a group
-        if g.quantized:
-            q = torch.empty((R, 2, n * c, H, D), dtype=torch.int8)
-            scale = torch.empty((R, 2, n * c, H), dtype=torch.float32)
-            qb = 2 * c * H * D
-            for g0, buf in groups:
-                raw, gr = torch.from_numpy(buf), buf.shape[1]
-                for j in range(0, n, step):  # in pieces: a paced reader gives way between them
-                    k = min(j + step, n)
-                    q[g0 : g0 + gr].view(gr, 2, n, c, H, D)[:, :, j:k].copy_(
-                        raw[j:k, :, :qb].view(torch.int8).view(k - j, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
-                    )
-                    scale[g0 : g0 + gr].view(gr, 2, n, c, H)[:, :, j:k].copy_(
-                        raw[j:k, :, qb:used].view(torch.float32).view(k - j, gr, 2, c, H).permute(1, 2, 0, 3, 4)
-                    )
-                    read_pacing.checkpoint()
-            return QuantKV(q, scale)
-        out = torch.empty((R, 2, n * c, H, D), dtype=g.dtype)
-        for g0, buf in groups:
-            raw, gr = torch.from_numpy(buf), buf.shape[1]
-            for j in range(0, n, step):
-                k = min(j + step, n)
-                out[g0 : g0 + gr].view(gr, 2, n, c, H, D)[:, :, j:k].copy_(
-                    raw[j:k, :, :used].view(g.dtype).view(k - j, gr, 2, c, H, D).permute(1, 2, 0, 3, 4, 5)
-                )
-                read_pacing.checkpoint()
-        return out
-
-    def _read_whole_native(
-        self, native, fd: int, seg_id: str, header: dict, layout: SegmentFileLayout, chunk_lo: int, chunk_hi: int
-    ) -> torch.Tensor | QuantKV:
-        """:meth:`_read_whole` natively: each extent's pieces (K and V rows; an int8 tier's values
-        and scales) read straight into their place in the rows tensors and verified there, about a
-        megabyte a call without the GIL (a paced reader gives way between calls)."""
-        g = self.geometry
-        c, H, D, R, T = g.chunk_tokens, g.num_kv_heads, g.head_dim, layout.rows, (chunk_hi - chunk_lo) * g.chunk_tokens
-        if g.quantized:
-            q = torch.empty((R, 2, T, H, D), dtype=torch.int8)
-            scale = torch.empty((R, 2, T, H), dtype=torch.float32)
-            dests, kv = (q, q, scale, scale), QuantKV(q, scale)
-        else:
-            kv = torch.empty((R, 2, T, H, D), dtype=g.dtype)
-            dests = (kv, kv)
-        half = torch.tensor([p % 2 for p in range(len(dests))])  # the piece's K (0) or V (1) rows
-        token_bytes = torch.tensor([d[0, 0, 0].numel() * d.element_size() for d in dests])
-        base, sizes = torch.tensor([d.data_ptr() for d in dests]), token_bytes * c
-        chunks = list(range(chunk_lo, chunk_hi))
-        blocks = [
-            b for g0 in range(0, R, layout.group) for b in layout.blocks(range(g0, layout.group_of(g0)[1]), chunks)
-        ]
-        # every extent in file order (block by block, each block chunk-major), its pieces' targets and crc32 index
-        j = torch.cat(
-            [torch.arange(b.chunk0, b.chunk0 + b.n_chunks).repeat_interleave(b.row1 - b.row0) for b in blocks]
-        )
-        r = torch.cat([torch.arange(b.row0, b.row1).repeat(b.n_chunks) for b in blocks])
-        first = r - r % layout.group
-        width = torch.clamp(first + layout.group, max=layout.rows) - first
-        crcs = self._crc_table(header)[first * layout.n_chunks + j * width + r - first]
-        targets = base + ((r[:, None] * 2 + half) * T + (j[:, None] - chunk_lo) * c) * token_bytes
-        per_call = max(read_pacing.PIECE_BYTES // g.extent_bytes, 1)
-        e = 0
-        for b in blocks:
-            count = b.n_chunks * (b.row1 - b.row0)
-            for e0 in range(0, count, per_call):  # about a megabyte a call
-                e1 = min(e0 + per_call, count)
-                table = torch.tensor([[b.offset + e0 * g.extent_bytes, e1 - e0]], dtype=torch.int64)
-                ok, nbytes, read_s, crc_s = native.read_extents(
-                    fd, table, targets[e + e0 : e + e1], crcs[e + e0 : e + e1], sizes, g.extent_bytes
-                )
-                self.counters.add(nbytes, 1, read_s, crc_s)
-                if not bool(ok.all()):
-                    bad = int(r[e + e0 + int(torch.nonzero(~ok)[0, 0])])
-                    raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {bad}")
-                read_pacing.checkpoint()
-            e += count
-        return kv
+            crcs = self._crc_table(header)
+            return read_whole_native(native, fd, seg_id, layout, crcs, self.geometry, self.counters, chunk_lo, chunk_hi)
+        return read_whole(fd, seg_id, header, layout, self.check, self.counters, chunk_lo, chunk_hi)
 
     def _packed(self, fd, seg_id, header, layout, rows, layer_rows, chunk_lo: int, chunk_hi: int):
         """``rows`` as read, or with the segment's shared layer pairs a PackedKV (its side data read and verified)."""
