@@ -142,6 +142,11 @@ class SegmentFileLayout:
         g0, g1 = self.group_of(row)
         return g0 * self.n_chunks + chunk * (g1 - g0) + row - g0
 
+    def extent_indices(self, rows: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+        """:meth:`extent_index` of every (row, chunk) pair of two broadcastable tensors."""
+        g0 = rows - rows % self.group
+        return g0 * self.n_chunks + chunks * (torch.clamp(g0 + self.group, max=self.rows) - g0) + rows - g0
+
     def extent_offset(self, row: int, chunk: int) -> int:
         return self.kv_offset + self.extent_index(row, chunk) * self.geometry.extent_bytes
 

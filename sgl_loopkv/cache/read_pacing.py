@@ -72,6 +72,7 @@ class ReadPacing:
             return
         if self.busy:
             self._lowered = yield_cpu_to_the_forward()
+            self.by_priority = self._lowered  # priorities cannot be set here: stop asking
         elif self._can_raise:
             self._can_raise = take_cpu_back(self._nice)
             self._lowered = not self._can_raise

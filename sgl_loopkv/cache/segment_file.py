@@ -223,11 +223,7 @@ class SegmentCodec:
         if any(b.row1 - b.row0 != R for b in blocks):
             return None
         # extents in read order: chunk by chunk, each chunk's rows in order (a block is a run of chunks x all rows)
-        r = torch.arange(rows.start, rows.stop)
-        g0 = r - r % layout.group
-        width = torch.clamp(g0 + layout.group, max=layout.rows) - g0
-        j = torch.tensor(chunks)[:, None]
-        index = g0 * layout.n_chunks + j * width + r - g0  # [n, R]: each extent's crc32 index
+        index = layout.extent_indices(torch.arange(rows.start, rows.stop), torch.tensor(chunks)[:, None])  # [n, R]
         k_base = torch.tensor([b.data_ptr() for b in k_rows])
         v_base = torch.tensor([b.data_ptr() for b in v_rows])
         at = pages.to(torch.int64)[:, None] * half

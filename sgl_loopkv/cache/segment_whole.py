@@ -54,9 +54,7 @@ def read_whole_native(
     # every extent in file order (block by block, each block chunk-major), its pieces' targets and crc32 index
     j = torch.cat([torch.arange(b.chunk0, b.chunk0 + b.n_chunks).repeat_interleave(b.row1 - b.row0) for b in blocks])
     r = torch.cat([torch.arange(b.row0, b.row1).repeat(b.n_chunks) for b in blocks])
-    first = r - r % layout.group
-    width = torch.clamp(first + layout.group, max=layout.rows) - first
-    want = crcs[first * layout.n_chunks + j * width + r - first]
+    want = crcs[layout.extent_indices(r, j)]
     targets = base + ((r[:, None] * 2 + half) * T + (j[:, None] - chunk_lo) * c) * token_bytes
     per_call = max(read_pacing.PIECE_BYTES // g.extent_bytes, 1)
     e = 0
