@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_loopkv.kernels import kv_quant
+
 QMAX = 127
 
 
@@ -23,11 +25,10 @@ class QuantKV:
 
     @classmethod
     def quantize(cls, kv: torch.Tensor) -> QuantKV:
-        """kv: [R, 2, T, H, D] of any float dtype."""
-        x = kv.float()
-        scale = x.abs().amax(-1) / QMAX
-        q = (x / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(-QMAX, QMAX)
-        return cls(q.to(torch.int8), scale)
+        """kv: [R, 2, T, H, D] of any float dtype. A contiguous float32 or bfloat16 CPU tensor goes
+        through the native kernel (the same bits in one pass: a finished turn's store waits for it)."""
+        native = kv_quant.load() if kv_quant.takes(kv) else None
+        return cls(*(native.quantize(kv) if native is not None else quantize_torch(kv)))
 
     @property
     def shape(self) -> torch.Size:
@@ -48,3 +49,11 @@ class QuantKV:
 
     def slice_tokens(self, t0: int, t1: int) -> QuantKV:
         return QuantKV(self.q[:, :, t0:t1], self.scale[:, :, t0:t1])
+
+
+def quantize_torch(kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:meth:`QuantKV.quantize` in torch ops (any dtype and device; the native kernel's reference)."""
+    x = kv.float()
+    scale = x.abs().amax(-1) / QMAX
+    q = (x / scale.clamp_min(torch.finfo(torch.float32).tiny)[..., None]).round_().clamp_(-QMAX, QMAX)
+    return q.to(torch.int8), scale

@@ -14,10 +14,23 @@ from __future__ import annotations
 
 import torch
 
+from sgl_loopkv.kernels import kv_quant
+
 
 def chunk_minmax(k: torch.Tensor, chunk: int) -> torch.Tensor:
     """Per-chunk, per-head min and max of keys. k: [..., T, H, D] -> [..., ceil(T / chunk), H, 2, D]
-    float32; a last partial chunk summarises the tokens it has."""
+    float32; a last partial chunk summarises the tokens it has. Float32 and bfloat16 CPU keys whose
+    [T, H, D] are contiguous go through the native kernel (the same bits, one pass)."""
+    *lead, T, H, D = k.shape
+    rows = kv_quant.chunk_rows(k)
+    native = kv_quant.load() if rows is not None else None
+    if native is not None:
+        return native.chunk_minmax(rows, chunk).view(*lead, -1, H, 2, D)
+    return chunk_minmax_torch(k, chunk)
+
+
+def chunk_minmax_torch(k: torch.Tensor, chunk: int) -> torch.Tensor:
+    """:func:`chunk_minmax` in torch ops (any dtype, layout and device; the native kernel's reference)."""
     *lead, T, H, D = k.shape
     full = T // chunk
     kf = k.float()
