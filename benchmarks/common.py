@@ -227,7 +227,11 @@ def chat_turn(url: str, messages: list[dict], max_tokens: int, kind: str) -> dic
 
 
 def drop_page_cache(root: Path) -> None:
-    """Evict a disk tier's segment files from the page cache: the next read comes from the device."""
+    """Evict a disk tier's segment files from the page cache: the next read comes from the device.
+    Dirty pages are written out first, the whole system's (``sync``): a file written a moment ago (a
+    filler turn's) is not evicted while dirty, only its write-back started, which then competed with
+    the timed read that follows; the limit's read bandwidth is measured with no write beside it."""
+    os.sync()
     for f in root.rglob("seg_*.kv"):
         fd = os.open(f, os.O_RDONLY)
         try:
