@@ -21,6 +21,8 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
