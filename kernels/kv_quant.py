@@ -19,15 +19,19 @@ def load(verbose: bool = False):
     return EXTENSION.load(verbose)
 
 
+def _cpu_float(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
+
 def takes(x: torch.Tensor) -> bool:
     """Whether the kernels take ``x`` as it is (a contiguous float32 or bfloat16 CPU tensor)."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous()
+    return _cpu_float(x) and x.is_contiguous()
 
 
 def chunk_rows(k: torch.Tensor) -> torch.Tensor | None:
     """``k`` [..., T, H, D] as the [N, T, H, D] view ``chunk_minmax`` takes (each [T, H, D] contiguous,
     N strided), or None where no view has that form."""
-    if k.device.type != "cpu" or k.dtype not in (torch.float32, torch.bfloat16) or k.dim() < 3:
+    if not _cpu_float(k) or k.dim() < 3:
         return None
     T, H, D = k.shape[-3:]
     if k.stride(-1) != 1 or k.stride(-2) != D or k.stride(-3) != H * D:
