@@ -195,8 +195,8 @@ void decode_split(const float* q, const KV* k_cache, const KV* v_cache, const in
 // one sequence with every KV head: a block of keys is read once, whole rows in order, and serves each
 // head from L1/L2; a key is converted once for up to four query rows whose accumulators stay in
 // registers, and four keys' scores share one reduction. Pool rows cross a 4 KB page every few keys,
-// where the hardware prefetcher stops, so the next block's rows are prefetched in software, one key
-// per key scored. The order of sums differs from the one-head path (float32 rounding, tests); it
+// where the hardware prefetcher stops, so the next block's rows are prefetched in software, spread
+// over the block's passes. The order of sums differs from the one-head path (float32 rounding, tests); it
 // depends only on the sequence's own length, as the splits do, so a row's result does not depend on
 // the batch, and a head's result not on the other heads (a sparse plan at full budget is the dense
 // result bit for bit).
@@ -255,18 +255,31 @@ struct Lanes {
 #endif
 
 #ifdef LOOPKV_HEADS_PATH
-// The K and V rows (every head) of the next block's keys, one key at a time.
+// The K and V rows (every head) of the next block's keys, into L2, one row every few calls, the
+// calls spread over every pass of the current block (each head's scores and its P V). Issued for a
+// whole block at once, 48 KB of prefetches filled the core's miss buffers and stalled it until they
+// came, so reading the pool added to the compute instead of hiding behind it; into L1 they evicted
+// the block being scored (a block's K and V rows do not fit L1 beside it). K rows first (needed
+// first), then V.
 template <typename KV>
 struct Prefetch {
   const KV* k = nullptr;
   const KV* v = nullptr;
   const int64_t* slots = nullptr;
   int64_t n = 0, row_stride = 0, row_bytes = 0;
-  void operator()(int64_t j) const {
-    if (j >= n) return;
-    const char* pk = reinterpret_cast<const char*>(k + slots[j] * row_stride);
-    const char* pv = reinterpret_cast<const char*>(v + slots[j] * row_stride);
-    for (int64_t c = 0; c < row_bytes; c += 64) __builtin_prefetch(pk + c), __builtin_prefetch(pv + c);
+  int every = 0, wait = 0;  // a row every ``every`` calls; calls until the next one
+  int64_t row = 0;          // the next row: K of key ``row``, then V of key ``row - n``
+  Prefetch(const KV* k_, const KV* v_, const int64_t* slots_, int64_t n_, int64_t row_stride_, int64_t row_bytes_,
+           int64_t calls)
+      : k(k_), v(v_), slots(slots_), n(n_), row_stride(row_stride_), row_bytes(row_bytes_) {
+    every = n > 0 ? static_cast<int>(std::max<int64_t>(calls / (2 * n), 1)) : 0;
+  }
+  void operator()() {
+    if (row >= 2 * n || --wait > 0) return;
+    wait = every;
+    const char* base = reinterpret_cast<const char*>(row < n ? k + slots[row] * row_stride : v + slots[row - n] * row_stride);
+    for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(base + at, 0, 2);  // to L2 (see above)
+    ++row;
   }
 };
 
@@ -274,12 +287,12 @@ struct Prefetch {
 // converted once for the R rows, R x D accumulators in registers.
 template <int D, int R, typename KV>
 inline void rows_scores(const float* q, const KV* const* krows, int64_t off, int n, float scale, float* scores,
-                        const Prefetch<KV>& pf) {
+                        Prefetch<KV>& pf) {
   constexpr int V = D / Lanes::N;
   using Vec = typename Lanes::V;
   // a[r][t]: key t's products with query row r, V lanes-wide partial sums folded into one vector
   auto key = [&](int j, Vec* a, int t) {
-    pf(j);
+    pf();
     const KV* k = krows[j] + off;
     Vec kv[V];
     for (int i = 0; i < V; ++i) kv[i] = Lanes::load(k + i * Lanes::N);
@@ -320,7 +333,8 @@ inline float block_max(const float* x, int n, float init) {
 }
 
 template <int D, int R, typename KV>
-inline void rows_pv(const KV* const* vrows, int64_t off, int n, const float* p, const float* correction, float* acc) {
+inline void rows_pv(const KV* const* vrows, int64_t off, int n, const float* p, const float* correction, float* acc,
+                    Prefetch<KV>& pf) {
   constexpr int V = D / Lanes::N;
   typename Lanes::V a[R][V];
   for (int r = 0; r < R; ++r) {
@@ -328,6 +342,7 @@ inline void rows_pv(const KV* const* vrows, int64_t off, int n, const float* p, 
     for (int i = 0; i < V; ++i) a[r][i] = Lanes::mul(Lanes::load(acc + r * D + i * Lanes::N), c);
   }
   for (int j = 0; j < n; ++j) {
+    pf();
     const KV* v = vrows[j] + off;
     for (int i = 0; i < V; ++i) {
       const typename Lanes::V vv = Lanes::load(v + i * Lanes::N);
@@ -345,29 +360,30 @@ constexpr int kRows = std::clamp((Lanes::N == 16 ? 16 : 8) / (D / Lanes::N), 1, 
 
 template <int D, typename KV>
 inline void group_scores(const float* q, const KV* const* krows, int64_t off, int n, int g, float scale, float* scores,
-                         const Prefetch<KV>& pf) {
+                         Prefetch<KV>& pf) {
   for (int r = 0; r < g;) {
     const int R = std::min(kRows<D>, g - r);
     const float* qr = q + r * D;
     float* sr = scores + r * kBlock;
-    if (R == 4) rows_scores<D, (kRows<D> >= 4 ? 4 : 1), KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
-    else if (R == 3) rows_scores<D, (kRows<D> >= 3 ? 3 : 1), KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
-    else if (R == 2) rows_scores<D, (kRows<D> >= 2 ? 2 : 1), KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
-    else rows_scores<D, 1, KV>(qr, krows, off, n, scale, sr, r == 0 ? pf : Prefetch<KV>{});
+    if (R == 4) rows_scores<D, (kRows<D> >= 4 ? 4 : 1), KV>(qr, krows, off, n, scale, sr, pf);
+    else if (R == 3) rows_scores<D, (kRows<D> >= 3 ? 3 : 1), KV>(qr, krows, off, n, scale, sr, pf);
+    else if (R == 2) rows_scores<D, (kRows<D> >= 2 ? 2 : 1), KV>(qr, krows, off, n, scale, sr, pf);
+    else rows_scores<D, 1, KV>(qr, krows, off, n, scale, sr, pf);
     r += R;
   }
 }
 
 template <int D, typename KV>
-inline void group_pv(const KV* const* vrows, int64_t off, int n, int g, const float* p, const float* corr, float* acc) {
+inline void group_pv(const KV* const* vrows, int64_t off, int n, int g, const float* p, const float* corr, float* acc,
+                     Prefetch<KV>& pf) {
   for (int r = 0; r < g;) {
     const int R = std::min(kRows<D>, g - r);
     const float* pr = p + r * kBlock;
     float* ar = acc + r * D;
-    if (R == 4) rows_pv<D, (kRows<D> >= 4 ? 4 : 1), KV>(vrows, off, n, pr, corr + r, ar);
-    else if (R == 3) rows_pv<D, (kRows<D> >= 3 ? 3 : 1), KV>(vrows, off, n, pr, corr + r, ar);
-    else if (R == 2) rows_pv<D, (kRows<D> >= 2 ? 2 : 1), KV>(vrows, off, n, pr, corr + r, ar);
-    else rows_pv<D, 1, KV>(vrows, off, n, pr, corr + r, ar);
+    if (R == 4) rows_pv<D, (kRows<D> >= 4 ? 4 : 1), KV>(vrows, off, n, pr, corr + r, ar, pf);
+    else if (R == 3) rows_pv<D, (kRows<D> >= 3 ? 3 : 1), KV>(vrows, off, n, pr, corr + r, ar, pf);
+    else if (R == 2) rows_pv<D, (kRows<D> >= 2 ? 2 : 1), KV>(vrows, off, n, pr, corr + r, ar, pf);
+    else rows_pv<D, 1, KV>(vrows, off, n, pr, corr + r, ar, pf);
     r += R;
   }
 }
@@ -376,7 +392,7 @@ inline void group_pv(const KV* const* vrows, int64_t off, int n, int g, const fl
 // max / sum, accumulators (g x D) rescaled and P V added.
 template <int D, typename KV>
 void head_block(const float* q, const KV* const* krows, const KV* const* vrows, int64_t off, int n, int g,
-                float scale, float* m_run, float* l_run, float* acc, float* scores, const Prefetch<KV>& pf) {
+                float scale, float* m_run, float* l_run, float* acc, float* scores, Prefetch<KV>& pf) {
   group_scores<D, KV>(q, krows, off, n, g, scale, scores, pf);
   float corr[8];
   for (int r = 0; r < g; ++r) {
@@ -393,7 +409,7 @@ void head_block(const float* q, const KV* const* krows, const KV* const* vrows, 
     m_run[r] = m_new;
     l_run[r] = l;
   }
-  group_pv<D, KV>(vrows, off, n, g, scores, corr, acc);
+  group_pv<D, KV>(vrows, off, n, g, scores, corr, acc, pf);
 }
 
 // One split [t0, t1) of one sequence, every KV head: m/l (hkv x g) and acc (hkv x g x D) per head.
@@ -413,14 +429,15 @@ void decode_split_heads(const float* q, const KV* k_cache, const KV* v_cache, co
       krows[j] = k_cache + slots[b0 + j] * row_stride;
       vrows[j] = v_cache + slots[b0 + j] * row_stride;
     }
-    // the next block's rows, all heads, one key per key scored by the first query rows: pool rows
-    // cross a 4 KB page every few keys, where the hardware prefetcher stops
-    const Prefetch<KV> pf{k_cache, v_cache, slots + b0 + n, std::min<int64_t>(kBlock, t1 - b0 - n), row_stride,
-                          row_bytes};
+    // the next block's rows, all heads, spread over this block's passes (each head's scores and P V,
+    // one call per key and group of query rows): pool rows cross a 4 KB page every few keys, where
+    // the hardware prefetcher stops
+    const int64_t calls = static_cast<int64_t>(hkv) * 2 * ((g + kRows<D> - 1) / kRows<D>) * n;
+    Prefetch<KV> pf(k_cache, v_cache, slots + b0 + n, std::min<int64_t>(kBlock, t1 - b0 - n), row_stride, row_bytes,
+                    calls);
     for (int h = 0; h < hkv; ++h)
       head_block<D, KV>(q + static_cast<size_t>(h) * g * D, krows, vrows, static_cast<int64_t>(h) * D, n, g, scale,
-                        m_out + h * g, l_out + h * g, acc + static_cast<size_t>(h) * g * D, scores,
-                        h == 0 ? pf : Prefetch<KV>{});
+                        m_out + h * g, l_out + h * g, acc + static_cast<size_t>(h) * g * D, scores, pf);
   }
 }
 #endif
