@@ -6,8 +6,9 @@ decode row through every block matrix of a step as the server holds them
 (:func:`sgl_loopkv.models.gguf.weights.decode_step_linears`: per layer qkv, o, gate+up, down, then
 the LM head), the kernels the server calls, one after another so each matrix is read cold as in a
 served step; ``attention`` = the loopkv dense executor's decode of one query over ``L`` contiguous
-keys and values in the served pool's dtype (bfloat16, the GGUF path's default), times the layers, with the
-file's head geometry; ``other`` = the served
+keys and values in the served pool's dtype (bfloat16, the GGUF path's default) for each layer, every
+layer's keys and values a buffer of its own, read from memory as a served step reads them (one buffer
+for every layer stays in cache and times the compute alone), with the file's head geometry; ``other`` = the served
 TPOT minus both (norms, rotary, sampling, SGLang's scheduler and streaming, Python). Median of
 ``repeats`` steps after two warm-ups; torch's threads as in this process (the server uses the
 machine's cores as well)."""
@@ -59,13 +60,16 @@ def step_breakdown(
             lin(x if lin.in_features == x.shape[1] else torch.randn(1, lin.in_features))
 
     hq, hkv, d = geo["heads"], geo["kv_heads"], geo["head_dim"]
-    k, v = torch.randn(context, hkv, d).to(kv_dtype), torch.randn(context, hkv, d).to(kv_dtype)
+    kv = [
+        (torch.randn(context, hkv, d).to(kv_dtype), torch.randn(context, hkv, d).to(kv_dtype))
+        for _ in range(geo["layers"])
+    ]
     q, out = torch.randn(1, hq, d), torch.empty(1, hq, d)
     plan = AttentionPlan([0, 1], [0, context], torch.arange(context), causal=True)
     ex = TorchDenseExecutor()
 
     def attention():
-        for _ in range(geo["layers"]):
+        for k, v in kv:
             ex.run_decode(plan, q, k, v, d**-0.5, out)
 
     w_ms = 1000 * median_call_s(weights, repeats)

@@ -152,6 +152,7 @@ def summarize(rows: list[dict]) -> dict:
         for dt in DTYPES:
             out[f"against_over_heads_cold_4k_{dt}"] = by[(L, dt, "cold")]["against_over_heads"]
             out[f"against_over_heads_cold_longest_{dt}"] = by[(longest, dt, "cold")]["against_over_heads"]
+            out[f"against_over_heads_hot_4k_{dt}"] = by[(L, dt, "hot")]["against_over_heads"]
     return out
 
 
@@ -186,12 +187,18 @@ def main() -> None:
     ap.add_argument("--against", metavar="REV", help="also the every-head path at this git revision (default: none)")
     args = ap.parse_args()
     env = environment()
-    rows = run(args.contexts, args.repeats, args.against)
-    payload = {"rows": rows, "threads": torch.get_num_threads(), "against": args.against, "environment": finish(env)}
+    against = (
+        args.against
+        and subprocess.run(
+            ["git", "rev-parse", "--short", args.against], check=True, capture_output=True, text=True
+        ).stdout.strip()
+    )  # a commit, not a name that moves
+    rows = run(args.contexts, args.repeats, against)
+    payload = {"rows": rows, "threads": torch.get_num_threads(), "against": against, "environment": finish(env)}
     payload["summary"] = summarize(rows)
     md = report(payload)
     write_results("decode_attention", payload, md + "\n![decode_attention](decode_attention.png)\n")
-    plot(rows, RESULTS / "decode_attention.png", args.against)
+    plot(rows, RESULTS / "decode_attention.png", against)
     print(md)
 
 
