@@ -19,6 +19,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).resolve().parent
+# -fopenmp: at::parallel_for is a header template that runs serially unless the extension itself is
+# compiled with OpenMP; the link resolves to the libgomp.so.1 torch already loaded (one thread pool).
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ["-fopenmp"]
 
 
 def _build_key(source: Path) -> str:
@@ -77,11 +81,8 @@ class NativeExtension:
                 self._module = load_extension(
                     name=f"loopkv_{self.stem}",
                     sources=[str(self.source)],
-                    # -fopenmp: at::parallel_for is a header template that runs serially unless the
-                    # extension itself is compiled with OpenMP. The link resolves to the libgomp.so.1
-                    # torch already loaded (same soname): one thread pool, torch's.
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", *self.extra_cflags],
-                    extra_ldflags=["-fopenmp"],
+                    extra_cflags=[*CFLAGS, *self.extra_cflags],
+                    extra_ldflags=LDFLAGS,
                     build_directory=str(out),
                     verbose=verbose,
                 )

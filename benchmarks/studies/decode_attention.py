@@ -53,6 +53,8 @@ def kernel_at(rev: str):
     """The paged-decode kernel as it was at git revision ``rev``, built as a module of its own."""
     from torch.utils.cpp_extension import load as load_extension
 
+    from sgl_loopkv.kernels.native import CFLAGS, LDFLAGS
+
     root = Path(__file__).resolve().parents[2]
     source = subprocess.run(
         ["git", "show", f"{rev}:kernels/paged_decode.cpp"], cwd=root, check=True, capture_output=True, text=True
@@ -61,7 +63,7 @@ def kernel_at(rev: str):
     (out / "paged_decode_against.cpp").write_text(source)
     return load_extension(
         name="loopkv_paged_decode_against", sources=[str(out / "paged_decode_against.cpp")], build_directory=str(out),
-        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+        extra_cflags=list(CFLAGS), extra_ldflags=LDFLAGS,
     )  # fmt: skip
 
 
