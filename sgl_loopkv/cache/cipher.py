@@ -71,12 +71,14 @@ def load_key(path: str | Path) -> bytes:
 
 class SegmentCipher:
     """Seals and opens the header and units of segment files under one key (see the module doc).
-    Holds the key only inside its AES-GCM object: neither ``repr`` nor any message shows it."""
+    Holds the key only for its AES-GCM object and this process's native reader (:meth:`opener_key`):
+    neither ``repr`` nor any message shows it."""
 
     def __init__(self, key: bytes):
         if len(key) != KEY_BYTES:
             raise KeyFileError(f"an AES-256 key is {KEY_BYTES} bytes, not {len(key)}")
         self._aead = AESGCM(key)
+        self._key = bytes(key)
         # Names the key without revealing it (a one-way hash): the disk tier's directory carries it, so
         # segments under another key are never looked up (cache.backend)
         self.key_id = hashlib.sha256(b"sgl-loopkv disk key id\0" + key).hexdigest()[:12]
@@ -87,6 +89,11 @@ class SegmentCipher:
     @classmethod
     def from_file(cls, path: str | Path) -> SegmentCipher:
         return cls(load_key(path))
+
+    def opener_key(self) -> bytes:
+        """The raw key, for the native whole-segment reader in this process (``kernels/sealed_io.cpp``),
+        which opens units with the same AES-256-GCM; never written or logged."""
+        return self._key
 
     # --- header ------------------------------------------------------------------------------
     def seal_header(self, plain: bytes) -> bytes:

@@ -21,13 +21,19 @@ from sgl_loopkv.cache.segment_encode import SegmentEncoder
 from sgl_loopkv.cache.segment_reads import PreadPool, ReadCounters, fetch
 from sgl_loopkv.cache.segment_record import LAYER_GROUP, CorruptSegment, SegmentRecord
 from sgl_loopkv.cache.segment_summaries import read_summaries
-from sgl_loopkv.cache.segment_whole import read_whole, read_whole_native
+from sgl_loopkv.cache.segment_whole import read_whole, read_whole_native, read_whole_sealed
 
 
 def _chunk_io():
     from sgl_loopkv.kernels import chunk_io  # built on first use (a C++ extension)
 
     return chunk_io.load()
+
+
+def _sealed_io():
+    from sgl_loopkv.kernels import sealed_io  # built on first use (a C++ extension)
+
+    return sealed_io.load()
 
 
 class ChunkRead(NamedTuple):
@@ -141,11 +147,17 @@ class SegmentCodec:
     ) -> torch.Tensor | QuantKV:
         """Every row's chunks [chunk_lo, chunk_hi), verified -> rows [R, 2, n * c, H, D] (a QuantKV for
         int8), natively where it can (:mod:`sgl_loopkv.cache.segment_whole`). Raises CorruptSegment."""
-        native = _chunk_io() if self.cipher is None else None  # it checks crc32s, it cannot decrypt
-        if native is not None:
-            crcs = self._crc_table(header)
-            return read_whole_native(native, fd, seg_id, layout, crcs, self.geometry, self.counters, chunk_lo, chunk_hi)
-        return read_whole(fd, seg_id, header, layout, self.check, self.counters, chunk_lo, chunk_hi)
+        g, counters = self.geometry, self.counters
+        if self.cipher is not None:  # opened under their tags (chunk_io checks crc32s, it cannot decrypt)
+            if (sealed := _sealed_io()) is not None:
+                return read_whole_sealed(
+                    sealed, fd, seg_id, header, layout, self.cipher, g, counters, chunk_lo, chunk_hi
+                )
+        elif (native := _chunk_io()) is not None:
+            return read_whole_native(
+                native, fd, seg_id, layout, self._crc_table(header), g, counters, chunk_lo, chunk_hi
+            )
+        return read_whole(fd, seg_id, header, layout, self.check, counters, chunk_lo, chunk_hi)
 
     def _packed(self, fd, seg_id, header, layout, rows, layer_rows, chunk_lo: int, chunk_hi: int):
         """``rows`` as read, or with the segment's shared layer pairs a PackedKV (its side data read and verified)."""

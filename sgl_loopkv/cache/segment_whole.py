@@ -5,23 +5,81 @@ Natively (:func:`read_whole_native`, ``kernels/chunk_io.cpp``) each extent's pie
 their place in the rows tensors and their crc32 is checked there, without the GIL: a 4K-token
 bfloat16 history read into a buffer in file order, checked extent by extent in Python and copied
 into the rows' layout took about 1.7x the time its bytes took to come off the disk
-(docs/decisions/2026-12-07-disk-resume-straight-into-its-rows.md). :func:`read_whole` is that
-Python read, kept where the native reader is not built and for sealed files (decrypted, not
-crc-checked). Both work in pieces of about :data:`~sgl_loopkv.cache.read_pacing.PIECE_BYTES`: a
-paced reader gives way between them.
+(docs/decisions/2026-12-07-disk-resume-straight-into-its-rows.md). A sealed file's extents go the
+same way through ``kernels/sealed_io.cpp`` (:func:`read_whole_sealed`: opened under their tags with
+the process's libcrypto). :func:`read_whole` is the Python read, kept where neither is built. All
+work in pieces of about :data:`~sgl_loopkv.cache.read_pacing.PIECE_BYTES`: a paced reader gives way
+between them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from sgl_loopkv.cache import read_pacing
+from sgl_loopkv.cache.cipher import TAG_BYTES, SegmentCipher
 from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.segment_check import SegmentCheck
 from sgl_loopkv.cache.segment_reads import ReadCounters, fetch
 from sgl_loopkv.cache.segment_record import CorruptSegment
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A native whole read's destinations: every extent in file order (block by block, each block
+    chunk-major) with its pieces' target addresses and its index in the file (crc32 table, unit)."""
+
+    kv: torch.Tensor | QuantKV
+    blocks: list
+    targets: torch.Tensor  # [n, P] int64
+    index: torch.Tensor  # [n] int64
+    rows: torch.Tensor  # [n]: each extent's row (for the error)
+    sizes: torch.Tensor  # [P] int64
+
+
+def _plan(layout: SegmentFileLayout, g: KVGeometry, chunk_lo: int, chunk_hi: int) -> _Plan:
+    c, H, D, R, T = g.chunk_tokens, g.num_kv_heads, g.head_dim, layout.rows, (chunk_hi - chunk_lo) * g.chunk_tokens
+    if g.quantized:
+        q = torch.empty((R, 2, T, H, D), dtype=torch.int8)
+        scale = torch.empty((R, 2, T, H), dtype=torch.float32)
+        dests, kv = (q, q, scale, scale), QuantKV(q, scale)  # an extent: K values, V values, K scales, V scales
+    else:
+        kv = torch.empty((R, 2, T, H, D), dtype=g.dtype)
+        dests = (kv, kv)  # an extent: K rows, V rows
+    half = torch.tensor([p % 2 for p in range(len(dests))])  # the piece's K (0) or V (1) rows
+    token_bytes = torch.tensor([d[0, 0, 0].numel() * d.element_size() for d in dests])
+    base = torch.tensor([d.data_ptr() for d in dests])
+    chunks = list(range(chunk_lo, chunk_hi))
+    blocks = [b for g0 in range(0, R, layout.group) for b in layout.blocks(range(g0, layout.group_of(g0)[1]), chunks)]
+    j = torch.cat([torch.arange(b.chunk0, b.chunk0 + b.n_chunks).repeat_interleave(b.row1 - b.row0) for b in blocks])
+    r = torch.cat([torch.arange(b.row0, b.row1).repeat(b.n_chunks) for b in blocks])
+    targets = base + ((r[:, None] * 2 + half) * T + (j[:, None] - chunk_lo) * c) * token_bytes
+    return _Plan(kv, blocks, targets, layout.extent_indices(r, j), r, token_bytes * c)
+
+
+def _read_planned(plan: _Plan, g: KVGeometry, seg_id: str, counters: ReadCounters, read):
+    """``read(table, e0, e1) -> (ok, bytes, read seconds, verify seconds)`` over the plan's extents in
+    pieces of about a megabyte, a paced reader's checkpoint between them. Raises CorruptSegment at
+    the first extent in file order that is damaged or cut short."""
+    per_call = max(read_pacing.PIECE_BYTES // g.extent_bytes, 1)
+    e = 0
+    for b in plan.blocks:
+        count = b.n_chunks * (b.row1 - b.row0)
+        for e0 in range(0, count, per_call):
+            e1 = min(e0 + per_call, count)
+            table = torch.tensor([[b.offset + e0 * g.extent_bytes, e1 - e0]], dtype=torch.int64)
+            ok, nbytes, read_s, verify_s = read(table, e + e0, e + e1)
+            counters.add(nbytes, 1, read_s, verify_s)
+            if not bool(ok.all()):
+                bad = int(plan.rows[e + e0 + int(torch.nonzero(~ok)[0, 0])])
+                raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {bad}")
+            read_pacing.checkpoint()
+        e += count
+    return plan.kv
 
 
 def read_whole_native(
@@ -36,43 +94,40 @@ def read_whole_native(
     chunk_hi: int,
 ) -> torch.Tensor | QuantKV:
     """Rows of chunks [chunk_lo, chunk_hi) through ``native`` (the chunk_io module); ``crcs``: the
-    header's extent crc32s as int64. Raises CorruptSegment at the first extent in file order that
-    is damaged or cut short."""
-    c, H, D, R, T = g.chunk_tokens, g.num_kv_heads, g.head_dim, layout.rows, (chunk_hi - chunk_lo) * g.chunk_tokens
-    if g.quantized:
-        q = torch.empty((R, 2, T, H, D), dtype=torch.int8)
-        scale = torch.empty((R, 2, T, H), dtype=torch.float32)
-        dests, kv = (q, q, scale, scale), QuantKV(q, scale)  # an extent: K values, V values, K scales, V scales
-    else:
-        kv = torch.empty((R, 2, T, H, D), dtype=g.dtype)
-        dests = (kv, kv)  # an extent: K rows, V rows
-    half = torch.tensor([p % 2 for p in range(len(dests))])  # the piece's K (0) or V (1) rows
-    token_bytes = torch.tensor([d[0, 0, 0].numel() * d.element_size() for d in dests])
-    base, sizes = torch.tensor([d.data_ptr() for d in dests]), token_bytes * c
-    chunks = list(range(chunk_lo, chunk_hi))
-    blocks = [b for g0 in range(0, R, layout.group) for b in layout.blocks(range(g0, layout.group_of(g0)[1]), chunks)]
-    # every extent in file order (block by block, each block chunk-major), its pieces' targets and crc32 index
-    j = torch.cat([torch.arange(b.chunk0, b.chunk0 + b.n_chunks).repeat_interleave(b.row1 - b.row0) for b in blocks])
-    r = torch.cat([torch.arange(b.row0, b.row1).repeat(b.n_chunks) for b in blocks])
-    want = crcs[layout.extent_indices(r, j)]
-    targets = base + ((r[:, None] * 2 + half) * T + (j[:, None] - chunk_lo) * c) * token_bytes
-    per_call = max(read_pacing.PIECE_BYTES // g.extent_bytes, 1)
-    e = 0
-    for b in blocks:
-        count = b.n_chunks * (b.row1 - b.row0)
-        for e0 in range(0, count, per_call):  # about a megabyte a call
-            e1 = min(e0 + per_call, count)
-            table = torch.tensor([[b.offset + e0 * g.extent_bytes, e1 - e0]], dtype=torch.int64)
-            ok, nbytes, read_s, crc_s = native.read_extents(
-                fd, table, targets[e + e0 : e + e1], want[e + e0 : e + e1], sizes, g.extent_bytes
-            )
-            counters.add(nbytes, 1, read_s, crc_s)
-            if not bool(ok.all()):
-                bad = int(r[e + e0 + int(torch.nonzero(~ok)[0, 0])])
-                raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {bad}")
-            read_pacing.checkpoint()
-        e += count
-    return kv
+    header's extent crc32s as int64. Raises CorruptSegment."""
+    plan = _plan(layout, g, chunk_lo, chunk_hi)
+    want = crcs[plan.index]
+
+    def read(table, e0, e1):
+        return native.read_extents(fd, table, plan.targets[e0:e1], want[e0:e1], plan.sizes, g.extent_bytes)
+
+    return _read_planned(plan, g, seg_id, counters, read)
+
+
+def read_whole_sealed(
+    native,
+    fd: int,
+    seg_id: str,
+    header: dict,
+    layout: SegmentFileLayout,
+    cipher: SegmentCipher,
+    g: KVGeometry,
+    counters: ReadCounters,
+    chunk_lo: int,
+    chunk_hi: int,
+) -> torch.Tensor | QuantKV:
+    """:func:`read_whole_native` for a sealed file through ``native`` (the sealed_io module): each
+    extent opened under its tag instead of a crc32 check. Raises CorruptSegment."""
+    plan = _plan(layout, g, chunk_lo, chunk_hi)
+    tags = torch.frombuffer(bytearray(header["_tags"]), dtype=torch.uint8).view(-1, TAG_BYTES)
+    key, salt, sid = cipher.opener_key(), header["_salt"], header["seg_id"].encode()
+
+    def read(table, e0, e1):
+        return native.read_sealed(
+            fd, table, plan.index[e0:e1], tags, plan.targets[e0:e1], plan.sizes, g.extent_bytes, key, salt, sid
+        )
+
+    return _read_planned(plan, g, seg_id, counters, read)
 
 
 def read_whole(
