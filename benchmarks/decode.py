@@ -805,7 +805,8 @@ def gguf_summary(p: dict) -> dict:
         "llamacpp_tpot_ms_8k": tpot(res, "llamacpp", c8, 1),
         "gguf_limit_tpot_ms_4k": p["limit"]["tpot_ms"].get("gguf", {}).get(f"{c4}/1"),
         "gguf_step_breakdown_ms_4k": {
-            k: (p.get("gguf_step_breakdown") or {}).get(f"{k}_ms") for k in ("weights", "attention", "other")
+            k: (p.get("gguf_step_breakdown") or {}).get(f"{k}_ms")
+            for k in ("weights", "attention", "other", "layers_other", "framework")
         },
         f"gguf_tokens_per_s_bs{top}_4k": tok_s("loopkv-gguf", c4, top),
         f"fp32_tokens_per_s_bs{top}_4k": tok_s("loopkv-fp32", c4, top),
@@ -1091,11 +1092,15 @@ def gguf_md(p: dict) -> str:
             )
             + "\n"
         )
-    if bd:
+    if bd.get("tpot_ms") is not None:
+        alone = bd.get("kernels_alone") or {}
         md += (
             f"Where a GGUF decode step goes at {bd['context']} tokens, one request (ms): weights {fmt_ms(b['weights'])} "
             f"({bd['weight_bytes'] / 1e6:.0f} MB of blocks), attention {fmt_ms(b['attention'])}, everything else "
-            f"{fmt_ms(b['other'])} of the served TPOT {fmt_ms(bd['tpot_ms'])}. How: {bd['how']}\n\n"
+            f"{fmt_ms(b['other'])} (the layers' glue {fmt_ms(bd.get('layers_other_ms'))}, SGLang's step around the "
+            f"forward {fmt_ms(bd.get('framework_ms'))}) of that server's step {fmt_ms(bd['tpot_ms'])}. How: {bd['how']} "
+            f"The same kernels alone: weights {fmt_ms(alone.get('weights_ms'))}, attention "
+            f"{fmt_ms(alone.get('attention_ms'))} ({alone.get('how', '')})\n\n"
         )
     return md
 
@@ -1307,11 +1312,16 @@ def run(args, env: dict) -> dict:
 
     gguf_file = breakdown = None
     if any(n in grid for n in GGUF_SYSTEMS):
-        from benchmarks.decode_gguf import file_weight_bytes, step_breakdown
+        from benchmarks.decode_gguf import file_weight_bytes, served_breakdown, step_breakdown
         from sgl_loopkv.models import default_model_gguf
 
         gguf_file = default_model_gguf()
-        breakdown = step_breakdown(gguf_file, near_4k, tpot(grid, "loopkv-gguf", near_4k, 1))
+        try:
+            breakdown = served_breakdown(gguf_file, ctx_ids[near_4k][0], log=RESULTS / "decode_breakdown.log")
+        except Exception as e:  # the grid's figures stand without it
+            breakdown = {"error": repr(e)}
+            print(f"[decode] served step breakdown failed: {e!r}")
+        breakdown["kernels_alone"] = step_breakdown(gguf_file, near_4k, tpot(grid, "loopkv-gguf", near_4k, 1))
     bandwidth = statistics.median(bw)
     limit = {
         "bandwidth_bytes_s": bandwidth,

@@ -1,7 +1,16 @@
 """What :mod:`benchmarks.decode` measures about the GGUF path beyond its grid cells: the bytes a decode
 step reads from the file (its limit row), where a step's time goes, and a server's memory.
 
-Step breakdown (one request at a context ``L``, in this process, the server stopped): ``weights`` = one
+Served step breakdown (:func:`served_breakdown`, the one :mod:`benchmarks.decode` reports): a GGUF
+server of its own with ``--enable-metrics`` decodes one request over a context of ``L`` tokens; its
+``loopkv_decode_seconds{part}`` counters (:mod:`sgl_loopkv.models.step_timing`) split the step, per step:
+``weights`` = the block matrices (projections and LM head), ``attention`` = the layers' attention calls,
+``other`` = the client's mean inter-token time minus both, itself split into ``layers_other`` (the
+layers' norms, rotary embedding, activation and Python) and ``framework`` (SGLang's step around the
+forward: scheduling, sampling, streaming, the HTTP stream).
+
+Kernels alone (:func:`step_breakdown`: one request at a context ``L``, in this process, the server
+stopped), for comparison with the served parts: ``weights`` = one
 decode row through every block matrix of a step as the server holds them
 (:func:`sgl_loopkv.models.gguf.weights.decode_step_linears`: per layer qkv, o, gate+up, down, then
 the LM head), the kernels the server calls, one after another so each matrix is read cold as in a
@@ -20,7 +29,9 @@ from pathlib import Path
 import psutil
 import torch
 
+from benchmarks.common import metrics
 from benchmarks.harness.stats import median_call_s
+from server.process import ServerProcess
 from sgl_loopkv.attention.executor import TorchDenseExecutor
 from sgl_loopkv.attention.plan import AttentionPlan
 from sgl_loopkv.models.gguf.reader import GGUFFile
@@ -83,7 +94,7 @@ def step_breakdown(
         "weight_bytes": sum(p.nbytes for lin in linears for p in lin.parts),
         "torch_threads": torch.get_num_threads(),
         "kv_dtype": str(kv_dtype).removeprefix("torch."),
-        "how": __doc__.split("Step breakdown ")[1].split("\n\n")[0].replace("\n", " "),
+        "how": __doc__.split("Kernels alone ")[1].split("\n\n")[0].replace("\n", " "),
     }
 
 
@@ -100,3 +111,42 @@ def tree_memory_mb(pids: list[int]) -> dict:
         pss += getattr(info, "pss", info.rss)
         top = max(top, info.rss)
     return {"rss_mb": rss / 2**20, "pss_mb": pss / 2**20, "scheduler_rss_mb": top / 2**20}
+
+
+def served_breakdown(path: Path, ids: list[int], gen: int = 64, repeats: int = 3, log: Path | None = None) -> dict:
+    """ms per decode step of one request over ``ids`` on a GGUF server with ``--enable-metrics`` (see the
+    module docstring): the mean over ``repeats`` streams of ``gen`` tokens, after a fill and a warm-up."""
+    from benchmarks.decode import stream_generate, token_intervals
+
+    def seconds(m: dict, part: str) -> float:
+        return m.get(f'loopkv_decode_seconds_total{{part="{part}"}}', 0.0)
+
+    args = ["--model-path", str(path), "--enable-metrics", "--max-total-tokens", str(len(ids) + gen + 256)]
+    with ServerProcess(args, log_path=log).start() as srv:
+        stream_generate(srv.url, ids, 1)
+        stream_generate(srv.url, ids, 8)
+        before, gaps = metrics(srv.url), []
+        for _ in range(repeats):
+            gaps += token_intervals([stream_generate(srv.url, ids, gen)["arrivals"]])[0]
+        after = metrics(srv.url)
+    steps = after.get("loopkv_decode_steps_total", 0.0) - before.get("loopkv_decode_steps_total", 0.0)
+    if steps <= 0:
+        raise RuntimeError("the server timed no decode step (is the lean forward off?)")
+    ms = {
+        k: 1000 * (seconds(after, k) - seconds(before, k)) / steps
+        for k in ("forward", "weights", "attention", "lm_head")
+    }
+    step = 1000 * sum(gaps) / len(gaps)
+    return {
+        "context": len(ids),
+        "tpot_ms": step,
+        "weights_ms": ms["weights"] + ms["lm_head"],
+        "attention_ms": ms["attention"],
+        "other_ms": step - ms["weights"] - ms["lm_head"] - ms["attention"],
+        "layers_other_ms": ms["forward"] - ms["weights"] - ms["attention"],
+        "framework_ms": step - ms["forward"] - ms["lm_head"],
+        "lm_head_ms": ms["lm_head"],
+        "steps": steps,
+        "weight_bytes": sum(p.nbytes for lin in decode_step_linears(GGUFFile(path)) for p in lin.parts),
+        "how": "served: " + __doc__.split("Served step breakdown ")[1].split("\n\n")[0].replace("\n", " "),
+    }

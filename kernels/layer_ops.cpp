@@ -134,8 +134,8 @@ std::tuple<torch::Tensor, torch::Tensor> rope_neox(const torch::Tensor& qkv, con
 // e^x in float32 without a library call, so that the loop below vectorises: Cephes' expf (a degree-6
 // polynomial on x - n ln 2 with n = round(x / ln 2), ln 2 split in two, times 2^n built in the exponent
 // bits), about one unit in the last place. Branch-free: past the float range the result is inf or 0.
-// paged_decode.cpp's exp_nonpositive is the same polynomial for x <= 0: each extension is built from one
-// .cpp (no shared header is packaged or tracked by the build key), so the few lines stand in both.
+// exp_nonpositive.h (the attention kernels') is the same polynomial for x <= 0 only; this one also takes
+// x > 0 (silu of a negative gate) and the clamp differs, so it stays its own.
 inline float exp_poly(float x) {
   const float xc = std::min(std::max(x, -87.0f), 88.0f);
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest

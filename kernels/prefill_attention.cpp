@@ -27,6 +27,7 @@
 #include <torch/extension.h>
 
 #include "bf16_brgemm.h"
+#include "exp_nonpositive.h"
 
 #include <algorithm>
 #include <cmath>
@@ -39,25 +40,6 @@ namespace {
 constexpr int64_t TILE = 256;     // keys per online-softmax step
 constexpr int64_t PACK_N = 64;    // a packed B's columns (keys for q k^T, head dims for p v): what oneDNN packs
 constexpr int64_t BLOCK_M = 256;  // query rows per work item
-
-// exp(x) for x <= 0, vectorizable (paged_decode.cpp's exp_nonpositive: each extension builds from
-// one source file, so the 15 lines are repeated rather than shared through an unpackaged header).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.3f);
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // x = hi + lo, both bfloat16, rounded to nearest even (at::BFloat16's rounding; finite x), over
 // arrays: plain integer steps the compiler vectorizes, where at::BFloat16's constructor is a call.

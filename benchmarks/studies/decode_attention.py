@@ -56,11 +56,19 @@ def kernel_at(rev: str):
     from sgl_loopkv.kernels.native import CFLAGS, LDFLAGS
 
     root = Path(__file__).resolve().parents[2]
-    source = subprocess.run(
-        ["git", "show", f"{rev}:kernels/paged_decode.cpp"], cwd=root, check=True, capture_output=True, text=True
-    ).stdout
+
+    def show(path: str) -> str:
+        return subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True, text=True
+        ).stdout
+
     out = Path(tempfile.mkdtemp(prefix="paged-decode-against-"))
-    (out / "paged_decode_against.cpp").write_text(source)
+    (out / "paged_decode_against.cpp").write_text(show("kernels/paged_decode.cpp"))
+    headers = subprocess.run(
+        ["git", "ls-tree", "--name-only", rev, "kernels/"], cwd=root, check=True, capture_output=True, text=True
+    ).stdout.split()
+    for h in (h for h in headers if h.endswith(".h")):  # the revision's own shared headers, beside it
+        (out / Path(h).name).write_text(show(h))
     return load_extension(
         name="loopkv_paged_decode_against", sources=[str(out / "paged_decode_against.cpp")], build_directory=str(out),
         extra_cflags=list(CFLAGS), extra_ldflags=LDFLAGS,

@@ -26,7 +26,10 @@ The plugin registers them only in servers started by sgl-loopkv's launcher, neve
 
 from __future__ import annotations
 
+import time
+
 from sgl_loopkv.kernels.decode_linear import applies, linear
+from sgl_loopkv.models import step_timing
 from sgl_loopkv.models.gguf import weights as gguf_weights
 from sgl_loopkv.models.gguf.reader import GGUFError
 
@@ -56,7 +59,18 @@ def linear_apply(original, self, layer, x, bias=None, *args, **kwargs):
 
 
 def compute_lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kwargs):
-    """AROUND hook on ``LogitsProcessor._compute_lm_head``."""
+    """AROUND hook on ``LogitsProcessor._compute_lm_head`` (timed as a decode step's part where
+    :mod:`~sgl_loopkv.models.step_timing` is on)."""
+    if (timing := step_timing.active()) is None:
+        return _lm_head(original, self, hidden_states, lm_head, embedding_bias, **kwargs)
+    t0 = time.perf_counter()
+    try:
+        return _lm_head(original, self, hidden_states, lm_head, embedding_bias, **kwargs)
+    finally:
+        timing.add_lm_head(time.perf_counter() - t0)
+
+
+def _lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kwargs):
     if (blocks := gguf_weights.of(lm_head)) is not None:  # SGLang's CPU head ignores ``out`` and the bias too
         return blocks(hidden_states)
     from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
+from sgl_loopkv.models import step_timing
 from sgl_loopkv.models.decode_linear import project
 from sgl_loopkv.models.gguf import weights as gguf_weights
 from sgl_loopkv.models.metrics import set_gauge
@@ -185,10 +187,19 @@ def _norm(ops, norm, x: torch.Tensor, residual: torch.Tensor | None):
     return ops.add_rms_norm(x, residual, norm.weight, norm.variance_epsilon)
 
 
+def _attend(layer, plain, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch) -> torch.Tensor:
+    """The layer's attention: the backend's two-call plain decode where it takes the layer, else
+    ``RadixAttention.forward``."""
+    if plain is None or (o := plain(layer, q, k, v)) is None:
+        o = layer.forward(q, k, v, forward_batch)
+    return o
+
+
 @torch.no_grad()
-def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch) -> torch.Tensor:
+def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch, timing=None) -> torch.Tensor:
     """``model.forward`` for a decode or extend batch of a :func:`runnable` model: the final-normed hidden
-    states."""
+    states. ``timing`` (:class:`~sgl_loopkv.models.step_timing.StepTiming`): its projections and attention
+    calls are timed."""
     x = model.embed_tokens(input_ids)
     n = x.shape[0]
     residual = None
@@ -198,6 +209,9 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
         ops = None
     rotary: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per rotary module (SGLang shares one)
     plain = _plain_decode(forward_batch)
+    proj, attend = (
+        (project, _attend) if timing is None else (timing.timed(project, "weights"), timing.timed(_attend, "attention"))
+    )
     for i in range(model.start_layer, model.end_layer):
         layer = model.layers[i]
         attn, mlp = layer.self_attn, layer.mlp
@@ -205,7 +219,7 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
             residual, h = x, _norm(ops, layer.input_layernorm, x, None)
         else:
             h, residual = _norm(ops, layer.input_layernorm, x, residual)
-        qkv = project(attn.qkv_proj, h, attn.qkv_proj.bias)
+        qkv = proj(attn.qkv_proj, h, attn.qkv_proj.bias)
         rope = attn.rotary_emb
         if ops is not None:
             q, k = ops.rope_neox(
@@ -219,12 +233,11 @@ def lean_forward(model, input_ids: torch.Tensor, positions: torch.Tensor, forwar
             # output like q: torch_native does)
             q, k = qk[:, : attn.num_heads].reshape(n, -1), qk[:, attn.num_heads :].reshape(n, -1)
         v = qkv[:, attn.q_size + attn.kv_size :]
-        if plain is None or (o := plain(attn.attn, q, k, v)) is None:
-            o = attn.attn.forward(q, k, v, forward_batch)
-        x = project(attn.o_proj, o, attn.o_proj.bias)
+        o = attend(attn.attn, plain, q, k, v, forward_batch)
+        x = proj(attn.o_proj, o, attn.o_proj.bias)
         h, residual = _norm(ops, layer.post_attention_layernorm, x, residual)
-        gate_up = project(mlp.gate_up_proj, h, mlp.gate_up_proj.bias)
-        x = project(mlp.down_proj, mlp.act_fn(gate_up) if ops is None else ops.silu_mul(gate_up), mlp.down_proj.bias)
+        gate_up = proj(mlp.gate_up_proj, h, mlp.gate_up_proj.bias)
+        x = proj(mlp.down_proj, mlp.act_fn(gate_up) if ops is None else ops.silu_mul(gate_up), mlp.down_proj.bias)
     return _norm(ops, model.norm, x, residual)[0]
 
 
@@ -260,5 +273,15 @@ def lean_model_forward(
         and not torch.compiler.is_compiling()
         and runnable(self)
     ):
-        return lean_forward(self, input_ids, positions, forward_batch)
+        if (timing := step_timing.active()) is None:
+            return lean_forward(self, input_ids, positions, forward_batch)
+        decode = forward_batch.forward_mode.is_decode()
+        timing.begin(decode)
+        t0 = time.perf_counter()
+        out = lean_forward(self, input_ids, positions, forward_batch, timing if decode else None)
+        if decode:
+            timing.publish(time.perf_counter() - t0)
+        return out
+    if (timing := step_timing.active()) is not None:
+        timing.begin(False)
     return original(self, input_ids, positions, forward_batch, input_embeds, pp_proxy_tensors, **kw)
