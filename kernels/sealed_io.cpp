@@ -3,11 +3,11 @@
 //
 // A sealed file keeps the plain layout; each extent is one AES-256-GCM unit whose ciphertext fills
 // its place byte for byte, its 16-byte tag in the header (sgl_loopkv/cache/cipher.py). read_sealed
-// reads runs of extents into one staging buffer (reused), then opens every extent under its tag,
-// nonce salt | u32 unit and aad seg_id | 0 | u32 unit (big-endian, as cipher.py seals them),
-// decrypting its pieces straight where the caller chose: the same targets as chunk_io.cpp's
-// read_extents, which cannot decrypt. All of it runs without the GIL,
-// where the Python path held it for every extent (a loop the forward's Python waited on).
+// reads runs of extents into the thread's staging buffer (kept between calls), then opens every
+// extent under its tag, nonce salt | u32 unit and aad seg_id | 0 | u32 unit (big-endian, as cipher.py
+// seals them), decrypting its pieces straight where the caller chose: the same targets as
+// chunk_io.cpp's read_extents, which cannot decrypt. All of it runs without the GIL, where the
+// Python path held it for every extent (a loop the forward's Python waited on).
 //
 // AES-GCM comes from the process's libcrypto (OpenSSL 1.1 / 3 EVP API), found at run time
 // (use_libcrypto): no OpenSSL headers or link-time dependency. Without it, callers read in Python.
@@ -149,7 +149,10 @@ std::tuple<torch::Tensor, int64_t, double, double> read_sealed(
   const unsigned char* tag = tags.data_ptr<uint8_t>();
   // about a megabyte a pread, as the plain reader's pieces
   const int64_t per_call = std::max<int64_t>((int64_t(1) << 20) / extent_bytes, 1);
-  std::vector<unsigned char> staging(per_call * extent_bytes), scratch(std::max<int64_t>(extent_bytes - used, TAG));
+  // the reading thread's own buffers, kept between calls: a whole read calls once per piece
+  thread_local std::vector<unsigned char> staging, scratch;
+  staging.resize(std::max<size_t>(staging.size(), per_call * extent_bytes));
+  scratch.resize(std::max<size_t>(scratch.size(), std::max<int64_t>(extent_bytes - used, TAG)));
   const int64_t pad = extent_bytes - used;
   unsigned char nonce[NONCE];
   std::memcpy(nonce, salt.data(), SALT);

@@ -5,10 +5,11 @@ Why native: opened in Python, every extent (a 16-token chunk of one layer, a few
 copy, a nonce and an ``AESGCM.decrypt_into`` call, then the whole read was copied again from file
 order into the rows' layout; on a reader thread that shares the GIL with the scheduler, an encrypted
 4K-token resume from disk took ~1.25x the plain one (``docs/decisions/2026-12-07-sealed-reads-native.md``).
-Here a piece of the file is read into one reused buffer, each extent opened in place with the
-process's libcrypto (found at run time, no OpenSSL headers needed) and its pieces copied to their
-targets, all without the GIL. :func:`load` returns the module (``read_sealed(fd, blocks, units, tags,
-targets, sizes, extent_bytes, key, salt, seg_id) -> (ok, bytes, preadv seconds, open seconds)``) or
+Here a piece of the file is read into the reading thread's buffer (kept between calls) and each extent
+is opened with the process's libcrypto (found at run time, no OpenSSL headers needed), its pieces
+decrypted straight to their targets, all without the GIL. :func:`load` returns the module
+(``read_sealed(fd, blocks, units, tags, targets, sizes, extent_bytes, key, salt, seg_id) -> (ok, bytes,
+pread seconds, open seconds)``) or
 None: callers then read in Python (``LOOPKV_NATIVE_SEALED_IO=0`` turns it off).
 """
 
