@@ -142,6 +142,10 @@ class DiskSegmentStore:
         """Stop the codec's read threads (a later read starts them again)."""
         self.codec.close()
 
+    def trim_read_buffers(self) -> None:
+        """Unmap whole reads' free buffers beyond their bound (:class:`~sgl_loopkv.cache.read_buffers.ReadBuffers`)."""
+        self.codec.buffers.trim()
+
     @property
     def used_bytes(self) -> int:
         """Bytes of segments in the directory (any worker's), as of the latest scan."""

@@ -16,6 +16,7 @@ from sgl_loopkv.cache.cipher import SegmentCipher
 from sgl_loopkv.cache.layout import KVGeometry, SegmentFileLayout
 from sgl_loopkv.cache.packed import PackedKV, codec_of
 from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.cache.read_buffers import ReadBuffers
 from sgl_loopkv.cache.segment_check import SegmentCheck
 from sgl_loopkv.cache.segment_encode import SegmentEncoder
 from sgl_loopkv.cache.segment_reads import PreadPool, ReadCounters, fetch
@@ -61,6 +62,7 @@ class SegmentCodec:
     check: SegmentCheck = field(init=False, repr=False)
     encoder: SegmentEncoder = field(init=False, repr=False)
     readers: PreadPool = field(default_factory=PreadPool, repr=False)
+    buffers: ReadBuffers = field(default_factory=ReadBuffers, repr=False)  # whole reads' rows, reused
     _crc_tables: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -147,17 +149,17 @@ class SegmentCodec:
     ) -> torch.Tensor | QuantKV:
         """Every row's chunks [chunk_lo, chunk_hi), verified -> rows [R, 2, n * c, H, D] (a QuantKV for
         int8), natively where it can (:mod:`sgl_loopkv.cache.segment_whole`). Raises CorruptSegment."""
-        g, counters = self.geometry, self.counters
+        g, counters, empty = self.geometry, self.counters, self.buffers.empty
         if self.cipher is not None:  # opened under their tags (chunk_io checks crc32s, it cannot decrypt)
             if (sealed := _sealed_io()) is not None:
                 return read_whole_sealed(
-                    sealed, fd, seg_id, header, layout, self.cipher, g, counters, chunk_lo, chunk_hi
+                    sealed, fd, seg_id, header, layout, self.cipher, g, counters, chunk_lo, chunk_hi, empty
                 )
         elif (native := _chunk_io()) is not None:
             return read_whole_native(
-                native, fd, seg_id, layout, self._crc_table(header), g, counters, chunk_lo, chunk_hi
+                native, fd, seg_id, layout, self._crc_table(header), g, counters, chunk_lo, chunk_hi, empty
             )
-        return read_whole(fd, seg_id, header, layout, self.check, counters, chunk_lo, chunk_hi)
+        return read_whole(fd, seg_id, header, layout, self.check, counters, chunk_lo, chunk_hi, empty)
 
     def _packed(self, fd, seg_id, header, layout, rows, layer_rows, chunk_lo: int, chunk_hi: int):
         """``rows`` as read, or with the segment's shared layer pairs a PackedKV (its side data read and verified)."""

@@ -14,6 +14,7 @@ between them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,15 +42,28 @@ class _Plan:
     sizes: torch.Tensor  # [P] int64
 
 
-def _plan(layout: SegmentFileLayout, g: KVGeometry, chunk_lo: int, chunk_hi: int) -> _Plan:
-    c, H, D, R, T = g.chunk_tokens, g.num_kv_heads, g.head_dim, layout.rows, (chunk_hi - chunk_lo) * g.chunk_tokens
+#: ``empty(shape, dtype)``: where a read's rows go (``torch.empty``, or a codec's reused buffers:
+#: :class:`~sgl_loopkv.cache.read_buffers.ReadBuffers`)
+Empty = Callable[[tuple, torch.dtype], torch.Tensor]
+
+
+def _torch_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def _rows(g: KVGeometry, R: int, T: int, empty: Empty) -> tuple[torch.Tensor | QuantKV, tuple[torch.Tensor, ...]]:
+    """Rows [R, 2, T, H, D] (a QuantKV for int8) and an extent's destinations, in file order."""
+    H, D = g.num_kv_heads, g.head_dim
     if g.quantized:
-        q = torch.empty((R, 2, T, H, D), dtype=torch.int8)
-        scale = torch.empty((R, 2, T, H), dtype=torch.float32)
-        dests, kv = (q, q, scale, scale), QuantKV(q, scale)  # an extent: K values, V values, K scales, V scales
-    else:
-        kv = torch.empty((R, 2, T, H, D), dtype=g.dtype)
-        dests = (kv, kv)  # an extent: K rows, V rows
+        q, scale = empty((R, 2, T, H, D), torch.int8), empty((R, 2, T, H), torch.float32)
+        return QuantKV(q, scale), (q, q, scale, scale)  # an extent: K values, V values, K scales, V scales
+    kv = empty((R, 2, T, H, D), g.dtype)
+    return kv, (kv, kv)  # an extent: K rows, V rows
+
+
+def _plan(layout: SegmentFileLayout, g: KVGeometry, chunk_lo: int, chunk_hi: int, empty: Empty) -> _Plan:
+    c, R, T = g.chunk_tokens, layout.rows, (chunk_hi - chunk_lo) * g.chunk_tokens
+    kv, dests = _rows(g, R, T, empty)
     half = torch.tensor([p % 2 for p in range(len(dests))])  # the piece's K (0) or V (1) rows
     token_bytes = torch.tensor([d[0, 0, 0].numel() * d.element_size() for d in dests])
     base = torch.tensor([d.data_ptr() for d in dests])
@@ -92,10 +106,11 @@ def read_whole_native(
     counters: ReadCounters,
     chunk_lo: int,
     chunk_hi: int,
+    empty: Empty = _torch_empty,
 ) -> torch.Tensor | QuantKV:
-    """Rows of chunks [chunk_lo, chunk_hi) through ``native`` (the chunk_io module); ``crcs``: the
-    header's extent crc32s as int64. Raises CorruptSegment."""
-    plan = _plan(layout, g, chunk_lo, chunk_hi)
+    """Rows of chunks [chunk_lo, chunk_hi) through ``native`` (the chunk_io module), into ``empty``'s
+    tensors; ``crcs``: the header's extent crc32s as int64. Raises CorruptSegment."""
+    plan = _plan(layout, g, chunk_lo, chunk_hi, empty)
     want = crcs[plan.index]
 
     def read(table, e0, e1):
@@ -115,10 +130,11 @@ def read_whole_sealed(
     counters: ReadCounters,
     chunk_lo: int,
     chunk_hi: int,
+    empty: Empty = _torch_empty,
 ) -> torch.Tensor | QuantKV:
     """:func:`read_whole_native` for a sealed file through ``native`` (the sealed_io module): each
     extent opened under its tag instead of a crc32 check. Raises CorruptSegment."""
-    plan = _plan(layout, g, chunk_lo, chunk_hi)
+    plan = _plan(layout, g, chunk_lo, chunk_hi, empty)
     tags = torch.frombuffer(bytearray(header["_tags"]), dtype=torch.uint8).view(-1, TAG_BYTES)
     key, salt, sid = cipher.opener_key(), header["_salt"], header["seg_id"].encode()
 
@@ -139,8 +155,9 @@ def read_whole(
     counters: ReadCounters,
     chunk_lo: int,
     chunk_hi: int,
+    empty: Empty = _torch_empty,
 ) -> torch.Tensor | QuantKV:
-    """Rows of chunks [chunk_lo, chunk_hi) in Python: each group's extents read (``preadv``) into one
+    """Rows of chunks [chunk_lo, chunk_hi) in Python (into ``empty``'s tensors): each group's extents read (``preadv``) into one
     buffer in file order, [n, group rows, extent bytes], verified (crc32 or decryption), then copied
     once into the rows' layout. Raises CorruptSegment."""
     g = check.geometry
@@ -160,9 +177,9 @@ def read_whole(
             bad = b.row0 + int(np.nonzero(~ok)[1][0])
             raise CorruptSegment(f"segment {seg_id}: truncated or checksum mismatch at row {bad}")
     step = max(read_pacing.PIECE_BYTES // (eb * max(layout.group, 1)), 1)  # chunks per piece of a group
+    kv, _ = _rows(g, R, n * c, empty)
     if g.quantized:
-        q = torch.empty((R, 2, n * c, H, D), dtype=torch.int8)
-        scale = torch.empty((R, 2, n * c, H), dtype=torch.float32)
+        q, scale = kv.q, kv.scale
         qb = 2 * c * H * D
         for g0, buf in groups:
             raw, gr = torch.from_numpy(buf), buf.shape[1]
@@ -175,8 +192,8 @@ def read_whole(
                     raw[j:k, :, qb:used].view(torch.float32).view(k - j, gr, 2, c, H).permute(1, 2, 0, 3, 4)
                 )
                 read_pacing.checkpoint()
-        return QuantKV(q, scale)
-    out = torch.empty((R, 2, n * c, H, D), dtype=g.dtype)
+        return kv
+    out = kv
     for g0, buf in groups:
         raw, gr = torch.from_numpy(buf), buf.shape[1]
         for j in range(0, n, step):

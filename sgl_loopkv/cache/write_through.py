@@ -122,6 +122,8 @@ class WriteThrough:
         tree.metrics.publish(tree.store.count_tokens())
         tree.metrics.publish_restore(tree.restorer.stats)  # the bubbles of these turns' forwards
         if time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # the tiers' freed tensors leave the RSS
+            if tree.store.disk is not None:
+                tree.store.disk.trim_read_buffers()
             release_free_heap()
             self._trimmed_at = time.monotonic()
 
