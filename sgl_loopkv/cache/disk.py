@@ -67,6 +67,7 @@ from sgl_loopkv.cache.disk_evict import SegmentEviction, fsync_dir
 from sgl_loopkv.cache.disk_names import CHUNKS, SEG_ID, DiskNames
 from sgl_loopkv.cache.layout import PREAMBLE_BYTES, KVGeometry, SegmentFileLayout, align_up
 from sgl_loopkv.cache.packed import PackedKV
+from sgl_loopkv.cache.read_buffers import ReadBuffers
 from sgl_loopkv.cache.segment_file import ChunkRead, SegmentCodec
 from sgl_loopkv.cache.segment_reads import PreadPool
 from sgl_loopkv.cache.segment_record import FORMAT_VERSION, LAYER_GROUP, CorruptSegment, SegmentGone, SegmentRecord
@@ -119,7 +120,9 @@ class DiskSegmentStore:
         layer_group: int = LAYER_GROUP,
         cipher: SegmentCipher | None = None,
         readers: PreadPool | None = None,
+        buffers: ReadBuffers | None = None,
     ):
+        """``buffers``: where whole reads' rows go (the tier store's, shared with its stores' gathers)."""
         self.root, self.quota_bytes, self.geometry = Path(root), quota_bytes, geometry
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / CHUNKS).mkdir(mode=0o700, exist_ok=True)
@@ -128,7 +131,9 @@ class DiskSegmentStore:
         self.presence = Presence(self.root)  # other workers on this directory (their lookups may wait for our writes)
         self.writer = f"{socket.gethostname()}:{os.getpid()}"
         # files grouped by the writer's prefix period
-        self.codec = SegmentCodec(geometry, layer_group, cipher, readers=readers or PreadPool())
+        self.codec = SegmentCodec(
+            geometry, layer_group, cipher, readers=readers or PreadPool(), buffers=buffers or ReadBuffers()
+        )
         self.announcements = Announcements(self.names, self.dir.host)
         self.eviction = SegmentEviction(self.dir, self.names, self.codec.header)
         self.bytes_written = 0
@@ -141,10 +146,6 @@ class DiskSegmentStore:
     def close(self) -> None:
         """Stop the codec's read threads (a later read starts them again)."""
         self.codec.close()
-
-    def trim_read_buffers(self) -> None:
-        """Unmap whole reads' free buffers beyond their bound (:class:`~sgl_loopkv.cache.read_buffers.ReadBuffers`)."""
-        self.codec.buffers.trim()
 
     @property
     def used_bytes(self) -> int:

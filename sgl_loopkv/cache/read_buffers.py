@@ -1,11 +1,14 @@
-"""Memory for whole reads' rows, reused from one read to the next (:class:`ReadBuffers`).
+"""Memory for rows read out of a file or the pool, reused from one read to the next (:class:`ReadBuffers`,
+one per tier store).
 
 Why: a whole read (:mod:`sgl_loopkv.cache.segment_whole`) writes a history's rows, ~57 MB for 4K
 tokens in an int8 tier, into freshly allocated memory, and the first touch of every fresh page is a
 page fault the kernel answers by zeroing it. On the 2-core VMs here that was about a third of a read
 whose file was in the page cache, and ~15 ms of a cold 4K read
 (docs/decisions/2026-12-07-disk-read-buffers.md). Rows read into memory an earlier read has already
-touched pay none of it.
+touched pay none of it. A quantized tier's store gathers a turn's rows from the pool into such memory
+too (:meth:`~sgl_loopkv.cache.write_through.WriteThrough.gather`, on the scheduler thread): only their
+int8 form is kept.
 
 A buffer is an anonymous memory map: the rows are ``torch.frombuffer`` views of it, and a storage
 made that way holds one reference to the map for as long as any tensor uses it. So a buffer is free
@@ -30,6 +33,8 @@ import torch
 #: Free buffers kept for the next read, in bytes (about two 4K-token bfloat16 histories of the
 #: default model); a read larger than this is allocated and freed as any tensor.
 KEEP_BYTES = int(os.environ.get("LOOPKV_READ_BUFFER_BYTES", 256 << 20))
+#: Smaller rows are ordinary tensors (the C heap keeps such blocks between calls without faulting them anew).
+MIN_BYTES = 1 << 20
 #: A free buffer serves a read of at least this fraction of its size, rounded (it is not split).
 MIN_FILL = 0.8
 _ROUND = 2 << 20  # sizes rounded up to this: a history one turn longer still fits
@@ -58,7 +63,7 @@ class ReadBuffers:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes == 0 or nbytes > self.keep_bytes:
+        if nbytes < MIN_BYTES or nbytes > self.keep_bytes:
             return torch.empty(shape, dtype=dtype)
         size = -(-nbytes // _ROUND) * _ROUND
         with self._lock:

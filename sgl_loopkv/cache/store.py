@@ -33,6 +33,7 @@ from sgl_loopkv.cache.io_controller import IOController
 from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.packed import PackedKV, kv_nbytes, quantize_rows
 from sgl_loopkv.cache.quant import QuantKV
+from sgl_loopkv.cache.read_buffers import ReadBuffers
 from sgl_loopkv.cache.retention import RetentionBook, tenant_of
 from sgl_loopkv.cache.segment_record import LAYER_GROUP, SegmentRecord
 from sgl_loopkv.cache.store_reads import TierReads
@@ -75,10 +76,17 @@ class TieredKVStore:
         )
         self.last_disk_read = (0, 0.0)  # (bytes, seconds) of the latest disk fetch: the restorer learns from it
         self.io = io or IOController()
+        self.buffers = ReadBuffers()  # rows read from disk and gathered from the pool, in reused memory
         self.disk = self.prefetch = self.writers = None
         if disk_dir:
             self.disk = DiskSegmentStore(
-                disk_dir, disk_quota_bytes, geometry, layer_group, disk_cipher, readers=self.io.make_preads()
+                disk_dir,
+                disk_quota_bytes,
+                geometry,
+                layer_group,
+                disk_cipher,
+                readers=self.io.make_preads(),
+                buffers=self.buffers,
             )
             self.stats.disk_bytes = self.disk.used_bytes
             # Whole-segment reads ahead of admission, off the scheduler thread (--loopkv-tier-disk-read background)

@@ -122,8 +122,7 @@ class WriteThrough:
         tree.metrics.publish(tree.store.count_tokens())
         tree.metrics.publish_restore(tree.restorer.stats)  # the bubbles of these turns' forwards
         if time.monotonic() - self._trimmed_at > TRIM_EVERY_S:  # the tiers' freed tensors leave the RSS
-            if tree.store.disk is not None:
-                tree.store.disk.trim_read_buffers()
+            tree.store.buffers.trim()
             release_free_heap()
             self._trimmed_at = time.monotonic()
 
@@ -190,11 +189,18 @@ class WriteThrough:
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The pool's KV of ``slots`` as [L, 2, T, H, D] on the host, gathered straight into one
         buffer (a stack of per-layer gathers copied every byte twice: a 2K-token turn's store took
-        ~60 ms on the scheduler thread, a third of it the second copy)."""
-        pool, layers = self.tree.kv_pool, self.tree.geometry.num_layers
+        ~60 ms on the scheduler thread, a third of it the second copy). Where only its int8 form is
+        kept (a quantized tier), the buffer is the tier store's reused memory: fresh pages would be
+        faulted in on the scheduler thread, turn after turn (:mod:`~sgl_loopkv.cache.read_buffers`)."""
+        tree = self.tree
+        pool, layers = tree.kv_pool, tree.geometry.num_layers
         k0 = pool.k_buffer[0]
         on_host = k0.device.type == "cpu"
-        out = torch.empty(layers, 2, len(slots), *k0.shape[1:], dtype=k0.dtype, pin_memory=pinned_host(k0.device))
+        shape = (layers, 2, len(slots), *k0.shape[1:])
+        if on_host and tree.store.geometry.quantized:
+            out = tree.store.buffers.empty(shape, k0.dtype)
+        else:
+            out = torch.empty(shape, dtype=k0.dtype, pin_memory=pinned_host(k0.device))
         for layer in range(layers):
             for i, buf in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
                 if on_host:

@@ -5,6 +5,7 @@ stays bounded; a whole read through the codec reuses the last one's memory and g
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from sgl_loopkv.cache.layout import KVGeometry, key_summaries
 from sgl_loopkv.cache.quant import QuantKV
 from sgl_loopkv.cache.read_buffers import ReadBuffers
 from sgl_loopkv.cache.segment_record import SegmentRecord
+from sgl_loopkv.cache.write_through import WriteThrough
 
 MB = 1 << 20
 
@@ -38,7 +40,8 @@ def test_a_buffer_comes_back_only_when_no_tensor_uses_it():
 
 def test_the_rows_have_the_asked_shape_and_dtype_and_alignment():
     pool = ReadBuffers(keep_bytes=64 * MB)
-    for shape, dtype in [((7, 2, 48, 2, 8), torch.bfloat16), ((7, 2, 48, 2), torch.float32), ((5, 3), torch.int8)]:
+    shapes = [((7, 2, 480, 2, 64), torch.bfloat16), ((7, 2, 4800, 2), torch.float32), ((5, 3), torch.int8)]
+    for shape, dtype in shapes:
         x = pool.empty(shape, dtype)
         assert x.shape == shape and x.dtype == dtype and x.is_contiguous() and x.data_ptr() % 64 == 0
         x.fill_(1)
@@ -62,7 +65,8 @@ def test_a_small_read_does_not_take_a_large_buffer_and_a_large_one_is_not_kept()
     small = pool.empty((MB,), torch.uint8)
     assert small.data_ptr() != ptr
     huge = pool.empty((32 * MB,), torch.uint8)  # over the bound: an ordinary tensor
-    assert pool.held_bytes == 14 * MB and huge.numel() == 32 * MB
+    tiny = pool.empty((MB // 2,), torch.uint8)  # under a megabyte: one too
+    assert pool.held_bytes == 14 * MB and huge.numel() == 32 * MB and tiny.numel() == MB // 2
 
 
 def test_threads_never_share_a_buffer_in_use():
@@ -112,3 +116,28 @@ def test_a_whole_read_reuses_the_last_reads_memory_once_it_is_dropped(tmp_path, 
 def test_the_bound_is_the_environment_s(monkeypatch):
     assert read_buffers.KEEP_BYTES > 0
     assert ReadBuffers().keep_bytes == read_buffers.KEEP_BYTES
+
+
+@pytest.mark.parametrize("quantized", [True, False], ids=["int8 tier", "float tier"])
+def test_a_stores_gather_is_reused_memory_only_where_its_int8_form_is_what_is_kept(quantized):
+    """The write-through's gather (on the scheduler thread): a quantized tier keeps only the int8 rows,
+    so the gathered rows are a temporary in reused memory; a float tier keeps them in the arena."""
+    layers, heads, dim, slots_n = 4, 2, 64, 4096
+    g = torch.Generator().manual_seed(1)
+    pool = SimpleNamespace(
+        k_buffer=[torch.randn(8192, heads, dim, generator=g) for _ in range(layers)],
+        v_buffer=[torch.randn(8192, heads, dim, generator=g) for _ in range(layers)],
+    )
+    store = SimpleNamespace(geometry=SimpleNamespace(quantized=quantized), buffers=ReadBuffers(keep_bytes=64 * MB))
+    tree = SimpleNamespace(kv_pool=pool, geometry=SimpleNamespace(num_layers=layers), store=store)
+    wt = WriteThrough(tree)
+    slots = torch.randperm(8192, generator=g)[:slots_n]
+    first = wt.gather(slots)
+    assert torch.equal(first[2, 1], pool.v_buffer[2][slots]) and torch.equal(first[0, 0], pool.k_buffer[0][slots])
+    ptr = first.data_ptr()
+    del first
+    second = wt.gather(slots)
+    assert torch.equal(second[3, 0], pool.k_buffer[3][slots])
+    if quantized:
+        assert second.data_ptr() == ptr
+    assert (store.buffers.held_bytes > 0) == quantized
