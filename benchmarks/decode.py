@@ -490,6 +490,7 @@ def run_hf(model_dir, dtype: str, contexts, ctx_ids, args, bar) -> dict:
 
 
 def run_llamacpp(contexts, ctx_ids, tok, args, eos: int, bar) -> dict:
+    from benchmarks.decode_gguf import tree_memory_mb
     from benchmarks.multiturn import LlamaCppServer, llamacpp_version
 
     srv = LlamaCppServer(n_ctx=max(contexts) + args.gen + 128, log_path=RESULTS / "decode_llamacpp.log")
@@ -521,6 +522,7 @@ def run_llamacpp(contexts, ctx_ids, tok, args, eos: int, bar) -> dict:
         srv.start()
         out["startup_s"] = srv.startup_s
         complete("Hello", 8)  # warm-up
+        out["memory_after_warmup"] = tree_memory_mb([srv.proc.pid])
         for L in contexts:
             bar.set_postfix_str(f"llamacpp {L}")
             text = tok.decode(ctx_ids[L][0])
@@ -794,8 +796,8 @@ def gguf_summary(p: dict) -> dict:
         c = cell(res, name, L, bs)
         return c["tok_s"] if c else None
 
-    def mem(name):
-        return ((res.get(name) or {}).get("memory_after_warmup") or {}).get("rss_mb")
+    def mem(name, key="rss_mb"):
+        return ((res.get(name) or {}).get("memory_after_warmup") or {}).get(key)
 
     fid = (p.get("fidelity") or {}).get("by_context", {})
     tfs, kls = gguf_fidelity(fid, "loopkv-gguf")
@@ -815,6 +817,9 @@ def gguf_summary(p: dict) -> dict:
         "llamacpp_prefill_ms_4k": fill_ms("llamacpp", c4),
         "gguf_rss_mb": mem("loopkv-gguf"),
         "fp32_rss_mb": mem("loopkv-fp32"),
+        # PSS: pages shared by the server's processes (torch's libraries, mapped by each) counted once
+        "gguf_pss_mb": mem("loopkv-gguf", "pss_mb"),
+        "llamacpp_pss_mb": mem("llamacpp", "pss_mb"),
         "gguf_teacher_forced_agreement": tfs,
         "gguf_teacher_forced_agreement_min": min(tfs.values()) if tfs else None,
         "gguf_kl": kls,
@@ -843,6 +848,7 @@ def gguf_summary(p: dict) -> dict:
         ),  # >= 2
         "fp32_over_gguf_prefill_4k": ratio(out["fp32_prefill_ms_4k"], out["gguf_prefill_ms_4k"]),  # >= 1.5
         "llamacpp_over_gguf_prefill_4k": ratio(out["llamacpp_prefill_ms_4k"], out["gguf_prefill_ms_4k"]),  # >= 1
+        "gguf_over_llamacpp_pss": ratio(out["gguf_pss_mb"], out["llamacpp_pss_mb"]),  # no target: docs/models.md
         "gguf_over_fp32_rss": ratio(out["gguf_rss_mb"], out["fp32_rss_mb"]),  # < 1
     }
     return out
@@ -1057,6 +1063,8 @@ def gguf_md(p: dict) -> str:
          fmt_ms(sm["llamacpp_prefill_ms_4k"]), _f(sm["llamacpp_over_gguf_prefill_4k"]), ">= 1"],
         ["server RSS MB / float32's", fmt_ms(sm["gguf_rss_mb"]), fmt_ms(sm["fp32_rss_mb"]), _f(sm["gguf_over_fp32_rss"]),
          "< 1"],
+        ["server PSS MB / llama.cpp's (its pool and processes: docs/models.md)", fmt_ms(sm.get("gguf_pss_mb")),
+         fmt_ms(sm.get("llamacpp_pss_mb")), _f(sm.get("gguf_over_llamacpp_pss")), "-"],
         ["teacher-forced agreement with float32, min (prefill and decode-step paths)",
          _f(sm["gguf_teacher_forced_agreement_min"]), "-", "-", ">= 0.99"],
         ["KL vs float32, max (first token and decode steps)",

@@ -148,15 +148,9 @@ class KernelPlan:
 
 
 def prepare(mask, device) -> KernelPlan:
-    """Host mask -> device tensors. Full heads are spelled out as every causal block (the kernel
-    walks lists; a full head then costs what the dense causal triangle does)."""
-    if any(mask.full):
-        from sgl_loopkv.attention.sparse_plan import SeqMask
-
-        table = mask.block_table()
-        table[torch.tensor(mask.full)] = True
-        cols = [mask.cols(h) for h in range(mask.num_heads)]
-        mask = SeqMask.from_block_table(table, mask.kv_len, mask.q_len, mask.block_size, cols)
+    """Host mask (a ``SeqMask``) -> device tensors. Full heads are spelled out as every causal block
+    (the kernel walks lists)."""
+    mask = mask.spelled_out()
     H, nqb, nb, B = mask.num_heads, mask.num_q_blocks, mask.num_blocks, mask.block_size
     starts = (torch.arange(nqb) + mask.first_q_block) * B
     col_end = torch.cat([mask.col_indptr[h] + torch.searchsorted(mask.cols(h), starts) for h in range(H)])

@@ -146,6 +146,16 @@ class SeqMask:
         table[rows, self.block_indices] = True
         return table.view(H, nqb, nb)
 
+    def spelled_out(self) -> SeqMask:
+        """This mask with each ``full`` head's causal blocks listed: for kernels that only walk lists
+        (a full head then costs what the dense causal triangle does)."""
+        if not any(self.full):
+            return self
+        table = self.block_table()
+        table[torch.tensor(self.full)] = True
+        cols = [self.cols(h) for h in range(self.num_heads)]
+        return SeqMask.from_block_table(table, self.kv_len, self.q_len, self.block_size, cols)
+
     # --- reference semantics (tests, fidelity metrics) ------------------------------------------
     def dense_mask(self, head: int, rows: torch.Tensor | None = None) -> torch.Tensor:
         """bool [q_len, kv_len]: True where the head's new rows attend (the definition above);
