@@ -103,6 +103,7 @@ SYSTEMS = {
     "loopkv-gguf-fp32prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "float32")),
     "loopkv-gguf-bf16prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "bfloat16")),
     "loopkv-gguf-torchattn": ("sglang", "float32", ()),
+    "loopkv-gguf-splitsoftmax": ("sglang", "float32", ("--loopkv-prefill-softmax", "split")),
     "loopkv-gguf-noplain": ("sglang", "float32", ()),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
@@ -153,6 +154,8 @@ WHAT = {
     "queries (the default on AMX CPUs since `decode_gguf_attn`)",
     "loopkv-gguf-torchattn": "`loopkv-gguf` with a prefill's attention through torch's float32 flash kernel over the "
     "widened bfloat16 keys (`LOOPKV_NATIVE_PREFILL_ATTENTION=0`) instead of the split-bfloat16 kernel",
+    "loopkv-gguf-splitsoftmax": "`loopkv-gguf` with `--loopkv-prefill-softmax split`: a bfloat16 prefill's softmax "
+    "weights split in two bfloat16 parts (the default before `decode_gguf_softmax`) instead of rounded once",
     "loopkv-gguf-noplain": "`loopkv-gguf` with every decode layer through SGLang's `RadixAttention` and the "
     "backend's dispatch and `set_kv_buffer` (`LOOPKV_PLAIN_DECODE=0`) instead of the two-call plain decode layer",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
@@ -175,6 +178,7 @@ GGUF_SYSTEMS = (
     "loopkv-gguf-fp32prefill",
     "loopkv-gguf-bf16prefill",
     "loopkv-gguf-torchattn",
+    "loopkv-gguf-splitsoftmax",
     "loopkv-gguf-noplain",
 )
 #: systems scored against loopkv-fp32's tokens and logprobs (fidelity)

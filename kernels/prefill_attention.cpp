@@ -15,6 +15,12 @@
 // is within 2^-12 of the values' magnitude of a float64 softmax over the same keys, where torch's
 // float32 kernel is within about 2^-16 (tests/unit/test_prefill_attention.py).
 //
+// With split_weights false the softmax weights are rounded to bfloat16 once (relative error <= 2^-9
+// each, as FlashAttention's P V on GPUs) and P V is one bfloat16 product, half the split's; the
+// normalizer stays the float32 sum of the unrounded weights, so the result moves by at most 2^-9 of the
+// values' magnitude, and a fifth of the kernel's time goes. The queries stay split either way: their
+// rounding moves every score of a row, which is what cost a bfloat16 prefill its fidelity.
+//
 // Layout: q, out [n, Hq, D] float32; k, v [L, Hkv, D] bfloat16, any row and head strides (a gathered
 // extend's KV or pool views); row r of q sits at position L - n + r and sees keys 0 .. L - n + r.
 // Hq is a multiple of Hkv (GQA: consecutive query heads share a KV head). A work item is one query
@@ -34,6 +40,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -63,11 +73,67 @@ inline void split_row(const float* x, int64_t count, uint16_t* hi, uint16_t* lo)
   }
 }
 
+// e = exp(s - mx) for s[0 .. seen) into p_hi = bf16(e) and, unless pl is null, p_lo = bf16(e - p_hi);
+// returns the sum of e (unrounded: the normalizer is float32 either way).
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// One conversion instruction per 16 weights and part (vcvtneps2bf16, round to nearest even as
+// bf16_bits; it flushes subnormal inputs to zero, which only a weight below 1e-38 is).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+inline float weights_split(const float* s, int64_t seen, float mx, uint16_t* ph, uint16_t* pl) {
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < seen; j += 16) {
+    const __mmask16 k = seen - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (seen - j)) - 1);
+    const __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m)));
+    const __m256i h = (__m256i)_mm512_cvtneps_pbh(e);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_mask_storeu_epi16(ph + j, k, h);
+    if (pl != nullptr) _mm256_mask_storeu_epi16(pl + j, k, (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(e, hf)));
+    sum = _mm512_add_ps(sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+#else
+inline float weights_split(const float* s, int64_t seen, float mx, uint16_t* ph, uint16_t* pl) {
+  float sum = 0.f;
+  if (pl == nullptr) {
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < seen; ++j) {
+      const float e = exp_nonpositive(s[j] - mx);
+      sum += e;
+      ph[j] = bf16_bits(e);
+    }
+    return sum;
+  }
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < seen; ++j) {
+    const float e = exp_nonpositive(s[j] - mx);
+    const uint16_t h = bf16_bits(e);
+    sum += e;
+    ph[j] = h;
+    pl[j] = bf16_bits(e - bits_float(h));
+  }
+  return sum;
+}
+#endif
+
 }  // namespace
 
 bool available() { return loopkv_bf16::available(); }
 
-torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale) {
+torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, bool split_weights) {
   TORCH_CHECK(available(), "prefill attention: no bfloat16 brgemm on this CPU (AMX or AVX512-BF16)");
   TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.stride(2) == 1,
               "prefill attention: q is float32 [n, Hq, D], last dim contiguous");
@@ -78,14 +144,16 @@ torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, dou
   TORCH_CHECK(k.size(2) == d && d % PACK_N == 0, "prefill attention: head dim a multiple of 64, same for q and k");
   TORCH_CHECK(hkv > 0 && hq % hkv == 0 && n <= L, "prefill attention: Hq a multiple of Hkv, n <= L");
   const int64_t g = hq / hkv, tiles = (L + TILE - 1) / TILE, offset = L - n;
+  const int64_t vk = split_weights ? 2 * TILE : TILE;  // the P V reduction: [p_hi | p_lo] or p_hi alone
   torch::Tensor out = at::empty({n, hq, d}, q.options());
   if (n == 0) return out;
 
   // Packed per KV head and tile of keys, each twice along the reduction so one GEMM sums both halves
   // of a split operand: B = [k^T; k^T] [2d, TILE] against A = [q_hi | q_lo], B = [v; v] [2 TILE, d]
-  // against A = [p_hi | p_lo]. A last tile's missing keys are zeros (masked scores, weight-0 values).
+  // against A = [p_hi | p_lo] (B = v [TILE, d] against p_hi when the weights are rounded once). A last
+  // tile's missing keys are zeros (masked scores, weight-0 values).
   torch::Tensor kp = at::empty({hkv, tiles, 2 * d * TILE}, k.options());
-  torch::Tensor vp = at::empty({hkv, tiles, 2 * TILE * d}, k.options());
+  torch::Tensor vp = at::empty({hkv, tiles, vk * d}, k.options());
   const at::BFloat16 *kb = k.data_ptr<at::BFloat16>(), *vb = v.data_ptr<at::BFloat16>();
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   at::BFloat16 *kpp = kp.data_ptr<at::BFloat16>(), *vpp = vp.data_ptr<at::BFloat16>();
@@ -94,19 +162,19 @@ torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, dou
     for (int64_t it = begin; it < end; ++it) {
       const int64_t h = it / tiles, j0 = (it % tiles) * TILE, cnt = std::min(TILE, L - j0);
       std::fill(kt.begin(), kt.end(), at::BFloat16(0.f));
-      std::fill(vt.begin(), vt.end(), at::BFloat16(0.f));
+      std::fill(vt.begin(), vt.begin() + vk * d, at::BFloat16(0.f));
       for (int64_t j = 0; j < cnt; ++j) {
         const at::BFloat16* kr = kb + (j0 + j) * ks0 + h * ks1;
         for (int64_t c = 0; c < d; ++c) kt[c * TILE + j] = kt[(d + c) * TILE + j] = kr[c];
         std::memcpy(vt.data() + j * d, vb + (j0 + j) * vs0 + h * vs1, d * sizeof(at::BFloat16));
-        std::memcpy(vt.data() + (TILE + j) * d, vb + (j0 + j) * vs0 + h * vs1, d * sizeof(at::BFloat16));
+        if (split_weights)
+          std::memcpy(vt.data() + (TILE + j) * d, vb + (j0 + j) * vs0 + h * vs1, d * sizeof(at::BFloat16));
       }
       at::BFloat16* kdst = kpp + it * 2 * d * TILE;
       for (int64_t c0 = 0; c0 < TILE; c0 += PACK_N)
         loopkv_bf16::pack_b(2 * d, PACK_N, TILE, kt.data() + c0, kdst + c0 * 2 * d);
-      at::BFloat16* vdst = vpp + it * 2 * TILE * d;
-      for (int64_t c0 = 0; c0 < d; c0 += PACK_N)
-        loopkv_bf16::pack_b(2 * TILE, PACK_N, d, vt.data() + c0, vdst + c0 * 2 * TILE);
+      at::BFloat16* vdst = vpp + it * vk * d;
+      for (int64_t c0 = 0; c0 < d; c0 += PACK_N) loopkv_bf16::pack_b(vk, PACK_N, d, vt.data() + c0, vdst + c0 * vk);
     }
   });
 
@@ -154,17 +222,9 @@ torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, dou
           // weights e = exp(s - max), summed and split into [p_hi | p_lo] in one pass; unseen keys weigh 0
           uint16_t* ph = phl.data() + r * 2 * TILE;
           uint16_t* pl = ph + TILE;
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = 0; j < seen; ++j) {
-            const float e = exp_nonpositive(sr[j] - mx);
-            const uint16_t h = bf16_bits(e);
-            sum += e;
-            ph[j] = h;
-            pl[j] = bf16_bits(e - bits_float(h));
-          }
+          const float sum = weights_split(sr, seen, mx, ph, split_weights ? pl : nullptr);
           std::fill(ph + seen, ph + TILE, uint16_t(0));
-          std::fill(pl + seen, pl + TILE, uint16_t(0));
+          if (split_weights) std::fill(pl + seen, pl + TILE, uint16_t(0));
           // a row that sees no key of this tile keeps its state (corr 1); a first seen tile starts it
           float corr = 1.f;
           if (seen > 0) {
@@ -176,10 +236,9 @@ torch::Tensor flash_split(torch::Tensor q, torch::Tensor k, torch::Tensor v, dou
 #pragma omp simd
           for (int64_t c = 0; c < d; ++c) ar[c] *= corr;
         }
-        const at::BFloat16* vt = vpp + (kvh * tiles + t) * 2 * TILE * d;
+        const at::BFloat16* vt = vpp + (kvh * tiles + t) * vk * d;
         for (int64_t c0 = 0; c0 < d; c0 += PACK_N)
-          at::native::cpublas::brgemm(rows, PACK_N, 2 * TILE, 2 * TILE, PACK_N, d, true, pa, vt + c0 * 2 * TILE,
-                                      acc.data() + c0);
+          at::native::cpublas::brgemm(rows, PACK_N, vk, 2 * TILE, PACK_N, d, true, pa, vt + c0 * vk, acc.data() + c0);
       }
       for (int64_t r = 0; r < rows; ++r) {
         const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
@@ -196,5 +255,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("available", &available, "whether oneDNN runs a bfloat16 brgemm here (AMX or AVX512-BF16)");
   m.def("flash_split", &flash_split,
         "causal attention, float32 q [n, Hq, D] over bfloat16 k, v [L, Hkv, D] -> float32 [n, Hq, D]: "
-        "q and the softmax weights split into two bfloat16 parts each, four bfloat16 GEMMs with float32 sums");
+        "q split into two bfloat16 parts, the softmax weights too (split_weights) or rounded to bfloat16 once; "
+        "bfloat16 GEMMs with float32 sums",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale"), py::arg("split_weights") = true);
 }

@@ -178,12 +178,23 @@ class LoopKVConfig:
         metadata={
             "help": "The matrix arithmetic of a prefill or long extend on GGUF weights: 'bfloat16': its linear "
             "layers (17 new rows or more) on x and weights rounded to bfloat16 with float32 sums, its attention "
-            "(64 rows or more) over the bfloat16 KV pool with float32 queries and softmax weights split in two "
-            "bfloat16 parts each (oneDNN: faster with AMX-BF16 or AVX512-BF16, slower without them; within the fidelity bar "
+            "(64 rows or more) over the bfloat16 KV pool with float32 queries split in two bfloat16 parts and the "
+            "softmax weights as --loopkv-prefill-softmax says (oneDNN: faster with AMX-BF16 or AVX512-BF16, slower "
+            "without them; within the fidelity bar "
             "against the float32 model, docs/models.md); 'float32': the dequantized model's arithmetic; "
             "'auto' (default): bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, float32 elsewhere. Decode steps and short "
             "extends are float32 either way; the float32 path ignores this flag.",
             "choices": ["auto", "float32", "bfloat16"],
+        },
+    )
+    prefill_softmax: str = field(
+        default="bfloat16",
+        metadata={
+            "help": "A bfloat16 prefill's softmax weights in its attention's P V product: 'bfloat16' (default): "
+            "rounded to bfloat16 once, as FlashAttention does on GPUs (one product; the normalizer stays the "
+            "float32 sum); 'split': two bfloat16 parts, close to float32 (twice the P V products). Only "
+            "--loopkv-prefill-dtype bfloat16 (or auto on a CPU that takes it) reads it.",
+            "choices": ["bfloat16", "split"],
         },
     )
     stock: bool = field(
@@ -213,6 +224,8 @@ class LoopKVConfig:
             raise ValueError(f"--loopkv-gguf-activations must be q8 or float32, not {self.gguf_activations!r}")
         if self.prefill_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"--loopkv-prefill-dtype must be auto, float32 or bfloat16, not {self.prefill_dtype!r}")
+        if self.prefill_softmax not in ("bfloat16", "split"):
+            raise ValueError(f"--loopkv-prefill-softmax must be bfloat16 or split, not {self.prefill_softmax!r}")
         if self.weights == "gguf" and self.stock:
             raise ValueError("--loopkv-weights gguf is not stock SGLang: it cannot go with --loopkv-stock")
         if self.tiers.disk_dir == "auto":  # resolved here, so the subprocesses get the launcher's path

@@ -136,7 +136,7 @@ def _register_hooks() -> None:
         ]
         if LoopKVConfig.from_env().weights == "gguf":  # linears and embedding from a GGUF file's blocks
             use_activations(LoopKVConfig.from_env().gguf_activations)
-            precision.use(LoopKVConfig.from_env().prefill_dtype)
+            precision.use(LoopKVConfig.from_env().prefill_dtype, LoopKVConfig.from_env().prefill_softmax)
             hooks += [
                 (decode_linear.EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),
                 (decode_linear.GGUF_EMBEDDING_TARGET, decode_linear.embedding, HookType.AROUND),

@@ -55,7 +55,7 @@ def dense_attention(
     """
     n, L = q.shape[0], k.shape[0]
     if causal and n >= PREFILL_NATIVE_MIN_ROWS and split_bf16_applies(q, k) and (mod := prefill_kernel()) is not None:
-        return mod.flash_split(q if q.stride(-1) == 1 else q.contiguous(), k, v, scale)
+        return mod.flash_split(q if q.stride(-1) == 1 else q.contiguous(), k, v, scale, precision.split_softmax())
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # [heads, tokens, D]
     if kh.dtype != qh.dtype:
         kh, vh = kh.to(qh.dtype), vh.to(qh.dtype)

@@ -7,9 +7,11 @@ EPYC's). In bfloat16 mode:
 
 - linear layers (``MIN_ROWS`` new rows or more): x and the weight are rounded to bfloat16 once each, the
   products summed in float32 and the float32 sums are the result (``gemm_bf16`` in ``kernels/gguf_linear.cpp``);
-- attention (64 rows or more, over the GGUF path's bfloat16 pool): the queries and softmax weights are never
-  rounded to bfloat16, which cost the prefill path its fidelity bar, but split in two bfloat16 parts each, at
-  close to float32 accuracy (:func:`sgl_loopkv.attention.executor.prefill_kernel`).
+- attention (64 rows or more, over the GGUF path's bfloat16 pool): the queries are never rounded to
+  bfloat16, which cost the prefill path its fidelity bar, but split in two bfloat16 parts, at close to
+  float32 accuracy (:func:`sgl_loopkv.attention.executor.prefill_kernel`); the softmax weights are rounded
+  to bfloat16 once (``--loopkv-prefill-softmax bfloat16``, the default, as FlashAttention's P V on GPUs) or
+  split like the queries (``split``: twice the P V products).
 
 Decode steps and short extends never change: they stay float32, so a decode is the dequantized model's
 arithmetic. ``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only) is ``auto`` by
@@ -27,21 +29,27 @@ import os
 from sgl_loopkv.platform import cpu_flags, cpu_has_native_bf16
 
 MODES = ("auto", "float32", "bfloat16")
+SOFTMAX_MODES = ("bfloat16", "split")
 #: Overrides the server's choice in this process (tests, A/B timings).
 ENV = "LOOPKV_PREFILL_DTYPE"
+SOFTMAX_ENV = "LOOPKV_PREFILL_SOFTMAX"
 #: New rows from which a forward counts as a prefill here: above the GGUF gemv path's 16 rows, so a
 #: decode step or short extend keeps the float32 arithmetic whatever the mode.
 MIN_ROWS = 17
 _chosen = "float32"  # until the plugin passes the launched config's (the float32 path never opts in)
+_softmax = "bfloat16"
 
 
-def use(mode: str) -> None:
-    """This process's ``--loopkv-prefill-dtype``."""
-    global _chosen
+def use(mode: str, softmax: str = "bfloat16") -> None:
+    """This process's ``--loopkv-prefill-dtype`` and ``--loopkv-prefill-softmax``."""
+    global _chosen, _softmax
     if mode not in MODES:
         raise ValueError(f"prefill dtype {mode!r}: expected one of {MODES}")
-    _chosen = mode
+    if softmax not in SOFTMAX_MODES:
+        raise ValueError(f"prefill softmax {softmax!r}: expected one of {SOFTMAX_MODES}")
+    _chosen, _softmax = mode, softmax
     prefill_bf16.cache_clear()
+    split_softmax.cache_clear()
 
 
 @functools.cache
@@ -51,6 +59,16 @@ def prefill_bf16() -> bool:
     if value not in MODES:
         raise ValueError(f"{ENV}={value!r}: expected one of {MODES}")
     return cpu_has_native_bf16(cpu_flags()) if value == "auto" else value == "bfloat16"
+
+
+@functools.cache
+def split_softmax() -> bool:
+    """Whether a bfloat16 prefill's attention splits its softmax weights in two bfloat16 parts
+    (``LOOPKV_PREFILL_SOFTMAX`` if set, else :func:`use`'s) rather than rounding them once."""
+    value = os.environ.get(SOFTMAX_ENV, "").strip().lower() or _softmax
+    if value not in SOFTMAX_MODES:
+        raise ValueError(f"{SOFTMAX_ENV}={value!r}: expected one of {SOFTMAX_MODES}")
+    return value == "split"
 
 
 def bf16_rows(rows: int) -> bool:
