@@ -22,7 +22,7 @@ from sgl_loopkv.restore.config import RestoreConfig
 
 #: Every flag users and scripts may already pass, as --help names it (removing or renaming one breaks them).
 FLAGS = """
-cache-dir device attention-executor weights gguf-activations prefill-dtype stock
+cache-dir device attention-executor weights gguf-activations prefill-dtype prefill-softmax stock
 tier-host-bytes tier-disk-dir tier-disk-bytes tier-disk-free-share tier-disk-read tier-value-policy tier-store-dtype
 restore-planner restore-ratio share-layers share-gamma share-ratio share-pairing share-stride
 prefill-policy prefill-alpha prefill-block-size prefill-min-len prefill-dense-tail prefill-tail-samples
