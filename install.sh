@@ -24,6 +24,11 @@ if [ ! -f "$stamp" ]; then
   echo "install.sh: dependencies installed in $(( $(date +%s) - start )) s" >&2
 fi
 "${pip[@]}" --no-deps --no-build-isolation -e .
+# kernels/ and server/ import as sgl_loopkv.kernels / .server (pyproject's package-dir): links in the
+# package folder let lint-imports, which walks that folder, see and check them (gitignored).
+for part in kernels server; do
+  [ -e "sgl_loopkv/$part" ] || ln -s "../$part" "sgl_loopkv/$part"
+done
 # The native paged-decode kernel, compiled once per machine into the user cache (about a minute);
 # without a C++ compiler the server still runs, on the slower torch decode paths.
 "$VENV/bin/python" -m sgl_loopkv.kernels.paged_decode >/dev/null 2>&1 \

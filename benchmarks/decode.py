@@ -104,6 +104,7 @@ SYSTEMS = {
     "loopkv-gguf-bf16prefill": ("sglang", "float32", ("--loopkv-prefill-dtype", "bfloat16")),
     "loopkv-gguf-torchattn": ("sglang", "float32", ()),
     "loopkv-gguf-splitsoftmax": ("sglang", "float32", ("--loopkv-prefill-softmax", "split")),
+    "loopkv-gguf-bf16softmax": ("sglang", "float32", ("--loopkv-prefill-softmax", "bfloat16")),
     "loopkv-gguf-noplain": ("sglang", "float32", ()),
     "loopkv-bf16": ("sglang", "bfloat16", ()),
     "stock-bf16": ("sglang", "bfloat16", ("--loopkv-stock",)),
@@ -155,7 +156,9 @@ WHAT = {
     "loopkv-gguf-torchattn": "`loopkv-gguf` with a prefill's attention through torch's float32 flash kernel over the "
     "widened bfloat16 keys (`LOOPKV_NATIVE_PREFILL_ATTENTION=0`) instead of the split-bfloat16 kernel",
     "loopkv-gguf-splitsoftmax": "`loopkv-gguf` with `--loopkv-prefill-softmax split`: a bfloat16 prefill's softmax "
-    "weights split in two bfloat16 parts (the default before `decode_gguf_softmax`) instead of rounded once",
+    "weights split in two bfloat16 parts (the default; in `decode_gguf_softmax` `loopkv-gguf` rounded them once)",
+    "loopkv-gguf-bf16softmax": "`loopkv-gguf` with `--loopkv-prefill-softmax bfloat16`: a bfloat16 prefill's softmax "
+    "weights rounded to bfloat16 once (half the P V products) instead of split",
     "loopkv-gguf-noplain": "`loopkv-gguf` with every decode layer through SGLang's `RadixAttention` and the "
     "backend's dispatch and `set_kv_buffer` (`LOOPKV_PLAIN_DECODE=0`) instead of the two-call plain decode layer",
     "loopkv-fp32-radix": "loopkv attention on SGLang's own radix cache (no tiers) in stock mode, so without the "
@@ -179,6 +182,7 @@ GGUF_SYSTEMS = (
     "loopkv-gguf-bf16prefill",
     "loopkv-gguf-torchattn",
     "loopkv-gguf-splitsoftmax",
+    "loopkv-gguf-bf16softmax",
     "loopkv-gguf-noplain",
 )
 #: systems scored against loopkv-fp32's tokens and logprobs (fidelity)
@@ -838,6 +842,7 @@ def gguf_summary(p: dict) -> dict:
                 "tpot_ms_8k": tpot(res, n, c8, 1),
                 f"tokens_per_s_bs{top}_4k": tok_s(n, c4, top),
                 "prefill_ms_4k": fill_ms(n, c4),
+                "fp32_over_prefill_4k": ratio(fill_ms("loopkv-fp32", c4), fill_ms(n, c4)),  # >= 1.5
                 "teacher_forced_agreement_min": min(vt.values()) if vt else None,
                 "kl_max": max(vk.values()) if vk else None,
             }

@@ -117,6 +117,22 @@ SYSTEMS = [
         weights="gguf",
         quick=False,
     ),
+    System(
+        "gguf-splitsoftmax",
+        ("--loopkv-prefill-softmax", "split"),
+        "gguf with a bfloat16 prefill's softmax weights split in two bfloat16 parts, named (the default; in "
+        "`multiturn_gguf_softmax` `gguf` rounded them once)",
+        weights="gguf",
+        quick=False,
+    ),
+    System(
+        "gguf-fp32prefill",
+        ("--loopkv-prefill-dtype", "float32"),
+        "gguf with float32 prefills (the dequantized model's arithmetic; the plain start's where the CPU has "
+        "neither AMX-BF16 nor AVX512-BF16)",
+        weights="gguf",
+        quick=False,
+    ),
     System("gguf-int8", INT8, "gguf + int8 tiers", weights="gguf", quick=False),
     System(
         "gguf-sparse", SPARSE, "gguf + LoopServe sparse prefill (alpha 0.95)", weights="gguf", budget=0.95, quick=False

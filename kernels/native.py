@@ -58,7 +58,7 @@ class NativeExtension:
         self._tried = False
 
     def build_dir(self) -> Path:
-        from sgl_loopkv.config import default_cache_dir
+        from sgl_loopkv.paths import default_cache_dir
 
         return default_cache_dir() / "torch_extensions" / f"{self.stem}_{_build_key(self.source)}"
 

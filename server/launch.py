@@ -287,6 +287,24 @@ def refuse_a_taken_port(host: str, port: int) -> None:
         ) from None
 
 
+#: sgl-loopkv's name in SGLang's plugin group (pyproject.toml, ``[project.entry-points."sglang.srt.plugins"]``)
+PLUGIN_ENTRY_POINT = "loopkv"
+
+
+def register_plugin() -> None:
+    """Register sgl-loopkv's SGLang plugin in this process through its entry point, as SGLang's own
+    loader does. The launcher does not import the plugin: the plugin wires the server's request hooks
+    in, so it sits above this package (pyproject.toml's import contract)."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group="sglang.srt.plugins", name=PLUGIN_ENTRY_POINT)
+    if not found:
+        raise SystemExit(
+            f"sgl-loopkv's SGLang plugin (entry point {PLUGIN_ENTRY_POINT!r}) is not installed here: run ./install.sh"
+        )
+    next(iter(found)).load()()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if {"-h", "--help"} & set(argv):
@@ -300,7 +318,6 @@ def main(argv: list[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    from sgl_loopkv.plugin import register
     from sgl_loopkv.server.forget import install_route
     from sgl_loopkv.server.limits import install_http_limits
     from sgl_loopkv.server.redact import redact_server_args
@@ -308,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     from sgl_loopkv.server.retention import install_retention_hints
 
     load_plugins()  # our entry point and any other installed plugin, as sglang.launch_server does
-    register()  # idempotent; keeps loopkv available even if SGLANG_PLUGINS filters entry points
+    register_plugin()  # idempotent; keeps loopkv available even if SGLANG_PLUGINS filters entry points
     server_args = prepare_server_args(sglang_argv)
     refuse_a_taken_port(server_args.host, server_args.port)
     redact_server_args(server_args)  # /server_info shows the command line: no keys in it

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from sgl_loopkv.flags import Option
+from sgl_loopkv.paths import default_cache_dir
 
 if TYPE_CHECKING:
     from sgl_loopkv.attention.decode.config import SparseDecodeConfig
@@ -109,12 +110,6 @@ def sections() -> dict[str, type]:
 def section(name: str) -> Any:
     """The field of :class:`LoopKVConfig` that holds section ``name``, defaulting to the section's defaults."""
     return field(default_factory=lambda: sections()[name]())
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/sgl-loopkv``, else ``~/.cache/sgl-loopkv``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sgl-loopkv"
 
 
 @dataclass(slots=True)
@@ -188,12 +183,13 @@ class LoopKVConfig:
         },
     )
     prefill_softmax: str = field(
-        default="bfloat16",
+        default="split",
         metadata={
-            "help": "A bfloat16 prefill's softmax weights in its attention's P V product: 'bfloat16' (default): "
-            "rounded to bfloat16 once, as FlashAttention does on GPUs (one product; the normalizer stays the "
-            "float32 sum); 'split': two bfloat16 parts, close to float32 (twice the P V products). Only "
-            "--loopkv-prefill-dtype bfloat16 (or auto on a CPU that takes it) reads it.",
+            "help": "A bfloat16 prefill's softmax weights in its attention's P V product: 'split' (default): two "
+            "bfloat16 parts, close to float32; 'bfloat16': rounded to bfloat16 once, as FlashAttention does on "
+            "GPUs (half the P V products, a fifth less attention time; the normalizer stays the float32 sum; it "
+            "lost a multi-turn answer the float32 model gets right, docs/models.md). Only --loopkv-prefill-dtype "
+            "bfloat16 (or auto on a CPU that takes it) reads it.",
             "choices": ["bfloat16", "split"],
         },
     )

@@ -9,9 +9,10 @@ EPYC's). In bfloat16 mode:
   products summed in float32 and the float32 sums are the result (``gemm_bf16`` in ``kernels/gguf_linear.cpp``);
 - attention (64 rows or more, over the GGUF path's bfloat16 pool): the queries are never rounded to
   bfloat16, which cost the prefill path its fidelity bar, but split in two bfloat16 parts, at close to
-  float32 accuracy (:func:`sgl_loopkv.attention.executor.prefill_kernel`); the softmax weights are rounded
-  to bfloat16 once (``--loopkv-prefill-softmax bfloat16``, the default, as FlashAttention's P V on GPUs) or
-  split like the queries (``split``: twice the P V products).
+  float32 accuracy (:func:`sgl_loopkv.attention.executor.prefill_kernel`); the softmax weights are split
+  like the queries (``--loopkv-prefill-softmax split``, the default) or rounded to bfloat16 once
+  (``bfloat16``, as FlashAttention's P V on GPUs: half the P V products, below the multi-turn fidelity bar
+  on the default model, docs/decisions/2026-12-08-prefill-softmax-rounded-once.md).
 
 Decode steps and short extends never change: they stay float32, so a decode is the dequantized model's
 arithmetic. ``--loopkv-prefill-dtype`` (the plugin calls :func:`use` on the GGUF path only) is ``auto`` by
@@ -37,10 +38,10 @@ SOFTMAX_ENV = "LOOPKV_PREFILL_SOFTMAX"
 #: decode step or short extend keeps the float32 arithmetic whatever the mode.
 MIN_ROWS = 17
 _chosen = "float32"  # until the plugin passes the launched config's (the float32 path never opts in)
-_softmax = "bfloat16"
+_softmax = "split"
 
 
-def use(mode: str, softmax: str = "bfloat16") -> None:
+def use(mode: str, softmax: str = "split") -> None:
     """This process's ``--loopkv-prefill-dtype`` and ``--loopkv-prefill-softmax``."""
     global _chosen, _softmax
     if mode not in MODES:

@@ -149,10 +149,10 @@ def test_dense_attention_routes_only_a_bf16_pools_prefill_in_bfloat16_mode(monke
     try:
         precision.use("float32")
         assert torch.equal(executor.dense_attention(q, k, v, 0.125), torch_f32)
-        precision.use("bfloat16")  # softmax weights rounded once, the default
-        assert torch.equal(executor.dense_attention(q, k, v, 0.125), mod.flash_split(q, k, v, 0.125, False))
-        precision.use("bfloat16", "split")
+        precision.use("bfloat16")  # softmax weights split, the default
         assert torch.equal(executor.dense_attention(q, k, v, 0.125), mod.flash_split(q, k, v, 0.125, True))
+        precision.use("bfloat16", "bfloat16")
+        assert torch.equal(executor.dense_attention(q, k, v, 0.125), mod.flash_split(q, k, v, 0.125, False))
         assert torch.equal(executor.dense_attention(q, kf, vf, 0.125), torch_f32)
         assert not torch.equal(torch_f32, mod.flash_split(q, k, v, 0.125))
         # a short extend keeps torch's kernel

@@ -74,15 +74,15 @@ def test_auto_follows_the_cpus_bf16_flags(mode, monkeypatch):
         precision.use("half")
 
 
-def test_softmax_weights_rounded_once_unless_split(mode, monkeypatch):
+def test_softmax_weights_split_unless_rounded_once(mode, monkeypatch):
     monkeypatch.delenv(precision.SOFTMAX_ENV, raising=False)
     mode("bfloat16")
-    assert not precision.split_softmax()  # the default: rounded to bfloat16 once
-    precision.use("bfloat16", "split")
-    assert precision.split_softmax()
-    monkeypatch.setenv(precision.SOFTMAX_ENV, "bfloat16")  # the process override wins
-    precision.split_softmax.cache_clear()
+    assert precision.split_softmax()  # the default: two bfloat16 parts
+    precision.use("bfloat16", "bfloat16")
     assert not precision.split_softmax()
+    monkeypatch.setenv(precision.SOFTMAX_ENV, "split")  # the process override wins
+    precision.split_softmax.cache_clear()
+    assert precision.split_softmax()
     monkeypatch.setenv(precision.SOFTMAX_ENV, "half")
     precision.split_softmax.cache_clear()
     with pytest.raises(ValueError, match=precision.SOFTMAX_ENV):
