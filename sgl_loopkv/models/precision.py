@@ -53,12 +53,18 @@ def use(mode: str, softmax: str = "split") -> None:
     split_softmax.cache_clear()
 
 
+def _setting(env: str, chosen: str, modes: tuple[str, ...]) -> str:
+    """The process override ``env`` if set, else the server's ``chosen`` value, one of ``modes``."""
+    value = os.environ.get(env, "").strip().lower() or chosen
+    if value not in modes:
+        raise ValueError(f"{env}={value!r}: expected one of {modes}")
+    return value
+
+
 @functools.cache
 def prefill_bf16() -> bool:
     """Whether prefills run in bfloat16 in this process (``LOOPKV_PREFILL_DTYPE`` if set, else :func:`use`'s)."""
-    value = os.environ.get(ENV, "").strip().lower() or _chosen
-    if value not in MODES:
-        raise ValueError(f"{ENV}={value!r}: expected one of {MODES}")
+    value = _setting(ENV, _chosen, MODES)
     return cpu_has_native_bf16(cpu_flags()) if value == "auto" else value == "bfloat16"
 
 
@@ -66,10 +72,7 @@ def prefill_bf16() -> bool:
 def split_softmax() -> bool:
     """Whether a bfloat16 prefill's attention splits its softmax weights in two bfloat16 parts
     (``LOOPKV_PREFILL_SOFTMAX`` if set, else :func:`use`'s) rather than rounding them once."""
-    value = os.environ.get(SOFTMAX_ENV, "").strip().lower() or _softmax
-    if value not in SOFTMAX_MODES:
-        raise ValueError(f"{SOFTMAX_ENV}={value!r}: expected one of {SOFTMAX_MODES}")
-    return value == "split"
+    return _setting(SOFTMAX_ENV, _softmax, SOFTMAX_MODES) == "split"
 
 
 def bf16_rows(rows: int) -> bool:
